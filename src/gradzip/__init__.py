@@ -1,0 +1,40 @@
+"""gradzip: compressed gradient communication for data-parallel PyTorch training."""
+
+from gradzip.comm import Collective, ProcessGroupCollective, SimulatedGroup
+from gradzip.compressors import (
+    BF16,
+    FP16,
+    QSGD,
+    Compressor,
+    HardThreshold,
+    NoCompression,
+    PowerSGD,
+    RandK,
+    Sign,
+    TopK,
+    compressor_from_spec,
+    describe_compressors,
+)
+from gradzip.engine import Engine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BF16",
+    "FP16",
+    "QSGD",
+    "Collective",
+    "Compressor",
+    "Engine",
+    "HardThreshold",
+    "NoCompression",
+    "PowerSGD",
+    "ProcessGroupCollective",
+    "RandK",
+    "Sign",
+    "SimulatedGroup",
+    "TopK",
+    "__version__",
+    "compressor_from_spec",
+    "describe_compressors",
+]

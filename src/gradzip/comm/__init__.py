@@ -1,0 +1,16 @@
+"""Collectives: one protocol, a real process group and a simulated group of N workers.
+
+Byte accounting lives here, because only the collective knows what it moves.
+"""
+
+from gradzip.comm.base import ByteMeter, Collective
+from gradzip.comm.simulated import SimulatedGroup
+from gradzip.comm.torch_dist import ProcessGroupCollective, default_collective
+
+__all__ = [
+    "ByteMeter",
+    "Collective",
+    "ProcessGroupCollective",
+    "SimulatedGroup",
+    "default_collective",
+]

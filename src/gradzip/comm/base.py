@@ -1,0 +1,137 @@
+"""The collective protocol and exact byte accounting.
+
+Tensors handed to a collective carry a leading *worker axis* of length ``local_workers``: the
+workers this process holds (1 in a real process group, N in the simulator). Results that are
+identical on every worker (a sum, a gathered set of messages) come back *without* that axis.
+
+Accounting, per worker and per call, for a message of ``b`` bytes among ``W`` workers:
+
+* ``payload``: the bytes of the message itself (values, indices, scales, sizes). For a padded
+  all-gather it is the unpadded size the worker really had to say.
+* ``wire``: what the ring algorithm makes this worker send.
+  - ring all-reduce (reduce-scatter then all-gather): ``2 * (W - 1) * b / W`` (integer floor;
+    the rounding of chunk sizes is ignored);
+  - ring all-gather of ``b`` bytes per worker (padded size): ``(W - 1) * b``.
+  With ``W == 1`` nothing is sent: wire bytes are zero, payload bytes still count the message.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ByteMeter", "Collective", "allreduce_wire_bytes", "allgather_wire_bytes"]
+
+
+def allreduce_wire_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one worker sends in a ring all-reduce of an ``nbytes`` buffer."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+def allgather_wire_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one worker sends in a ring all-gather of ``nbytes`` per worker."""
+    return (world_size - 1) * nbytes
+
+
+@dataclass
+class ByteMeter:
+    """Cumulative bytes per local worker; plain data, so it checkpoints as it is.
+
+    Attributes:
+        payload: message bytes per local worker.
+        wire: bytes sent on the wire per local worker.
+        calls: number of collective calls made.
+    """
+
+    workers: int
+    payload: list[int] = field(default_factory=list)
+    wire: list[int] = field(default_factory=list)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.payload:
+            self.payload = [0] * self.workers
+        if not self.wire:
+            self.wire = [0] * self.workers
+
+    def add(self, payload: Sequence[int], wire: Sequence[int]) -> None:
+        for i in range(self.workers):
+            self.payload[i] += int(payload[i])
+            self.wire[i] += int(wire[i])
+        self.calls += 1
+
+    def snapshot(self) -> dict[str, object]:
+        return {"payload": list(self.payload), "wire": list(self.wire), "calls": self.calls}
+
+    def load(self, state: dict[str, object]) -> None:
+        payload, wire = list(state["payload"]), list(state["wire"])  # type: ignore[call-overload]
+        if len(payload) != self.workers or len(wire) != self.workers:
+            raise ValueError(
+                f"`meter` must hold {self.workers} workers, got {len(payload)} payload entries"
+            )
+        self.payload, self.wire, self.calls = payload, wire, int(state["calls"])  # type: ignore[arg-type]
+
+
+class Collective(ABC):
+    """Sum and gather across workers, with byte accounting.
+
+    Subclasses implement ``_sum`` and ``_gather``; the public methods check shapes and count
+    bytes so the accounting is the same for every implementation.
+    """
+
+    def __init__(self, world_size: int, local_workers: int, first_rank: int) -> None:
+        self.world_size = world_size
+        self.local_workers = local_workers
+        self.first_rank = first_rank
+        self.meter = ByteMeter(local_workers)
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """Global ranks of the workers held by this process."""
+        return list(range(self.first_rank, self.first_rank + self.local_workers))
+
+    # -- implementation hooks -------------------------------------------------------------
+    @abstractmethod
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``[L, ...] -> [...]``: the sum over every worker of the group."""
+
+    @abstractmethod
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """``[L, ...] -> [W, ...]``: every worker's tensor, in rank order."""
+
+    # -- public API -----------------------------------------------------------------------
+    def _check(self, x: torch.Tensor) -> None:
+        if x.dim() == 0 or x.shape[0] != self.local_workers:
+            raise ValueError(
+                f"`x` must have a leading worker axis of length {self.local_workers}, "
+                f"got shape {tuple(x.shape)}"
+            )
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x[L, ...]`` over all workers; returns ``[...]``, identical everywhere."""
+        self._check(x)
+        nbytes = x[0].numel() * x.element_size()
+        wire = allreduce_wire_bytes(nbytes, self.world_size)
+        self.meter.add([nbytes] * self.local_workers, [wire] * self.local_workers)
+        if self.world_size == 1:
+            return x[0].clone()
+        return self._sum(x)
+
+    def all_gather(self, x: torch.Tensor, payload: Sequence[int] | None = None) -> torch.Tensor:
+        """Gather ``x[L, ...]`` from all workers; returns ``[W, ...]`` in rank order.
+
+        Args:
+            x: equal-size messages, padded by the caller where they vary.
+            payload: unpadded message bytes per local worker (defaults to the padded size).
+        """
+        self._check(x)
+        nbytes = x[0].numel() * x.element_size()
+        wire = allgather_wire_bytes(nbytes, self.world_size)
+        self.meter.add(payload if payload is not None else [nbytes] * self.local_workers,
+                       [wire] * self.local_workers)
+        if self.world_size == 1:
+            return x.clone()
+        return self._gather(x)

@@ -1,0 +1,138 @@
+"""What every compressor is: a frozen config plus pure functions over explicit state.
+
+A compressor never holds mutable state itself. The engine owns a nested dict of plain data
+(``init_state``), hands it to ``reduce`` and checkpoints it. Compressors *replace* entries of
+that dict instead of writing into its tensors, which is what lets the engine roll a step back
+cheaply (after a non-finite gradient) by restoring a shallow copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
+from gradzip.ops.flat import flatten_workers, split_flat
+
+__all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "sparse_pays"]
+
+
+@dataclass
+class Job:
+    """One tensor to reduce in one step.
+
+    Attributes:
+        name: the parameter's name (state is keyed by it).
+        tensor: ``[L, *shape]`` float32, the error-compensated gradient of each local worker.
+        averaged: filled by ``reduce``: ``[*shape]``, the average over all workers of what
+            they sent, identical on every worker.
+        decoded: filled by ``reduce``: ``[L, *shape]``, what each local worker's own message
+            decodes to (error feedback keeps ``tensor - decoded``).
+    """
+
+    name: str
+    tensor: torch.Tensor
+    averaged: torch.Tensor | None = None
+    decoded: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor.shape[1:]
+
+    @property
+    def numel(self) -> int:
+        return self.tensor[0].numel()
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What a compressor may know about the step beyond the tensors.
+
+    Attributes:
+        step: optimizer steps completed before this one (0 on the first).
+        ranks: global ranks of the local workers (used for per-worker randomness).
+        world_size: number of workers in the group.
+        lr: the optimizer's current learning rate, when the engine was given one.
+    """
+
+    step: int
+    ranks: tuple[int, ...]
+    world_size: int
+    lr: float | None = None
+
+
+class Compressor(ABC):
+    """Base class of compression algorithms.
+
+    Subclasses are frozen dataclasses whose fields are the configuration, validated in
+    ``__post_init__``. Class attributes:
+
+    * ``spec_name``: the name in spec strings (``"topk"`` in ``"topk:ratio=0.01"``).
+    * ``biased``: whether error feedback is on by default.
+    """
+
+    spec_name: ClassVar[str] = ""
+    biased: ClassVar[bool] = True
+    #: spec-string key -> field name, for keys shorter than the field's name.
+    spec_aliases: ClassVar[dict[str, str]] = {}
+
+    def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
+        """Fresh state for tensors of the given shapes (plain data and tensors only)."""
+        return {}
+
+    @abstractmethod
+    def reduce(
+        self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
+    ) -> None:
+        """Fill ``job.averaged`` and ``job.decoded`` for every job, using ``comm``.
+
+        Every worker must issue the same collectives with the same sizes, so any decision
+        that shapes the exchange is taken from quantities identical on all workers.
+        """
+
+    def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
+        """Called once per optimizer step, after every tensor of the step was reduced."""
+
+    def spec(self) -> str:
+        """The spec string that rebuilds this compressor."""
+        key_of = {field: key for key, field in self.spec_aliases.items()}
+        fields = [
+            f"{key_of.get(f.name, f.name)}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if getattr(self, f.name) != f.default or f.name in key_of
+        ]
+        return self.spec_name + (":" + ",".join(fields) if fields else "")
+
+    def __str__(self) -> str:
+        return self.spec()
+
+
+def dense_reduce(jobs: Sequence[Job], comm: Collective) -> None:
+    """Exact average of every job's tensor with one all-reduce of one flat buffer."""
+    if not jobs:
+        return
+    flat = flatten_workers([j.tensor for j in jobs], comm.local_workers)
+    total = comm.all_reduce(flat) / comm.world_size
+    for job, part in zip(jobs, split_flat(total, [j.numel for j in jobs]), strict=True):
+        job.averaged = part.reshape(job.shape)
+        job.decoded = job.tensor
+
+
+def sparse_pays(numel: int, sent: int, entry_bytes: int, comm: Collective) -> bool:
+    """Whether all-gathering ``sent`` entries of ``entry_bytes`` each per worker costs less
+    than all-reducing the dense fp32 tensor.
+
+    Compared on wire bytes; with one worker (no wire) on payload bytes. Depends only on
+    arguments identical on every worker, so every worker takes the same branch.
+    """
+    sparse, dense = sent * entry_bytes, numel * 4
+    if comm.world_size == 1:
+        return sparse < dense
+    return allgather_wire_bytes(sparse, comm.world_size) < allreduce_wire_bytes(
+        dense, comm.world_size
+    )

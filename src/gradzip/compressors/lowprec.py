@@ -1,0 +1,52 @@
+"""Half-precision all-reduce (fp16 or bf16)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from gradzip.comm.base import Collective
+from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.ops.flat import flatten_workers, split_flat
+
+__all__ = ["BF16", "FP16"]
+
+
+class _LowPrecision(Compressor):
+    biased: ClassVar[bool] = False
+    dtype: ClassVar[torch.dtype] = torch.float16
+
+    def reduce(
+        self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
+    ) -> None:
+        if not jobs:
+            return
+        flat = flatten_workers([j.tensor for j in jobs], comm.local_workers)
+        # Divide before summing: W fp16 gradients can overflow their sum where their average
+        # would not.
+        message = (flat / comm.world_size).to(self.dtype)
+        total = comm.all_reduce(message).to(torch.float32)
+        mine = message.to(torch.float32) * comm.world_size
+        sizes = [j.numel for j in jobs]
+        for job, avg, own in zip(jobs, split_flat(total, sizes), split_flat(mine, sizes), strict=True):
+            job.averaged = avg.reshape(job.shape)
+            job.decoded = own.reshape(job.tensor.shape)
+
+
+@dataclass(frozen=True)
+class FP16(_LowPrecision):
+    """Cast to IEEE half precision, divide by the world size, all-reduce in fp16."""
+
+    spec_name: ClassVar[str] = "fp16"
+    dtype: ClassVar[torch.dtype] = torch.float16
+
+
+@dataclass(frozen=True)
+class BF16(_LowPrecision):
+    """Cast to bfloat16 (fp32's range, 8 bits of mantissa), divide, all-reduce in bf16."""
+
+    spec_name: ClassVar[str] = "bf16"
+    dtype: ClassVar[torch.dtype] = torch.bfloat16

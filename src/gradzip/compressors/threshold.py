@@ -1,0 +1,135 @@
+"""Hard-threshold sparsification: send every entry whose magnitude reaches lambda."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from gradzip._validate import check_real
+from gradzip.comm.base import Collective
+from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
+from gradzip.compressors.sparse import gather_sparse, index_bytes
+from gradzip.ops.select import threshold_select
+
+__all__ = ["HardThreshold"]
+
+# Per-step correction of lambda in budget mode is at most this factor either way; with the
+# exponents below it tracks a drifting gradient scale within a few steps without oscillating.
+_MAX_STEP_FACTOR = 2.0
+_GAIN_STEP = 0.5
+_GAIN_RUN = 0.5
+
+
+@dataclass(frozen=True)
+class HardThreshold(Compressor):
+    """Send every entry with ``|g + residual| >= lam``; error feedback keeps the rest.
+
+    One constant threshold over the whole model: no sort (O(n)), and the density varies by step
+    and by worker (high early in training, tiny late). Workers first exchange how many entries
+    each tensor sends (4 bytes per tensor), then all-gather values and int32 indices padded to
+    the densest worker; a tensor whose densest worker would cost more than a dense all-reduce
+    goes dense.
+
+    Exactly one of ``lam`` and ``budget`` is given:
+
+    * ``lam``: the absolute threshold of the paper (> 0).
+    * ``budget``: the target *average density over the run*, in (0, 1]. The first step sets
+      lambda to the mean over workers of each worker's ``(1 - budget)`` magnitude quantile;
+      after every step lambda is multiplied by
+      ``(step_density / budget) ** 0.5 * (run_density / budget) ** 0.5`` (clamped to a factor
+      of 2), where densities count the entries all workers sent. Both quantities are identical
+      on every worker, so every worker keeps the same lambda. Early steps may overshoot; the
+      run-density term pays it back later, so the average converges to the budget.
+
+    References:
+        Sahu et al., "Rethinking gradient sparsification as total error minimization",
+        NeurIPS 2021.
+    """
+
+    lam: float | None = None
+    budget: float | None = None
+    spec_name: ClassVar[str] = "threshold"
+
+    def __post_init__(self) -> None:
+        if (self.lam is None) == (self.budget is None):
+            raise ValueError(
+                f"exactly one of `lam` and `budget` must be given, got lam={self.lam!r}, "
+                f"budget={self.budget!r}"
+            )
+        if self.lam is not None:
+            object.__setattr__(self, "lam", check_real("lam", self.lam, low=0, low_open=True))
+        if self.budget is not None:
+            object.__setattr__(
+                self, "budget", check_real("budget", self.budget, low=0, high=1, low_open=True)
+            )
+
+    def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
+        # lam < 0 marks "not calibrated yet" in budget mode.
+        return {
+            "lam": float(self.lam) if self.lam is not None else -1.0,
+            "sent": 0,
+            "offered": 0,
+            "step_sent": 0,
+            "step_offered": 0,
+        }
+
+    def _calibrate(self, jobs: Sequence[Job], comm: Collective) -> float:
+        assert self.budget is not None
+        mags = torch.cat([j.tensor.reshape(comm.local_workers, -1).abs() for j in jobs], dim=1)
+        keep = max(1, min(mags.shape[1], int(self.budget * mags.shape[1])))
+        local = torch.topk(mags, keep, dim=1, sorted=False).values.min(dim=1).values
+        lam = float(comm.all_reduce(local.reshape(-1, 1)).item()) / comm.world_size
+        return lam if lam > 0 else float(torch.finfo(torch.float32).tiny)
+
+    def reduce(
+        self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
+    ) -> None:
+        if not jobs:
+            return
+        if state["lam"] < 0:
+            state["lam"] = self._calibrate(jobs, comm)
+        lam = state["lam"]
+        selected = [threshold_select(j.tensor.reshape(comm.local_workers, -1), lam) for j in jobs]
+        counts = torch.tensor(
+            [[sel[0][w].numel() for sel in selected] for w in range(comm.local_workers)],
+            dtype=torch.int32,
+        )
+        # Sizes first: every worker learns every worker's count, so the padding and the
+        # sparse-or-dense choice below are identical everywhere.
+        all_counts = comm.all_gather(counts).to(torch.int64)  # [W, T]
+        widest = all_counts.max(dim=0).values.tolist()
+        state["step_sent"] += int(all_counts.sum())
+        state["step_offered"] += comm.world_size * sum(j.numel for j in jobs)
+        sparse_ids = [
+            t for t, job in enumerate(jobs)
+            if sparse_pays(job.numel, widest[t], 4 + index_bytes(job.numel), comm)
+        ]
+        chosen = set(sparse_ids)
+        dense_reduce([j for t, j in enumerate(jobs) if t not in chosen], comm)
+        gather_sparse(
+            [jobs[t] for t in sparse_ids],
+            [selected[t][0] for t in sparse_ids],
+            [selected[t][1] for t in sparse_ids],
+            [widest[t] for t in sparse_ids],
+            comm,
+        )
+
+    def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
+        state["sent"] += state["step_sent"]
+        state["offered"] += state["step_offered"]
+        if self.budget is not None and state["step_offered"] > 0:
+            step_density = max(state["step_sent"] / state["step_offered"], 1e-12)
+            run_density = max(state["sent"] / state["offered"], 1e-12)
+            factor = (step_density / self.budget) ** _GAIN_STEP * (
+                run_density / self.budget
+            ) ** _GAIN_RUN
+            factor = min(max(factor, 1 / _MAX_STEP_FACTOR), _MAX_STEP_FACTOR)
+            state["lam"] = float(state["lam"] * factor)
+            if not math.isfinite(state["lam"]) or state["lam"] <= 0:
+                state["lam"] = float(torch.finfo(torch.float32).tiny)
+        state["step_sent"] = 0
+        state["step_offered"] = 0

@@ -1,0 +1,1 @@
+"""Training utilities: models, data loading, and learning-rate schedules."""

@@ -1,0 +1,380 @@
+"""Tests for gradzip.train.data."""
+
+from __future__ import annotations
+
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradzip.train import data as D
+
+PIL = pytest.importorskip("PIL.Image")
+
+
+# ---------------------------------------------------------------- digits
+
+
+def test_load_digits_shapes_and_normalisation() -> None:
+    task = D.load_digits(test_fraction=0.2, seed=0)
+    assert task.num_classes == 10
+    assert task.train.x.shape[1:] == (1, 8, 8)
+    assert task.train.x.dtype == torch.float32
+    assert task.train.y.dtype == torch.int64
+    assert len(task.train) + len(task.test) == 1797
+    assert len(task.test) == round(1797 * 0.2)
+    assert abs(float(task.train.x.mean())) < 1e-4
+    assert abs(float(task.train.x.std()) - 1.0) < 1e-3
+    assert set(task.train.y.tolist()) == set(range(10))
+
+
+def test_load_digits_split_is_seeded() -> None:
+    a, b = D.load_digits(seed=1), D.load_digits(seed=1)
+    c = D.load_digits(seed=2)
+    assert torch.equal(a.test.x, b.test.x) and torch.equal(a.test.y, b.test.y)
+    assert not torch.equal(a.test.y, c.test.y)
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.0, -0.1])
+def test_load_digits_rejects_bad_fraction(bad: float) -> None:
+    with pytest.raises(ValueError, match="`test_fraction` must be"):
+        D.load_digits(test_fraction=bad)
+
+
+def test_load_digits_rejects_bad_seed_type() -> None:
+    with pytest.raises(TypeError, match="`seed` must be an integer, got '0'"):
+        D.load_digits(seed="0")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- CIFAR
+
+
+def _rand_images(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, 256, size=(n, 32, 32, 3), dtype=np.uint8)
+
+
+def _write_pickle_release(root: Path, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    root.mkdir(parents=True)
+    xs, ys = [], []
+    for i in range(1, 6):
+        x, y = _rand_images(rng, 20), rng.integers(0, 10, 20).tolist()
+        flat = x.transpose(0, 3, 1, 2).reshape(20, 3072)
+        with open(root / f"data_batch_{i}", "wb") as fh:
+            pickle.dump({b"data": flat, b"labels": y}, fh)
+        xs.append(x)
+        ys += y
+    xt, yt = _rand_images(rng, 10), rng.integers(0, 10, 10).tolist()
+    with open(root / "test_batch", "wb") as fh:
+        pickle.dump({b"data": xt.transpose(0, 3, 1, 2).reshape(10, 3072), b"labels": yt}, fh)
+    names = [n.encode() for n in D.CIFAR10_CLASSES]
+    with open(root / "batches.meta", "wb") as fh:
+        pickle.dump({b"label_names": names}, fh)
+    return {"x_train": np.concatenate(xs), "y_train": np.asarray(ys),
+            "x_test": xt, "y_test": np.asarray(yt)}
+
+
+def _raw(task: D.TaskData, split: str) -> np.ndarray:
+    """Undo the normalisation, back to uint8 NHWC."""
+    part = getattr(task, split)
+    mean = torch.tensor(task.meta["mean"])[:, None, None]
+    std = torch.tensor(task.meta["std"])[:, None, None]
+    x = (part.x * std + mean) * 255.0
+    return x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def test_cifar_pickle_release_dir_parent_and_tar(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    release = tmp_path / "dl" / "cifar-10-batches-py"
+    ref = _write_pickle_release(release, rng)
+    archive = tmp_path / "cifar-10-python.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(release, arcname="cifar-10-batches-py")
+    for source in (release, release.parent, archive):
+        task = D.load_cifar10(source, use_cache=False)
+        assert task.meta["layout"] == "pickle"
+        assert task.meta["classes"] == list(D.CIFAR10_CLASSES)
+        assert task.num_classes == 10
+        assert task.train.x.shape == (100, 3, 32, 32)
+        assert task.test.x.shape == (10, 3, 32, 32)
+        assert task.train.x.dtype == torch.float32
+        np.testing.assert_array_equal(_raw(task, "train"), ref["x_train"])
+        np.testing.assert_array_equal(_raw(task, "test"), ref["x_test"])
+        np.testing.assert_array_equal(task.train.y.numpy(), ref["y_train"])
+        np.testing.assert_array_equal(task.test.y.numpy(), ref["y_test"])
+        means = task.train.x.mean(dim=(0, 2, 3))
+        assert torch.allclose(means, torch.zeros(3), atol=1e-4)
+
+
+def _write_folder_tree(root: Path, rng: np.random.Generator, ext: str) -> dict[str, list]:
+    from PIL import Image
+
+    truth: dict[str, list] = {"train": [], "test": []}
+    for split, count in (("train", 3), ("test", 2)):
+        for cls in ("cat", "airplane", "dog"):
+            folder = root / split / cls
+            folder.mkdir(parents=True)
+            for i in range(count):
+                img = _rand_images(rng, 1)[0]
+                Image.fromarray(img).save(folder / f"{i}.{ext}")
+                truth[split].append((cls, img))
+    return truth
+
+
+def test_cifar_image_folder_png_exact(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    truth = _write_folder_tree(tmp_path / "cifar10", rng, "png")
+    (tmp_path / "cifar10" / "train" / "cat" / ".DS_Store").write_bytes(b"junk")
+    for source in (tmp_path / "cifar10", tmp_path):  # tree itself, or under a top folder
+        task = D.load_cifar10(source, use_cache=False)
+        assert task.meta["layout"] == "folder"
+        assert task.meta["classes"] == ["airplane", "cat", "dog"]
+        assert task.num_classes == 3
+        assert task.train.x.shape == (9, 3, 32, 32) and task.test.x.shape == (6, 3, 32, 32)
+        raw = _raw(task, "train")
+        order = sorted(range(9), key=lambda i: truth["train"][i][0])  # stable by class
+        for row, i in enumerate(order):
+            cls, img = truth["train"][i]
+            assert task.meta["classes"][int(task.train.y[row])] == cls
+            np.testing.assert_array_equal(raw[row], img)
+
+
+def test_cifar_image_folder_jpeg_tar(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    tree = tmp_path / "src" / "cifar10"
+    _write_folder_tree(tree, rng, "jpg")
+    archive = tmp_path / "cifar10.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tree, arcname="cifar10")
+    task = D.load_cifar10(archive, use_cache=False)
+    assert task.train.x.shape == (9, 3, 32, 32)
+    assert sorted(task.test.y.tolist()) == [0, 0, 1, 1, 2, 2]
+
+
+def test_cifar_cache_roundtrip(tmp_path: Path) -> None:
+    tree = tmp_path / "data"
+    _write_folder_tree(tree, np.random.default_rng(3), "png")
+    cache = tmp_path / "cache"
+    first = D.load_cifar10(tree, cache_dir=cache)
+    cache_file = Path(first.meta["cache_file"])
+    assert cache_file.is_file() and cache_file.parent == cache
+    assert list(cache.glob("*.npz")) == [cache_file]
+    second = D.load_cifar10(tree, cache_dir=cache)
+    assert second.meta["cache_file"] == str(cache_file)
+    assert torch.equal(first.train.x, second.train.x)
+    assert torch.equal(first.test.y, second.test.y)
+    assert first.meta["classes"] == second.meta["classes"]
+    # Changing the source gives a new cache key.
+    (tree / "test" / "cat" / "9.png").write_bytes((tree / "test" / "cat" / "0.png").read_bytes())
+    third = D.load_cifar10(tree, cache_dir=cache)
+    assert third.meta["cache_file"] != str(cache_file)
+    assert len(third.test) == len(first.test) + 1
+
+
+def test_cifar_cache_hit_does_not_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = tmp_path / "data"
+    _write_folder_tree(tree, np.random.default_rng(4), "png")
+    first = D.load_cifar10(tree, cache_dir=tmp_path / "c")
+
+    def boom(path: Path) -> dict:
+        raise AssertionError("source was read despite a cache hit")
+
+    monkeypatch.setattr(D, "_read_cifar", boom)
+    second = D.load_cifar10(tree, cache_dir=tmp_path / "c")
+    assert torch.equal(first.train.x, second.train.x)
+
+
+def test_cifar_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="`path` must be an existing path"):
+        D.load_cifar10(tmp_path / "missing")
+    with pytest.raises(TypeError, match="`path` must be a str or os.PathLike"):
+        D.load_cifar10(3)  # type: ignore[arg-type]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="train/<class>/<image>"):
+        D.load_cifar10(tmp_path / "empty", use_cache=False)
+    plain = tmp_path / "x.bin"
+    plain.write_bytes(b"abc")
+    with pytest.raises(ValueError, match="tar archive"):
+        D.load_cifar10(plain, use_cache=False)
+
+
+# ---------------------------------------------------------------- augmentation
+
+
+def test_augment_batch_shape_and_determinism() -> None:
+    x = torch.randn(16, 3, 32, 32)
+    a = D.augment_batch(x, torch.Generator().manual_seed(5))
+    b = D.augment_batch(x, torch.Generator().manual_seed(5))
+    c = D.augment_batch(x, torch.Generator().manual_seed(6))
+    assert a.shape == x.shape and a.dtype == x.dtype
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_augment_batch_is_crop_or_flip_of_padded_image() -> None:
+    x = torch.arange(2 * 1 * 6 * 6, dtype=torch.float32).view(2, 1, 6, 6) + 1
+    out = D.augment_batch(x, torch.Generator().manual_seed(0), pad=2)
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(2):
+        windows = [padded[i, :, r:r + 6, c:c + 6] for r in range(5) for c in range(5)]
+        windows += [w.flip(-1) for w in windows]
+        assert any(torch.equal(out[i], w) for w in windows)
+
+
+def test_augment_batch_identity_without_pad_or_flip() -> None:
+    x = torch.randn(4, 3, 8, 8)
+    out = D.augment_batch(x, torch.Generator().manual_seed(0), pad=0, flip=False)
+    assert torch.equal(out, x)
+
+
+def test_augment_batch_does_not_touch_global_rng() -> None:
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    D.augment_batch(torch.randn(4, 3, 8, 8, generator=torch.Generator()),
+                    torch.Generator().manual_seed(1))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_augment_batch_validation() -> None:
+    gen = torch.Generator()
+    with pytest.raises(ValueError, match="`x` must be a 4-D tensor"):
+        D.augment_batch(torch.zeros(3, 8, 8), gen)
+    with pytest.raises(TypeError, match="`generator` must be a torch.Generator"):
+        D.augment_batch(torch.zeros(1, 3, 8, 8), 0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`pad` must be an integer >= 0, got -1"):
+        D.augment_batch(torch.zeros(1, 3, 8, 8), gen, pad=-1)
+
+
+# ---------------------------------------------------------------- text
+
+
+def test_load_text_word_level(tmp_path: Path) -> None:
+    path = tmp_path / "corpus.txt"
+    lines = ["the cat sat"] * 9 + ["the dog ran"]
+    path.write_text("\n".join(lines) + "\n")
+    lm = D.load_text(path, level="word", valid_fraction=0.1)
+    assert lm.vocab[0] == D.UNK
+    assert set(lm.vocab) == {D.UNK, D.EOS, "the", "cat", "sat"}
+    assert lm.train_ids.dtype == torch.int64
+    assert len(lm.train_ids) == 9 * 4 and len(lm.valid_ids) == 4
+    decoded = [lm.vocab[i] for i in lm.valid_ids.tolist()]
+    assert decoded == ["the", D.UNK, D.UNK, D.EOS]
+
+
+def test_load_text_char_level_and_directory(tmp_path: Path) -> None:
+    (tmp_path / "ptb.train.txt").write_text("abcab\nba\n")
+    (tmp_path / "ptb.valid.txt").write_text("abz\n")
+    lm = D.load_text(tmp_path, level="char")
+    assert set(lm.vocab) == {D.UNK, "a", "b", "c", "\n"}
+    assert [lm.vocab[i] for i in lm.valid_ids.tolist()] == ["a", "b", D.UNK, "\n"]
+    assert len(lm.train_ids) == 9
+
+
+def test_load_text_validation(tmp_path: Path) -> None:
+    path = tmp_path / "t.txt"
+    path.write_text("a b\nc d\n")
+    with pytest.raises(ValueError, match="`level` must be one of 'word', 'char', got 'byte'"):
+        D.load_text(path, level="byte")
+    with pytest.raises(ValueError, match="`valid_fraction` must be"):
+        D.load_text(path, valid_fraction=1.5)
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="non-empty"):
+        D.load_text(tmp_path / "empty.txt")
+
+
+def test_batchify_and_bptt() -> None:
+    ids = torch.arange(23)
+    data = D.batchify(ids, 4)
+    assert data.shape == (5, 4)
+    assert data[:, 1].tolist() == [5, 6, 7, 8, 9]
+    pairs = list(D.bptt_batches(data, 3))
+    assert [p[0].shape[0] for p in pairs] == [3, 1]
+    for inp, tgt in pairs:
+        assert torch.equal(inp + 1, tgt)
+    with pytest.raises(ValueError, match="`batch_size` must be"):
+        D.batchify(torch.arange(3), 4)
+    with pytest.raises(ValueError, match="`bptt` must be an integer >= 1, got 0"):
+        D.bptt_batches(data, 0)
+    with pytest.raises(ValueError, match="`ids` must be a 1-D tensor"):
+        D.batchify(data, 2)
+
+
+# ---------------------------------------------------------------- libsvm / logreg
+
+
+def test_load_libsvm(tmp_path: Path) -> None:
+    path = tmp_path / "a.svm"
+    rows = ["+1 1:0.5 3:2", "-1 2:1.5 # comment", "", "+1 qid:3 4:-1"] * 3
+    path.write_text("\n".join(rows) + "\n")
+    task = D.load_libsvm(path, test_fraction=0.25, seed=0)
+    assert task.num_classes == 2 and task.meta["labels"] == [-1.0, 1.0]
+    assert task.train.x.shape == (7, 4) and task.test.x.shape == (2, 4)
+    assert task.train.x.dtype == torch.float32
+    full = D.load_libsvm(path, num_features=6, test_path=path)
+    assert full.train.x.shape == (9, 6)
+    assert full.train.x[0].tolist() == [0.5, 0, 2, 0, 0, 0]
+    assert full.train.y[:3].tolist() == [1, 0, 1]
+    with pytest.raises(ValueError, match="`num_features` must be >= the largest index 4"):
+        D.load_libsvm(path, num_features=3)
+
+
+def test_load_libsvm_label_mapping_and_errors(tmp_path: Path) -> None:
+    path = tmp_path / "b.svm"
+    path.write_text("2 1:1\n1 1:2\n3 2:1\n2 1:0\n")
+    task = D.load_libsvm(path, test_path=path)
+    assert task.num_classes == 3 and task.train.y.tolist() == [1, 0, 2, 1]
+    bad = tmp_path / "bad.svm"
+    bad.write_text("1 0:1\n")
+    with pytest.raises(ValueError, match="LIBSVM format"):
+        D.load_libsvm(bad)
+
+
+def test_make_logreg_problem() -> None:
+    task = D.make_logreg_problem(n=500, d=20, seed=3)
+    again = D.make_logreg_problem(n=500, d=20, seed=3)
+    assert task.train.x.shape == (400, 20) and task.test.x.shape == (100, 20)
+    assert torch.equal(task.train.x, again.train.x)
+    agree = ((task.train.x @ task.meta["w"] > 0).long() == task.train.y).float().mean()
+    assert 0.85 < float(agree) < 1.0
+    assert 0.3 < float(task.train.y.float().mean()) < 0.7
+
+
+# ---------------------------------------------------------------- sharding
+
+
+def test_shards_disjoint_equal_and_cover() -> None:
+    n, world = 103, 4
+    shards = [D.shard_indices(n, world, r, epoch=0, seed=7) for r in range(world)]
+    assert all(len(s) == n // world for s in shards)
+    joined = torch.cat(shards)
+    assert len(set(joined.tolist())) == len(joined) == 100
+    assert set(joined.tolist()) <= set(range(n))
+    full = D.shard_indices(n, 1, 0, epoch=0, seed=7)
+    assert sorted(full.tolist()) == list(range(n))
+
+
+def test_shards_deterministic_and_vary_by_epoch() -> None:
+    a = D.shard_indices(50, 2, 1, epoch=3, seed=1)
+    assert torch.equal(a, D.shard_indices(50, 2, 1, epoch=3, seed=1))
+    assert not torch.equal(a, D.shard_indices(50, 2, 1, epoch=4, seed=1))
+    assert not torch.equal(a, D.shard_indices(50, 2, 1, epoch=3, seed=2))
+
+
+def test_shard_validation() -> None:
+    with pytest.raises(ValueError, match="`rank` must be < world_size=2, got 2"):
+        D.shard_indices(10, 2, 2, 0, 0)
+    with pytest.raises(ValueError, match="`n` must be an integer >= 4, got 3"):
+        D.shard_indices(3, 4, 0, 0, 0)
+    with pytest.raises(TypeError, match="`epoch` must be an integer"):
+        D.shard_indices(10, 2, 0, 1.5, 0)  # type: ignore[arg-type]
+
+
+def test_iter_batches() -> None:
+    split = D.TensorSplit(torch.arange(10).float()[:, None], torch.arange(10))
+    idx = D.shard_indices(10, 1, 0, 0, 0)
+    batches = list(D.iter_batches(split, idx, 3))
+    assert [len(y) for _, y in batches] == [3, 3, 3]
+    assert torch.equal(torch.cat([y for _, y in batches]), idx[:9])
+    assert len(list(D.iter_batches(split, idx, 3, drop_last=False))) == 4
