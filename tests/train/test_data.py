@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
+import sys
 import tarfile
 from pathlib import Path
 
@@ -12,7 +14,8 @@ import torch
 
 from gradzip.train import data as D
 
-PIL = pytest.importorskip("PIL.Image")
+needs_pil = pytest.mark.skipif(importlib.util.find_spec("PIL") is None,
+                               reason="Pillow is not installed")
 
 
 # ---------------------------------------------------------------- digits
@@ -123,6 +126,7 @@ def _write_folder_tree(root: Path, rng: np.random.Generator, ext: str) -> dict[s
     return truth
 
 
+@needs_pil
 def test_cifar_image_folder_png_exact(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     truth = _write_folder_tree(tmp_path / "cifar10", rng, "png")
@@ -141,6 +145,7 @@ def test_cifar_image_folder_png_exact(tmp_path: Path) -> None:
             np.testing.assert_array_equal(raw[row], img)
 
 
+@needs_pil
 def test_cifar_image_folder_jpeg_tar(tmp_path: Path) -> None:
     rng = np.random.default_rng(2)
     tree = tmp_path / "src" / "cifar10"
@@ -153,6 +158,7 @@ def test_cifar_image_folder_jpeg_tar(tmp_path: Path) -> None:
     assert sorted(task.test.y.tolist()) == [0, 0, 1, 1, 2, 2]
 
 
+@needs_pil
 def test_cifar_cache_roundtrip(tmp_path: Path) -> None:
     tree = tmp_path / "data"
     _write_folder_tree(tree, np.random.default_rng(3), "png")
@@ -173,6 +179,7 @@ def test_cifar_cache_roundtrip(tmp_path: Path) -> None:
     assert len(third.test) == len(first.test) + 1
 
 
+@needs_pil
 def test_cifar_cache_hit_does_not_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tree = tmp_path / "data"
     _write_folder_tree(tree, np.random.default_rng(4), "png")
@@ -184,6 +191,28 @@ def test_cifar_cache_hit_does_not_decode(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(D, "_read_cifar", boom)
     second = D.load_cifar10(tree, cache_dir=tmp_path / "c")
     assert torch.equal(first.train.x, second.train.x)
+
+
+@needs_pil
+def test_cifar_corrupt_cache_is_rebuilt(tmp_path: Path) -> None:
+    tree = tmp_path / "data"
+    _write_folder_tree(tree, np.random.default_rng(5), "png")
+    first = D.load_cifar10(tree, cache_dir=tmp_path / "c")
+    Path(first.meta["cache_file"]).write_bytes(b"garbage")
+    second = D.load_cifar10(tree, cache_dir=tmp_path / "c")
+    assert torch.equal(first.train.x, second.train.x)
+    with np.load(first.meta["cache_file"]) as cached:
+        assert cached["x_train"].shape == (9, 32, 32, 3)
+
+
+def test_decoding_without_pillow_is_a_clear_import_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for split in ("train", "test"):
+        (tmp_path / split / "cat").mkdir(parents=True)
+        (tmp_path / split / "cat" / "0.png").write_bytes(b"x")
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    with pytest.raises(ImportError, match="decoding JPEG files needs Pillow: pip install pillow"):
+        D.load_cifar10(tmp_path, use_cache=False)
 
 
 def test_cifar_errors(tmp_path: Path) -> None:

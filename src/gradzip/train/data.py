@@ -14,6 +14,7 @@ import math
 import os
 import pickle
 import tarfile
+import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer",
                    "dog", "frog", "horse", "ship", "truck")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 UNK, EOS = "<unk>", "<eos>"
+_CACHE_KEYS = ("x_train", "y_train", "x_test", "y_test", "classes", "layout")
 
 
 @dataclass
@@ -187,7 +189,7 @@ def _read_pickle_release(files: dict[str, Callable[[], bytes]],
 def _decode_image(data: bytes, name: str) -> np.ndarray:
     try:
         from PIL import Image
-    except ImportError as exc:  # pragma: no cover - depends on the environment
+    except ImportError as exc:
         raise ImportError("decoding JPEG files needs Pillow: pip install pillow") from exc
     with Image.open(io.BytesIO(data)) as img:
         arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
@@ -234,7 +236,11 @@ def _read_cifar(path: Path) -> dict[str, np.ndarray]:
 
 
 def _cache_key(path: Path) -> str:
-    stats = [path.stat()] if path.is_file() else [p.stat() for p in path.rglob("*") if p.is_file()]
+    if path.is_file():
+        stats = [path.stat()]
+    else:
+        stats = [os.stat(os.path.join(top, name))
+                 for top, _, names in os.walk(path) for name in names]
     size = sum(s.st_size for s in stats)
     mtime = max((s.st_mtime_ns for s in stats), default=0)
     text = f"{path.resolve()}|{len(stats)}|{size}|{mtime}"
@@ -249,6 +255,8 @@ def load_cifar10(path: PathLike, cache_dir: PathLike | None = None,
     a directory containing it, ``cifar-10-python.tar.gz``; or a directory or
     tar archive holding ``train/<class>/<img>`` and ``test/<class>/<img>``,
     possibly under a top folder. Decoded arrays are cached as ``.npz``.
+    The official release is a set of Python pickles: only load files you
+    trust, as unpickling can run arbitrary code.
 
     Args:
         path: Directory or tar archive with the data.
@@ -278,8 +286,15 @@ def load_cifar10(path: PathLike, cache_dir: PathLike | None = None,
         cache_file = root / f"cifar10-{_cache_key(src)}.npz"
         if cache_file.is_file():
             logger.info("loading cached arrays from %s", cache_file)
-            with np.load(cache_file) as cached:
-                arrays = {k: cached[k] for k in cached.files}
+            try:
+                with np.load(cache_file) as cached:
+                    arrays = {k: cached[k] for k in cached.files}
+                missing = set(_CACHE_KEYS) - set(arrays)
+                if missing:
+                    raise KeyError(f"missing {sorted(missing)}")
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as exc:
+                logger.warning("ignoring unreadable cache %s: %s", cache_file, exc)
+                arrays = None
     if arrays is None:
         arrays = _read_cifar(src)
         if cache_file is not None:
@@ -288,13 +303,16 @@ def load_cifar10(path: PathLike, cache_dir: PathLike | None = None,
             np.savez(tmp, **arrays)
             os.replace(tmp, cache_file)
             logger.info("cached decoded arrays in %s", cache_file)
-    x_train = torch.from_numpy(arrays["x_train"]).permute(0, 3, 1, 2).float().div_(255.0)
-    x_test = torch.from_numpy(arrays["x_test"]).permute(0, 3, 1, 2).float().div_(255.0)
+
+    def to_float(images: np.ndarray) -> Tensor:
+        return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous().float().div_(255.0)
+
+    x_train, x_test = to_float(arrays["x_train"]), to_float(arrays["x_test"])
     mean = x_train.mean(dim=(0, 2, 3))
     std = x_train.std(dim=(0, 2, 3)).clamp_min(1e-6)
 
     def scale(t: Tensor) -> Tensor:
-        return ((t - mean[:, None, None]) / std[:, None, None]).contiguous()
+        return t.sub_(mean[:, None, None]).div_(std[:, None, None])
 
     classes = [str(c) for c in arrays["classes"].tolist()]
     meta = {"name": "cifar10", "classes": classes, "mean": mean.tolist(), "std": std.tolist(),
