@@ -138,8 +138,8 @@ class Engine:
     # -- context ---------------------------------------------------------------------------
     @property
     def simulated(self) -> bool:
-        """Whether gradients carry a leading worker axis (more than one worker per process)."""
-        return self.comm.local_workers > 1
+        """Whether gradients carry a leading worker axis (a simulated group)."""
+        return self.comm.simulated
 
     def _context(self) -> StepContext:
         lr = None

@@ -4,6 +4,7 @@ Byte accounting lives here, because only the collective knows what it moves.
 """
 
 from gradzip.comm.base import ByteMeter, Collective
+from gradzip.comm.launch import free_port, run_processes
 from gradzip.comm.simulated import SimulatedGroup
 from gradzip.comm.torch_dist import ProcessGroupCollective, default_collective
 
@@ -13,4 +14,6 @@ __all__ = [
     "ProcessGroupCollective",
     "SimulatedGroup",
     "default_collective",
+    "free_port",
+    "run_processes",
 ]

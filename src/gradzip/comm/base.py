@@ -80,7 +80,13 @@ class Collective(ABC):
 
     Subclasses implement ``_sum`` and ``_gather``; the public methods check shapes and count
     bytes so the accounting is the same for every implementation.
+
+    Attributes:
+        simulated: whether users hand gradients *with* the worker axis (a simulated group);
+            a real process group takes each worker's plain gradient.
     """
+
+    simulated: bool = False
 
     def __init__(self, world_size: int, local_workers: int, first_rank: int) -> None:
         self.world_size = world_size

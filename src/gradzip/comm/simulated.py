@@ -20,6 +20,8 @@ class SimulatedGroup(Collective):
         workers: number of simulated workers (>= 1).
     """
 
+    simulated = True
+
     def __init__(self, workers: int) -> None:
         workers = check_int("workers", workers, minimum=1)
         super().__init__(world_size=workers, local_workers=workers, first_rank=0)

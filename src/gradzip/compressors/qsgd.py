@@ -10,6 +10,7 @@ import torch
 
 from gradzip._validate import check_int
 from gradzip.comm.base import Collective
+from gradzip.ops.flat import reinterpret
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
 from gradzip.ops.random import generator_for
@@ -103,7 +104,7 @@ class QSGD(Compressor):
         offset = 0
         for job in jobs:
             buckets, _ = self._layout(job.numel)
-            norms = gathered[:, offset : offset + 4 * buckets].contiguous().view(torch.float32)
+            norms = reinterpret(gathered[:, offset : offset + 4 * buckets], torch.float32)
             offset += 4 * buckets
             nbytes = packed_size(job.numel, self.bits)
             codes = unpack_bits(gathered[:, offset : offset + nbytes], self.bits, job.numel)

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradzip.comm.base import Collective
+from gradzip.ops.flat import reinterpret
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.bits import pack_bits, packed_size, unpack_bits
 
@@ -50,7 +51,7 @@ class Sign(Compressor):
         gathered = comm.all_gather(torch.cat(parts, dim=1))
         offset = 0
         for job in jobs:
-            scale = gathered[:, offset : offset + 4].contiguous().view(torch.float32)  # [W, 1]
+            scale = reinterpret(gathered[:, offset : offset + 4], torch.float32)  # [W, 1]
             nbytes = packed_size(job.numel, 1)
             bits = unpack_bits(gathered[:, offset + 4 : offset + 4 + nbytes], 1, job.numel)
             offset += 4 + nbytes

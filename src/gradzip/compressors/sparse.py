@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from gradzip.comm.base import Collective
+from gradzip.ops.flat import reinterpret
 from gradzip.compressors.base import Job
 from gradzip.ops.select import index_dtype
 
@@ -24,7 +25,7 @@ def _as_words(indices: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _from_words(words: torch.Tensor, numel: int) -> torch.Tensor:
-    return words.contiguous().view(index_dtype(numel)).to(torch.int64)
+    return reinterpret(words, index_dtype(numel)).to(torch.int64)
 
 
 def scatter_decode(values: torch.Tensor, indices: torch.Tensor, numel: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flatten_workers", "split_flat"]
+__all__ = ["flatten_workers", "reinterpret", "split_flat"]
 
 
 def flatten_workers(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -33,3 +33,13 @@ def split_flat(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
     """Split the last dimension of ``flat`` into consecutive chunks of ``sizes``."""
     assert flat.shape[-1] == sum(sizes), (flat.shape, sum(sizes))
     return list(torch.split(flat, list(sizes), dim=-1))
+
+
+def reinterpret(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret the bytes of each row of ``rows[R, n]`` as ``dtype`` (``[R, m]``).
+
+    Slices of a gathered byte buffer are not aligned for a direct ``view``; this copies each
+    row into fresh storage first.
+    """
+    count = rows.shape[0]
+    return rows.reshape(-1).clone().view(dtype).reshape(count, -1)

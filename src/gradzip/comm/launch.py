@@ -1,0 +1,135 @@
+"""Run a function in N local processes joined by a gloo process group.
+
+Used by the test suite and the runner's ``procs`` launcher; under ``torchrun`` the processes
+already exist and this module is not involved.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradzip._validate import check_int, check_real
+
+__all__ = ["free_port", "run_processes"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout: float,
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        # Plain bytes: tensors put on a queue directly travel as shared-memory handles that
+        # die with this process, which may exit before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_processes(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
+
+    Each process joins a process group on 127.0.0.1 before ``fn`` runs and leaves it after.
+    ``fn`` and ``args`` must be picklable (a module-level function).
+
+    Args:
+        fn: the worker function; its return value must be picklable.
+        world_size: number of processes (>= 1).
+        *args: extra arguments for ``fn``.
+        backend: ``"gloo"`` (CPU) or ``"nccl"``.
+        timeout: seconds for the whole run and for each collective; on expiry every process
+            is terminated and ``TimeoutError`` raised, so a hang never blocks the caller.
+
+    Returns:
+        ``fn``'s return values in rank order.
+
+    Raises:
+        RuntimeError: a worker raised (its traceback is included).
+        TimeoutError: the workers did not finish in time.
+    """
+    world_size = check_int("world_size", world_size, minimum=1)
+    timeout = check_real("timeout", timeout, low=0, low_open=True)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_entry,
+            args=(fn, rank, world_size, port, backend, timeout, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"{world_size - len(out)} of {world_size} workers did not finish within "
+                    f"{timeout:g} s"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(
+                        f"a worker process exited with code {dead[0].exitcode} before reporting"
+                    ) from None
+                continue
+            if not ok:
+                raise RuntimeError(f"worker {rank} failed:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(out) == world_size else 0.1)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,38 @@
+"""Shared fixtures of the conformance suite: every compressor spec and a test model's shapes."""
+
+from __future__ import annotations
+
+import torch
+
+# One entry per compressor (two for the two threshold modes). Values are chosen so that every
+# compressing spec really compresses the shapes below with 4 workers.
+SPECS = [
+    "none",
+    "fp16",
+    "bf16",
+    "topk:ratio=0.05",
+    "randk:ratio=0.05,seed=3",
+    "threshold:lam=2.5",
+    "threshold:budget=0.02",
+    "powersgd:rank=2",
+    "qsgd:levels=4",
+    "sign",
+]
+
+# Whether the compressor is exact for the same inputs on every backend (all are: randomness
+# comes from keyed generators), and how close the average of decoded messages must be to the
+# averaged result (fp16/bf16 sum in low precision).
+DECODE_TOL = {"fp16": 2e-3, "bf16": 2e-2}
+
+SHAPES = {
+    "conv.weight": torch.Size([16, 8, 3, 3]),
+    "conv.bias": torch.Size([16]),
+    "fc.weight": torch.Size([32, 64]),
+    "scale": torch.Size([1]),
+}
+
+
+def make_grads(workers: int, step: int, seed: int = 0, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Per-worker gradients ``[workers, *shape]`` that differ by step and worker."""
+    gen = torch.Generator().manual_seed(seed * 1000 + step)
+    return {n: scale * torch.randn(workers, *s, generator=gen) for n, s in SHAPES.items()}

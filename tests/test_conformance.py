@@ -1,0 +1,186 @@
+"""One conformance suite over every compressor, in a simulated group."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from conformance import DECODE_TOL, SHAPES, SPECS, make_grads
+
+import gradzip
+from gradzip.compressors.base import Job, StepContext
+from gradzip.engine import _copy_tree
+
+
+def engine_for(spec: str, workers: int = 4) -> gradzip.Engine:
+    return gradzip.Engine(SHAPES, spec, collective=gradzip.SimulatedGroup(workers))
+
+
+def run(engine: gradzip.Engine, steps: range, workers: int = 4) -> list[dict[str, torch.Tensor]]:
+    return [engine.reduce(make_grads(workers, s)) for s in steps]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_shape_dtype_device_kept_and_inputs_untouched(spec: str) -> None:
+    engine = engine_for(spec)
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = {n: g.to(dtype) for n, g in make_grads(4, 0).items()}
+        before = {n: g.clone() for n, g in grads.items()}
+        out = engine.reduce(grads)
+        assert set(out) == set(SHAPES)
+        for name, shape in SHAPES.items():
+            assert out[name].shape == shape
+            assert out[name].dtype == dtype
+            assert out[name].device == grads[name].device
+            assert torch.isfinite(out[name]).all()
+            assert torch.equal(grads[name], before[name])
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s != "none"])
+def test_sends_fewer_bytes_than_dense(spec: str) -> None:
+    engine = engine_for(spec)
+    run(engine, range(3))
+    stats = engine.stats
+    for w in range(4):
+        assert 0 < stats["payload_bytes"][w] < stats["dense_payload_bytes"][w]
+        assert 0 < stats["wire_bytes"][w] < stats["dense_wire_bytes"][w]
+
+
+def test_none_sends_exactly_dense_bytes() -> None:
+    engine = engine_for("none")
+    out = run(engine, range(2))[-1]
+    stats = engine.stats
+    assert stats["payload_bytes"] == stats["dense_payload_bytes"]
+    assert stats["wire_bytes"] == stats["dense_wire_bytes"]
+    grads = make_grads(4, 1)
+    for name in SHAPES:
+        assert torch.allclose(out[name], grads[name].mean(0), atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_average_of_decoded_messages_is_the_result(spec: str) -> None:
+    """What each worker's message decodes to, averaged, is what every worker receives; and
+    error feedback keeps exactly the difference."""
+    compressor = gradzip.compressor_from_spec(spec)
+    comm = gradzip.SimulatedGroup(4)
+    state = compressor.init_state(SHAPES)
+    grads = make_grads(4, 0)
+    jobs = [Job(n, g.clone()) for n, g in grads.items()]
+    compressor.reduce(jobs, state, comm, StepContext(step=0, ranks=(0, 1, 2, 3), world_size=4))
+    tol = DECODE_TOL.get(spec, 1e-5)
+    for job in jobs:
+        assert job.decoded is not None and job.averaged is not None
+        assert job.decoded.shape == job.tensor.shape
+        assert torch.allclose(job.decoded.mean(0), job.averaged, atol=tol, rtol=tol)
+        residual = job.tensor - job.decoded
+        assert torch.allclose(job.decoded + residual, job.tensor, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_error_feedback_identity_in_engine(spec: str) -> None:
+    engine = gradzip.Engine(SHAPES, spec, collective=gradzip.SimulatedGroup(4), error_feedback=True)
+    compressor = engine.compressor
+    for step in range(3):
+        grads = make_grads(4, step)
+        old = {n: engine.residuals.get(n, torch.zeros(4, *s)) for n, s in SHAPES.items()}
+        state_before = _copy_tree(engine.compressor_state)
+        engine.reduce(grads)
+        # Replay the same step on the compressor alone from the state it started with.
+        jobs = [Job(n, grads[n] + old[n]) for n in SHAPES]
+        replay_state = state_before
+        compressor.reduce(jobs, replay_state, gradzip.SimulatedGroup(4),
+                          StepContext(step=step, ranks=(0, 1, 2, 3), world_size=4))
+        for job in jobs:
+            assert torch.equal(engine.residuals[job.name], job.tensor - job.decoded)
+    if spec.startswith(("topk", "randk", "threshold")):
+        # Sparsifiers send entries unchanged: decoded + residual reproduces them bit for bit.
+        for job in jobs:
+            assert torch.equal(job.decoded + engine.residuals[job.name], job.tensor)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_state_dict_round_trip_resumes_bit_for_bit(spec: str) -> None:
+    straight = engine_for(spec)
+    expected = run(straight, range(6))
+    first = engine_for(spec)
+    run(first, range(3))
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = engine_for(spec)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    got = run(resumed, range(3, 6))
+    for exp, out in zip(expected[3:], got, strict=True):
+        for name in SHAPES:
+            assert torch.equal(exp[name], out[name]), name
+    assert resumed.stats == straight.stats
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_seeded_determinism(spec: str) -> None:
+    a = run(engine_for(spec), range(3))
+    b = run(engine_for(spec), range(3))
+    for x, y in zip(a, b, strict=True):
+        for name in SHAPES:
+            assert torch.equal(x[name], y[name])
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_zero_gradient(spec: str) -> None:
+    engine = engine_for(spec)
+    zeros = {n: torch.zeros(4, *s) for n, s in SHAPES.items()}
+    for _ in range(2):
+        out = engine.reduce(zeros)
+        for name in SHAPES:
+            assert torch.equal(out[name], torch.zeros(SHAPES[name])), name
+    for res in engine.residuals.values():
+        assert torch.equal(res, torch.zeros_like(res))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_one_element_tensors_and_world_of_one(spec: str) -> None:
+    shapes = {"a": torch.Size([1]), "b": torch.Size([1, 1])}
+    engine = gradzip.Engine(shapes, spec, collective=gradzip.SimulatedGroup(1))
+    grads = {"a": torch.tensor([[0.5]]), "b": torch.tensor([[[-2.0]]])}
+    out = engine.reduce(grads)
+    assert out["a"].shape == (1,) and out["b"].shape == (1, 1)
+    for name in shapes:
+        # With one worker, result + residual is the gradient (nothing is lost, only delayed).
+        res = engine.residuals.get(name, torch.zeros(1, *shapes[name]))[0]
+        tol = DECODE_TOL.get(spec, 1e-6)
+        assert torch.allclose(out[name] + res, grads[name][0], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_non_contiguous_input(spec: str) -> None:
+    grads = make_grads(4, 0)
+    strided = {}
+    for name, g in grads.items():
+        if g.dim() >= 3:
+            # Same values, transposed storage.
+            strided[name] = g.transpose(-1, -2).contiguous().transpose(-1, -2)
+            assert not strided[name].is_contiguous()
+        else:
+            strided[name] = g
+    a = engine_for(spec).reduce(grads)
+    b = engine_for(spec).reduce(strided)
+    for name in SHAPES:
+        assert torch.equal(a[name], b[name])
+
+
+def test_compressors_converge_with_error_feedback() -> None:
+    """Over many steps of one fixed gradient, error feedback delivers all of it."""
+    for spec in ("topk:ratio=0.05", "sign", "powersgd:rank=1", "threshold:lam=2.5"):
+        engine = engine_for(spec)
+        grads = make_grads(4, 0)
+        total = {n: torch.zeros(s) for n, s in SHAPES.items()}
+        steps = 400
+        for _ in range(steps):
+            for name, avg in engine.reduce(grads).items():
+                total[name] += avg
+        for name in SHAPES:
+            want = grads[name].mean(0)
+            got = total[name] / steps
+            rel = float((got - want).norm() / want.norm())
+            assert rel < 0.1, (spec, name, rel)
