@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from gradzip._validate import check_bool, check_choice
-from gradzip.comm.base import Collective, allreduce_wire_bytes
+from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.feedback import compensate, residual_after
+from gradzip.ops.random import stable_hash
 
 __all__ = ["FORMAT_VERSION", "Engine"]
 
@@ -134,6 +135,8 @@ class Engine:
         self.compressor_state = self.compressor.init_state(self.shapes)
         self._snapshot: tuple[Any, ...] | None = None
         self._poisoned = False
+        self._verified = self.comm.simulated or self.comm.world_size == 1
+        self.handshake_bytes = 0
 
     # -- context ---------------------------------------------------------------------------
     @property
@@ -170,6 +173,39 @@ class Engine:
             raise ValueError(f"gradient `{name}` must have shape {tuple(want)}, got {tuple(grad.shape)}")
         return grad.unsqueeze(0)
 
+    # -- agreement across ranks -------------------------------------------------------------
+    def _fingerprint(self) -> dict[str, str]:
+        return {
+            "compressor": self.compressor.spec(),
+            "error_feedback": str(self.error_feedback),
+            "nonfinite": self.nonfinite,
+            "parameters": ";".join(f"{n}:{tuple(s)}" for n, s in sorted(self.shapes.items())),
+        }
+
+    def _verify_agreement(self) -> None:
+        """Check once that every rank runs the same configuration on the same parameters.
+
+        Ranks that disagree would issue collectives of different sizes and hang or average
+        garbage; a fingerprint gathered before the first step turns that into an error naming
+        what differs. Its bytes are counted in ``stats["handshake_bytes"]``, apart from the
+        gradient traffic.
+        """
+        fields = self._fingerprint()
+        codes = [stable_hash(v) for v in fields.values()]
+        mine = torch.tensor([codes], dtype=torch.int64)
+        theirs = self.comm.all_gather(mine, metered=False)  # [W, fields]
+        self.handshake_bytes += allgather_wire_bytes(mine.numel() * 8, self.comm.world_size)
+        self._verified = True
+        for col, (key, value) in enumerate(fields.items()):
+            column = theirs[:, col].tolist()
+            if len(set(column)) > 1:
+                odd = next(r for r, c in enumerate(column) if c != column[self.comm.first_rank])
+                raise ValueError(
+                    f"ranks disagree on `{key}`: rank {self.comm.first_rank} has {value!r}, "
+                    f"rank {odd} has a different value; every rank must build the engine with "
+                    f"the same compressor, options and parameters"
+                )
+
     # -- the step --------------------------------------------------------------------------
     def _protects_state(self) -> bool:
         return self.error_feedback or bool(self.compressor_state)
@@ -204,6 +240,8 @@ class Engine:
             raise TypeError(f"`named_grads` must be a mapping name -> tensor, got {type(named_grads).__name__}")
         names = list(named_grads)
         grads = [self._as_worker_axis(n, named_grads[n]) for n in names]
+        if not self._verified:
+            self._verify_agreement()
         if self._snapshot is None:
             self._snapshot = (_copy_tree(self.compressor_state), dict(self.residuals))
         if self._poisoned or (self._protects_state() and self._any_nonfinite(grads)):
@@ -296,6 +334,7 @@ class Engine:
             "dense_payload_bytes": list(self.dense_payload),
             "dense_wire_bytes": list(self.dense_wire),
             "collective_calls": meter.calls,
+            "handshake_bytes": self.handshake_bytes,
         }
 
     # -- checkpoints -----------------------------------------------------------------------

@@ -5,7 +5,7 @@ Byte accounting lives here, because only the collective knows what it moves.
 
 from gradzip.comm.base import ByteMeter, Collective
 from gradzip.comm.launch import free_port, run_processes
-from gradzip.comm.simulated import SimulatedGroup
+from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.comm.torch_dist import ProcessGroupCollective, default_collective
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "Collective",
     "ProcessGroupCollective",
     "SimulatedGroup",
+    "SingleWorker",
     "default_collective",
     "free_port",
     "run_processes",

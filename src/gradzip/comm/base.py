@@ -126,18 +126,23 @@ class Collective(ABC):
             return x[0].clone()
         return self._sum(x)
 
-    def all_gather(self, x: torch.Tensor, payload: Sequence[int] | None = None) -> torch.Tensor:
+    def all_gather(
+        self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True
+    ) -> torch.Tensor:
         """Gather ``x[L, ...]`` from all workers; returns ``[W, ...]`` in rank order.
 
         Args:
             x: equal-size messages, padded by the caller where they vary.
             payload: unpadded message bytes per local worker (defaults to the padded size).
+            metered: count the bytes in :attr:`meter` (off for one-off control messages that
+                the caller accounts for separately).
         """
         self._check(x)
         nbytes = x[0].numel() * x.element_size()
         wire = allgather_wire_bytes(nbytes, self.world_size)
-        self.meter.add(payload if payload is not None else [nbytes] * self.local_workers,
-                       [wire] * self.local_workers)
+        if metered:
+            self.meter.add(payload if payload is not None else [nbytes] * self.local_workers,
+                           [wire] * self.local_workers)
         if self.world_size == 1:
             return x.clone()
         return self._gather(x)

@@ -68,6 +68,7 @@ def run_processes(
     *args: Any,
     backend: str = "gloo",
     timeout: float = 120.0,
+    return_exceptions: bool = False,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
@@ -81,6 +82,8 @@ def run_processes(
         backend: ``"gloo"`` (CPU) or ``"nccl"``.
         timeout: seconds for the whole run and for each collective; on expiry every process
             is terminated and ``TimeoutError`` raised, so a hang never blocks the caller.
+        return_exceptions: instead of raising on a worker's failure, wait for every worker
+            and return a ``RuntimeError`` in the place of each one that raised or died.
 
     Returns:
         ``fn``'s return values in rank order.
@@ -117,14 +120,21 @@ def run_processes(
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(
-                        f"a worker process exited with code {dead[0].exitcode} before reporting"
-                    ) from None
+                for r, proc in enumerate(procs):
+                    if r not in out and proc.exitcode not in (None, 0):
+                        error = RuntimeError(
+                            f"worker {r} exited with code {proc.exitcode} before reporting"
+                        )
+                        if not return_exceptions:
+                            raise error from None
+                        out[r] = error
                 continue
             if not ok:
-                raise RuntimeError(f"worker {rank} failed:\n{value}")
+                error = RuntimeError(f"worker {rank} failed:\n{value}")
+                if not return_exceptions:
+                    raise error
+                out[rank] = error
+                continue
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
     finally:
         for proc in procs:

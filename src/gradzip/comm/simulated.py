@@ -7,7 +7,7 @@ import torch
 from gradzip._validate import check_int
 from gradzip.comm.base import Collective
 
-__all__ = ["SimulatedGroup"]
+__all__ = ["SimulatedGroup", "SingleWorker"]
 
 
 class SimulatedGroup(Collective):
@@ -37,3 +37,21 @@ class SimulatedGroup(Collective):
 
     def __repr__(self) -> str:
         return f"SimulatedGroup(workers={self.world_size})"
+
+
+class SingleWorker(Collective):
+    """A group of one worker that takes plain gradients (no worker axis): the default when
+    ``torch.distributed`` is not initialised. Nothing travels; payload bytes still count what
+    would have been sent."""
+
+    def __init__(self) -> None:
+        super().__init__(world_size=1, local_workers=1, first_rank=0)
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x[0].clone()
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def __repr__(self) -> str:
+        return "SingleWorker()"

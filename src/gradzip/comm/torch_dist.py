@@ -60,6 +60,6 @@ def default_collective() -> Collective:
     """The world process group when one is initialised, else a group of one worker."""
     if dist.is_available() and dist.is_initialized():
         return ProcessGroupCollective()
-    from gradzip.comm.simulated import SimulatedGroup
+    from gradzip.comm.simulated import SingleWorker
 
-    return SimulatedGroup(1)
+    return SingleWorker()

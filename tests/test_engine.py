@@ -1,0 +1,228 @@
+"""Engine behaviour: validation, checkpoints, non-finite gradients, rank agreement, failures."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from conformance import SHAPES, make_grads
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradzip
+from gradzip.comm import run_processes
+from gradzip.compressors.sparse import _as_words, _from_words, index_bytes, scatter_decode
+
+
+def sim_engine(spec: str = "topk:ratio=0.05", **kwargs: object) -> gradzip.Engine:
+    return gradzip.Engine(SHAPES, spec, collective=gradzip.SimulatedGroup(4), **kwargs)
+
+
+# -- validation -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "fragment"),
+    [
+        ({"params": 3}, TypeError, "`params` must be a module"),
+        ({"compressor": "topk:ratio=2"}, ValueError, "`ratio` must be in (0, 1], got 2.0"),
+        ({"error_feedback": "yes"}, TypeError, "`error_feedback` must be a bool, got 'yes'"),
+        ({"nonfinite": "ignore"}, ValueError, "`nonfinite` must be one of 'skip', 'zero', 'raise'"),
+        ({"collective": object()}, TypeError, "`collective` must be a gradzip Collective"),
+        ({"optimizer": "sgd"}, TypeError, "`optimizer` must be a torch.optim.Optimizer"),
+    ],
+)
+def test_engine_validates_arguments(kwargs: dict, exc: type, fragment: str) -> None:
+    args = {"params": SHAPES, "compressor": "none", "collective": gradzip.SimulatedGroup(2)}
+    args.update(kwargs)
+    params, compressor = args.pop("params"), args.pop("compressor")
+    with pytest.raises(exc) as info:
+        gradzip.Engine(params, compressor, **args)
+    assert fragment in str(info.value)
+
+
+def test_reduce_validates_names_and_shapes() -> None:
+    engine = sim_engine()
+    with pytest.raises(ValueError, match="unknown name 'nope'"):
+        engine.reduce({"nope": torch.zeros(4, 3)})
+    with pytest.raises(ValueError, match=r"must have shape \(4, 16\) \(workers first\), got \(16,\)"):
+        engine.reduce({"conv.bias": torch.zeros(16)})
+    with pytest.raises(TypeError, match="must be a mapping"):
+        engine.reduce([torch.zeros(1)])  # type: ignore[arg-type]
+
+
+def test_engine_from_module_reduce_in_place_world_of_one() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    model[1].bias.requires_grad_(False)  # a frozen parameter is not part of the engine
+    engine = gradzip.Engine(model, "none")
+    assert set(engine.shapes) == {"0.weight", "0.bias", "1.weight"}
+    model(torch.randn(5, 4)).sum().backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    engine.reduce_()
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.equal(p.grad, before[name])
+    assert engine.stats["wire_bytes"] == [0]  # nothing travels with one worker
+
+
+def test_empty_model_and_empty_call() -> None:
+    engine = gradzip.Engine({}, "powersgd:rank=2", collective=gradzip.SimulatedGroup(2))
+    assert engine.reduce({}) == {}
+    assert engine.step == 1
+
+
+def test_partial_calls_count_one_step() -> None:
+    engine = sim_engine("threshold:budget=0.05")
+    grads = make_grads(4, 0)
+    names = list(grads)
+    engine.reduce({n: grads[n] for n in names[:2]}, finish_step=False)
+    assert engine.step == 0
+    engine.reduce({n: grads[n] for n in names[2:]}, finish_step=True)
+    assert engine.step == 1
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+def test_load_state_dict_names_the_first_mismatch() -> None:
+    source = sim_engine("powersgd:rank=2")
+    source.reduce(make_grads(4, 0))
+    state = source.state_dict()
+    with pytest.raises(ValueError, match="`compressor` of the checkpoint must be 'powersgd:rank=4'"):
+        sim_engine("powersgd:rank=4").load_state_dict(state)
+    other_shapes = dict(SHAPES)
+    other_shapes["fc.weight"] = torch.Size([32, 65])
+    engine = gradzip.Engine(other_shapes, "powersgd:rank=2", collective=gradzip.SimulatedGroup(4))
+    with pytest.raises(ValueError, match=r"residual 'fc.weight' must match a parameter of shape \(4, 32, 65\)"):
+        engine.load_state_dict(state)
+    bad = dict(state)
+    bad["format_version"] = 99
+    with pytest.raises(ValueError, match="`format_version` must be 1, got 99"):
+        sim_engine("powersgd:rank=2").load_state_dict(bad)
+    bad = dict(state, residuals={})
+    bad["compressor_state"] = {"q": {}}
+    with pytest.raises(ValueError, match=r"compressor_state.q: missing keys"):
+        sim_engine("powersgd:rank=2").load_state_dict(bad)
+
+
+def test_state_dict_refused_inside_a_step() -> None:
+    engine = sim_engine()
+    grads = make_grads(4, 0)
+    engine.reduce({"scale": grads["scale"]}, finish_step=False)
+    with pytest.raises(RuntimeError, match="between steps"):
+        engine.state_dict()
+
+
+# -- non-finite gradients ---------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "powersgd:rank=2", "threshold:budget=0.02", "sign"])
+def test_one_bad_gradient_skips_the_step_and_keeps_state(spec: str) -> None:
+    clean, hit = sim_engine(spec), sim_engine(spec)
+    for step in range(2):
+        clean.reduce(make_grads(4, step))
+        hit.reduce(make_grads(4, step))
+    bad = make_grads(4, 99)
+    bad["fc.weight"][2, 3, 4] = float("inf")  # one entry on one worker
+    names = list(bad)
+    # Split into two calls (as DDP buckets would): the first is clean, the second is not.
+    first = hit.reduce({n: bad[n] for n in names[:2]}, finish_step=False)
+    out = hit.reduce({n: bad[n] for n in names[2:]}, finish_step=True)
+    assert all(torch.isfinite(v).all() for v in first.values())
+    assert all(torch.isnan(v).all() for v in out.values())
+    assert hit.stats["skipped_steps"] == 1
+    # Training continues as if the bad step never happened (step counters aside).
+    for step in range(2, 5):
+        a, b = clean.reduce(make_grads(4, step)), hit.reduce(make_grads(4, step))
+        for name in SHAPES:
+            assert torch.isfinite(b[name]).all()
+            assert torch.equal(a[name], b[name]), (spec, step, name)
+    for name, res in clean.residuals.items():
+        assert torch.equal(res, hit.residuals[name])
+
+
+def test_nonfinite_policies_zero_and_raise() -> None:
+    bad = make_grads(4, 0)
+    bad["conv.bias"][0, 0] = float("nan")
+    out = sim_engine(nonfinite="zero").reduce(bad)
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in out.values())
+    with pytest.raises(FloatingPointError, match="NaN or Inf at step 0"):
+        sim_engine(nonfinite="raise").reduce(bad)
+
+
+def test_gradscaler_skips_the_optimizer_step_on_a_nan_result() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    engine = gradzip.Engine(model, "topk:ratio=0.5")
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.tensor([[1e30, 1e30, 1e30]])).sum() * 1e30).backward()
+    engine.reduce_()
+    scaler.step(opt)
+    scaler.update()
+    for p, q in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+    assert engine.stats["skipped_steps"] == 1
+    assert engine.residuals == {}
+
+
+# -- corrupt messages -------------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(
+    numel=st.integers(1, 50),
+    idx=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=0, max_size=20),
+)
+def test_decoder_rejects_out_of_range_indices(numel: int, idx: list[int]) -> None:
+    indices = torch.tensor([idx], dtype=torch.int64).reshape(1, -1)
+    values = torch.ones_like(indices, dtype=torch.float32)
+    if all(0 <= i < numel for i in idx):
+        out = scatter_decode(values, indices, numel)
+        assert out.shape == (numel,) and float(out.sum()) == len(idx)
+    else:
+        with pytest.raises(ValueError, match=r"message indices must lie in \[0, "):
+            scatter_decode(values, indices, numel)
+
+
+def test_int64_indices_beyond_int32_range() -> None:
+    huge = 2**31 + 10
+    assert index_bytes(huge) == 8 and index_bytes(2**31) == 4
+    idx = torch.tensor([[0, 2**31 + 5, 7]])
+    words = _as_words(idx, huge)
+    assert words.shape == (1, 6)
+    assert torch.equal(_from_words(words, huge), idx)
+
+
+# -- several real processes -------------------------------------------------------------------
+def _disagreeing(rank: int, world_size: int) -> str:
+    spec = "topk:ratio=0.01" if rank == 0 else "topk:ratio=0.02"
+    engine = gradzip.Engine(SHAPES, spec)
+    try:
+        engine.reduce({n: g[rank] for n, g in make_grads(world_size, 0).items()})
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def _dying(rank: int, world_size: int) -> tuple[str, float]:
+    engine = gradzip.Engine(SHAPES, "powersgd:rank=2")
+    start = time.monotonic()
+    for step in range(50):
+        if rank == 2 and step == 3:
+            os._exit(1)  # the worker dies mid-training
+        try:
+            engine.reduce({n: g[rank] for n, g in make_grads(world_size, step).items()})
+        except Exception as err:  # noqa: BLE001 - reported back to the test
+            return f"{type(err).__name__}: {err}", time.monotonic() - start
+    return "finished", time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_ranks_with_different_configurations_fail_at_the_first_step() -> None:
+    messages = run_processes(_disagreeing, 2, timeout=120)
+    for msg in messages:
+        assert "ranks disagree on `compressor`" in msg
+
+
+@pytest.mark.slow
+def test_a_dead_worker_makes_the_others_fail_instead_of_hanging() -> None:
+    results = run_processes(_dying, 3, timeout=150, return_exceptions=True)
+    assert isinstance(results[2], RuntimeError) and "exited with code 1" in str(results[2])
+    for rank in (0, 1):
+        message, _ = results[rank]
+        assert message != "finished", message
