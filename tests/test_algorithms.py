@@ -12,7 +12,6 @@ import gradzip
 from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.compressors.base import Job, StepContext
 
-
 # Engines that keep state (error feedback, warm starts) first agree on whether any gradient is
 # non-finite: one fp32 flag all-reduced per call, counted like any other traffic.
 FLAG = 4

@@ -6,9 +6,9 @@ import io
 
 import pytest
 import torch
-from conformance import DECODE_TOL, SHAPES, SPECS, make_grads
 
 import gradzip
+from conformance import DECODE_TOL, SHAPES, SPECS, make_grads
 from gradzip.compressors.base import Job, StepContext
 from gradzip.engine import _copy_tree
 

@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-from conformance import SHAPES, make_grads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradzip
+from conformance import SHAPES, make_grads
 from gradzip.comm import run_processes
 from gradzip.compressors.sparse import _as_words, _from_words, index_bytes, scatter_decode
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conformance import DECODE_TOL, SHAPES, SPECS, make_grads
 
 import gradzip
+from conformance import DECODE_TOL, SHAPES, SPECS, make_grads
 from gradzip.comm import run_processes
 
 STEPS = 3

@@ -7,7 +7,12 @@ from gradzip.compressors.powersgd import PowerSGD
 from gradzip.compressors.qsgd import QSGD
 from gradzip.compressors.randk import RandK
 from gradzip.compressors.sign import Sign
-from gradzip.compressors.spec import REGISTRY, compressor_from_spec, describe_compressors, parse_spec
+from gradzip.compressors.spec import (
+    REGISTRY,
+    compressor_from_spec,
+    describe_compressors,
+    parse_spec,
+)
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
 

@@ -96,7 +96,11 @@ class Compressor(ABC):
         """
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
-        """Called once per optimizer step, after every tensor of the step was reduced."""
+        """Called once per optimizer step, after every tensor of the step was reduced.
+
+        Stateless compressors have nothing to do here; adaptive ones update their controllers.
+        """
+        return None
 
     def spec(self) -> str:
         """The spec string that rebuilds this compressor."""

@@ -10,9 +10,9 @@ import torch
 
 from gradzip._validate import check_int
 from gradzip.comm.base import Collective
-from gradzip.ops.flat import reinterpret
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
+from gradzip.ops.flat import reinterpret
 from gradzip.ops.random import generator_for
 
 __all__ = ["QSGD"]

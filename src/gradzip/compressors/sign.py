@@ -9,9 +9,9 @@ from typing import Any, ClassVar
 import torch
 
 from gradzip.comm.base import Collective
-from gradzip.ops.flat import reinterpret
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.bits import pack_bits, packed_size, unpack_bits
+from gradzip.ops.flat import reinterpret
 
 __all__ = ["Sign"]
 

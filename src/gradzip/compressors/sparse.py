@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from gradzip.comm.base import Collective
-from gradzip.ops.flat import reinterpret
 from gradzip.compressors.base import Job
+from gradzip.ops.flat import reinterpret
 from gradzip.ops.select import index_dtype
 
 __all__ = ["gather_sparse", "index_bytes", "scatter_decode"]
