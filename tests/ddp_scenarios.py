@@ -12,6 +12,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as builtin_psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradzip.ddp
 from ddp_helpers import (
     ALL_SPECS,
     ONE_BUCKET_MB,
@@ -26,11 +31,6 @@ from ddp_helpers import (
     train_simulated,
     trees_equal,
 )
-from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as builtin_psgd
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-import gradzip.ddp
 
 BUCKETS = {"one": ONE_BUCKET_MB, "tiny": TINY_BUCKET_MB}
 SIM_SPECS = ("topk:ratio=0.1", "powersgd:rank=2")

@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
+import gradzip.ddp
 from ddp_helpers import ALL_SPECS, spawn, trees_equal
 from ddp_scenarios import (
     BUILTIN_START,
@@ -23,9 +26,6 @@ from ddp_scenarios import (
     main_group,
     resume_group,
 )
-from torch import nn
-
-import gradzip.ddp
 
 WORLD = 2
 BUCKET_LABELS = ("one", "tiny")
