@@ -1,0 +1,109 @@
+"""The DDP examples, run the way users run them: torchrun with 2 CPU processes (gloo)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import gradzip
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def torchrun(script: str, *args: str, timeout: float = 240.0) -> str:
+    """``torchrun --standalone --nproc-per-node 2 examples/<script> <args>``; returns stdout.
+
+    The launcher and its workers run in their own session, killed as a group on timeout so a
+    hang fails the test."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLES / script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{script} {' '.join(args)} hung for {timeout} s:\n{out}\n{err[-4000:]}")
+    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{out}\n{err[-6000:]}"
+    return out
+
+
+def bytes_line(out: str) -> tuple[int, int]:
+    match = re.search(r"payload (\d+) vs dense (\d+)", out)
+    assert match, out
+    return int(match.group(1)), int(match.group(2))
+
+
+def load_example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_ddp_with_torchrun_and_resume(tmp_path: Path) -> None:
+    args = ("--compressor", "powersgd:rank=2", "--steps", "5", "--checkpoint-dir", str(tmp_path))
+    out = torchrun("train_ddp.py", *args)
+    assert "compressor powersgd:rank=2 on 2 processes (cpu), 5 steps" in out
+    assert re.search(r"final loss \d+\.\d+, test accuracy", out)
+    payload, dense = bytes_line(out)
+    assert 0 < payload < dense / 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.pt", "rank1.pt"]
+    out = torchrun("train_ddp.py", *args)  # each rank resumes from its own file
+    assert "resumed from" in out and "at step 5" in out
+    assert "5 steps" not in out and ", 10 steps" in out
+    payload2, dense2 = bytes_line(out)
+    assert dense2 == 2 * dense and payload < payload2 <= 2 * payload + 64
+
+
+def test_train_ddp_accordion_flag() -> None:
+    example = load_example("train_ddp")
+    args = example.parse_args(["--compressor", "powersgd:rank=1", "--accordion", "powersgd:rank=4"])
+    if not hasattr(getattr(gradzip, "Accordion", None), "from_specs"):
+        with pytest.raises(SystemExit, match="--accordion needs gradzip.Accordion"):
+            example.build_compressor(args)
+    else:
+        assert isinstance(example.build_compressor(args), gradzip.Compressor)
+    assert example.build_compressor(example.parse_args(["--compressor", "sign"])) == "sign"
+    with pytest.raises(SystemExit):
+        example.parse_args(["--steps", "0"])
+
+
+def test_lightning_example_trains_and_resumes(tmp_path: Path) -> None:
+    pytest.importorskip("lightning")
+    ckpt = str(tmp_path / "digits.ckpt")
+    out = torchrun("lightning_ddp.py", "--compressor", "topk:ratio=0.05", "--steps", "6",
+                   "--save", ckpt)
+    assert "compressor topk:ratio=0.05 on 2 processes, 6 steps" in out
+    payload, dense = bytes_line(out)
+    assert 0 < payload < dense / 5
+    # Every rank takes its own gradzip state back from rank 0's checkpoint file (a rank that
+    # got another rank's state would fail the engine's rank check).
+    out = torchrun("lightning_ddp.py", "--compressor", "topk:ratio=0.05", "--steps", "10",
+                   "--resume", ckpt)
+    assert "on 2 processes, 10 steps" in out
+
+
+def test_accelerate_example_accumulates_and_resumes(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    args = ("--compressor", "powersgd:rank=2", "--steps", "4", "--accumulation", "2",
+            "--checkpoint-dir", str(tmp_path / "ckpt"))
+    out = torchrun("accelerate_ddp.py", *args)
+    assert "compressor powersgd:rank=2 on 2 processes, 4 steps" in out
+    payload, dense = bytes_line(out)
+    assert 0 < payload < dense / 5
+    out = torchrun("accelerate_ddp.py", *args)
+    assert "resumed from" in out and "after 4 steps" in out
+    assert "on 2 processes, 8 steps" in out
