@@ -1,0 +1,345 @@
+"""The ``gradzip`` command: ``demo``, ``train``, ``compare``, ``list``, ``bench``.
+
+Configuration errors (bad spec strings, out-of-range values, missing files) print one line on
+stderr and exit with status 2. Set ``GRADZIP_DEBUG=1`` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger(__name__)
+
+_FMT = argparse.RawDescriptionHelpFormatter
+
+DEMO_EPILOG = """\
+Trains the embedded 8x8 digits task with 4 simulated workers, once per compressor: none,
+top-k 1%, hard threshold (budget 1%), PowerSGD rank 1, and Accordion switching PowerSGD
+between rank 1 (steady) and rank 4 (critical regimes). Prints a table and writes a plot.
+
+examples:
+  gradzip demo
+  gradzip demo --out /tmp/demo --quiet
+"""
+
+TRAIN_EPILOG = """\
+examples:
+  gradzip train --task digits --workers 4 --compressor topk:ratio=0.01 --out runs/topk
+  gradzip train --task digits --compressor powersgd:rank=1 --accordion powersgd:rank=4 \\
+      --interval-epochs 2 --out runs/accordion
+  gradzip train --task cifar10 --data ~/.cache/cifar10 --workers 4 \\
+      --compressor powersgd:rank=2 --epochs 1 --limit-train 5000 --out runs/c10
+  gradzip train --task lm --data wiki.train.tokens --compressor topk:ratio=0.02 --out runs/lm
+  gradzip train --task digits --workers 2 --launcher procs --compressor topk:ratio=0.1 \\
+      --out runs/procs                      # 2 local gloo processes through the DDP hook
+  torchrun --nnodes 2 --nproc-per-node 8 -m gradzip train --task cifar10 --data DIR \\
+      --compressor powersgd:rank=2 --out runs/big   # each process is one worker
+
+Options left out take the task's defaults (see `gradzip list`). The learning rate is per
+worker and scaled by the number of workers after a linear warm-up.
+"""
+
+COMPARE_EPILOG = """\
+A grid file (TOML; YAML with PyYAML; JSON) has a [base] table of train options shared by all
+runs, an optional [grid] of lists (cross product), and [[runs]] tables (each with an optional
+label). Built-in presets: see `gradzip list`.
+
+examples:
+  gradzip compare digits-quick
+  gradzip compare my-grid.toml --out results/my-grid
+  gradzip compare cifar10-accordion --set data=~/.cache/cifar10 --set epochs=30
+
+Finished runs (summary.json present with the same configuration) are skipped on a re-run;
+--force re-runs them.
+"""
+
+LIST_EPILOG = """\
+examples:
+  gradzip list
+  gradzip list --json | python -m json.tool
+"""
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("--task", default="digits", help="digits (default), cifar10, lm, logreg")
+    g.add_argument("--workers", type=int, default=4, help="data-parallel workers (default 4)")
+    g.add_argument("--compressor", default="none", metavar="SPEC",
+                   help="compressor spec, e.g. topk:ratio=0.01, powersgd:rank=2 (default none)")
+    g.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    g.add_argument("--launcher", choices=("auto", "sim", "procs"), default="auto",
+                   help="sim: simulated workers in one process; procs: one process per worker "
+                        "(gloo/NCCL, DDP hook); auto: procs under torchrun, else sim")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--epochs", type=int, default=None)
+    g.add_argument("--data", default=None, metavar="PATH",
+                   help="data path (cifar10: release dir, ImageFolder dir or .tar.gz; lm: text "
+                        "file or dir; logreg: LIBSVM file, default a generated problem)")
+    g.add_argument("--model", default=None, metavar="SPEC",
+                   help="model, optionally with keywords: resnet20:width=8, lstm:hidden=100")
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--limit-train", type=int, default=None, metavar="N",
+                   help="use only N training examples (lm: tokens), for quick runs")
+    g.add_argument("--log-every", type=int, default=0, metavar="STEPS",
+                   help="also log a record every STEPS optimizer steps")
+    g.add_argument("--cache-dir", default=None, help="cache of decoded CIFAR arrays")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads of a simulated run (default: the task's)")
+    a = p.add_argument_group("accordion")
+    a.add_argument("--accordion", default=None, metavar="SPEC",
+                   help="gentle level for critical regimes (--compressor is the aggressive one), "
+                        "e.g. --compressor powersgd:rank=1 --accordion powersgd:rank=4")
+    a.add_argument("--eta", type=float, default=0.5,
+                   help="critical when the gradient norm changes by >= eta (default 0.5)")
+    a.add_argument("--interval-epochs", type=float, default=None, metavar="E",
+                   help="epochs between Accordion decisions (default: the task's)")
+    o = p.add_argument_group("optimisation (defaults: the task's)")
+    o.add_argument("--lr", type=float, default=None, help="per-worker learning rate")
+    o.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
+    o.add_argument("--momentum", type=float, default=None)
+    o.add_argument("--weight-decay", type=float, default=None)
+    o.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None)
+    o.add_argument("--warmup-epochs", type=float, default=None)
+    o.add_argument("--milestones", default=None, metavar="M1,M2",
+                   help="LR decay points: values < 1 are fractions of training, others epochs")
+    o.add_argument("--gamma", type=float, default=None, help="LR factor at each milestone")
+    o.add_argument("--clip", type=float, default=None, help="max norm of the averaged gradient")
+    o.add_argument("--no-scale-lr", dest="scale_lr", action="store_false",
+                   help="do not multiply the learning rate by the number of workers")
+    o.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
+                   help="force error feedback on/off (default: the compressor's)")
+    o.add_argument("--bptt", type=int, default=35, help="lm: truncated-BPTT length")
+    o.add_argument("--text-level", choices=("word", "char"), default="word", help="lm tokens")
+
+
+_RUN_FIELDS = (
+    "task", "workers", "compressor", "out", "launcher", "seed", "epochs", "data", "model",
+    "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "eta", "interval_epochs",
+    "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
+    "gamma", "clip", "scale_lr", "error_feedback", "bptt", "text_level",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``gradzip`` command."""
+    parser = argparse.ArgumentParser(
+        prog="gradzip", formatter_class=_FMT,
+        description="Compressed-gradient data-parallel training: run, compare, inspect.",
+        epilog="examples:\n  gradzip demo\n  gradzip list\n  gradzip train --help\n"
+               "  gradzip compare digits-quick\n  gradzip bench --help",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    parser.add_argument("--version", action="version", version=f"gradzip {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    demo = sub.add_parser("demo", help="train the embedded digits task with 5 compressors",
+                          description="The main demo: no download, no flags.",
+                          epilog=DEMO_EPILOG, formatter_class=_FMT)
+    demo.add_argument("--out", default="gradzip-demo", help="output dir (default ./gradzip-demo)")
+    demo.add_argument("--quiet", action="store_true", help="no progress output")
+    demo.add_argument("--epochs", type=int, default=None, help=argparse.SUPPRESS)
+    demo.add_argument("--limit-train", type=int, default=None, help=argparse.SUPPRESS)
+    train = sub.add_parser("train", help="one training run",
+                           description="Train one run; writes DIR/metrics.jsonl and "
+                                       "DIR/summary.json.",
+                           epilog=TRAIN_EPILOG, formatter_class=_FMT)
+    _add_run_options(train)
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+    cmp = sub.add_parser("compare", help="run a grid of runs from a TOML file or preset",
+                         description="Run a grid; print a table, write results.csv and "
+                                     "compare.png.",
+                         epilog=COMPARE_EPILOG, formatter_class=_FMT)
+    cmp.add_argument("config", metavar="CONFIG", help="grid file or preset name")
+    cmp.add_argument("--out", default=None, help="output root (default: the file's `out`)")
+    cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a run option for every run (repeatable)")
+    cmp.add_argument("--force", action="store_true", help="re-run finished runs")
+    cmp.add_argument("--quiet", action="store_true", help="no progress output")
+    lst = sub.add_parser("list", help="compressors, tasks, models and presets",
+                         description="List compressors (with parameters and defaults), tasks, "
+                                     "models and compare presets.",
+                         epilog=LIST_EPILOG, formatter_class=_FMT)
+    lst.add_argument("--json", action="store_true", help="print JSON")
+    sub.add_parser("bench", help="communication benchmarks (gradzip bench --help)", add_help=False)
+    return parser
+
+
+def _version() -> str:
+    from gradzip import __version__
+
+    return __version__
+
+
+def _progress(quiet: bool) -> bool:
+    return not quiet and sys.stderr.isatty()
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    from gradzip.compressors.spec import _parse_value
+
+    key, eq, value = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not eq or not key:
+        raise ValueError(f"`--set` must be KEY=VALUE, got {text!r}")
+    value = value.strip()
+    return key, (None if value.lower() in ("none", "null") else _parse_value(value))
+
+
+# -- commands ---------------------------------------------------------------------------
+def cmd_train(args: argparse.Namespace) -> int:
+    from gradzip.train.runner import RunConfig, run
+
+    cfg = RunConfig.from_dict({f: getattr(args, f) for f in _RUN_FIELDS})
+    summary = run(cfg, progress=_progress(args.quiet))
+    if summary is None:  # pragma: no cover - a torchrun rank other than 0 could return None
+        return 0
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    metric = summary["metric"]
+    value = summary[f"final_{metric}"]
+    shown = f"{100 * value:.2f}%" if metric == "accuracy" and value is not None else f"{value}"
+    from gradzip.train.metrics import format_bytes
+
+    comp = summary["compression"]
+    print(f"{summary['task']}: {summary['workers']} workers ({summary['launcher']}), "
+          f"{summary['compressor']}"
+          + (f" <-> {summary['accordion']} (Accordion)" if summary["accordion"] else "")
+          + f", {summary['epochs']} epochs, {summary['steps']} steps")
+    print(f"final {metric} {shown}; sent per worker {format_bytes(summary['bytes_sent_per_worker'])}"
+          f" ({comp:.1f}x less than dense); {summary['wall_seconds']:.1f} s"
+          if comp else f"final {metric} {shown}; {summary['wall_seconds']:.1f} s")
+    print(f"wrote {os.path.join(cfg.out, 'metrics.jsonl')} and "
+          f"{os.path.join(cfg.out, 'summary.json')}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from gradzip.train.compare import format_table, load_grid, run_grid
+
+    overrides = dict(_parse_override(s) for s in args.overrides)
+    grid = load_grid(args.config, overrides=overrides, out=args.out)
+    quiet = args.quiet
+    rows = run_grid(grid, force=args.force, progress=_progress(quiet),
+                    stream=None if quiet else sys.stderr)
+    print(f"{grid.name}: {len(rows)} runs")
+    print(format_table(rows))
+    files = rows[0]["_files"]
+    print(f"csv: {files['csv']}")
+    print(f"plot: {files['plot']}" if files["plot"] else "plot: (matplotlib not installed)")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from gradzip.train.compare import format_table, load_grid, run_grid
+
+    overrides: dict[str, Any] = {}
+    epochs = args.epochs or (int(os.environ["GRADZIP_DEMO_EPOCHS"])
+                             if os.environ.get("GRADZIP_DEMO_EPOCHS") else None)
+    if epochs is not None:
+        overrides["epochs"] = epochs
+    if args.limit_train is not None:
+        overrides["limit_train"] = args.limit_train
+    grid = load_grid("demo", overrides=overrides, out=args.out)
+    first = grid.runs[0].config
+    print(f"gradzip demo: task {first.task}, {first.workers} simulated workers, "
+          f"{len(grid.runs)} runs", flush=True)
+    start = time.perf_counter()
+    rows = run_grid(grid, force=True, progress=_progress(args.quiet),
+                    stream=None if args.quiet else sys.stderr)
+    print(format_table(rows))
+    print(f"total {time.perf_counter() - start:.1f} s; runs in {grid.out}/")
+    files = rows[0]["_files"]
+    print(f"plot: {files['plot']}" if files["plot"] else "plot: (matplotlib not installed)")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from gradzip.compressors.spec import describe_compressors
+    from gradzip.train.compare import list_presets
+    from gradzip.train.models import available_models
+    from gradzip.train.tasks import TASKS
+
+    tasks = [
+        {"name": t.name, "description": t.description, "metric": t.metric,
+         "needs_data": t.needs_data, "models": list(t.models),
+         "defaults": {**t.defaults.__dict__, "milestones": list(t.defaults.milestones)}}
+        for t in TASKS.values()
+    ]
+    info = {"compressors": describe_compressors(), "tasks": tasks, "models": available_models(),
+            "presets": list_presets()}
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    print("compressors (spec: name:key=value,...):")
+    for c in info["compressors"]:
+        params = ", ".join(f"{p['name']}={p['default']}" for p in c["parameters"]) or "-"
+        print(f"  {c['name']:<10} {params}")
+        print(f"  {'':<10} {c['description']}")
+    print("\ntasks:")
+    for t in tasks:
+        d = t["defaults"]
+        print(f"  {t['name']:<8} {t['description']}")
+        print(f"  {'':<8} model {d['model']}, {d['epochs']} epochs, batch {d['batch_size']}/worker,"
+              f" lr {d['lr']}/worker, {t['metric']}")
+    print("\nmodels: " + ", ".join(info["models"]))
+    print("\ncompare presets:")
+    for name, desc in info["presets"].items():
+        print(f"  {name:<20} {desc}")
+    return 0
+
+
+def cmd_bench(argv: Sequence[str]) -> int:
+    try:
+        from gradzip import bench
+    except ImportError:
+        print("gradzip: error: `bench` needs gradzip.bench, which this installation does not "
+              "provide", file=sys.stderr)
+        return 2
+    return int(bench.main(list(argv)) or 0)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``gradzip`` command; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = bool(os.environ.get("GRADZIP_DEBUG"))
+    commands = [a for a in args_list if not a.startswith("-")]
+    if commands and commands[0] == "bench":
+        return cmd_bench(args_list[args_list.index("bench") + 1:])
+    parser = build_parser()
+    args = parser.parse_args(args_list)
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
+                        format="%(levelname)s %(name)s: %(message)s")
+    handlers = {"train": cmd_train, "compare": cmd_compare, "demo": cmd_demo, "list": cmd_list}
+    try:
+        return handlers[args.command](args)
+    except (ValueError, TypeError) as exc:
+        if debug:
+            raise
+        print(f"gradzip {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        if debug:
+            raise
+        print(f"gradzip {args.command}: failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"gradzip {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

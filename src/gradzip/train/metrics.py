@@ -1,0 +1,130 @@
+"""Run records: ``metrics.jsonl`` (one JSON object per line) and ``summary.json``.
+
+``metrics.jsonl`` holds one record per epoch (``"kind": "epoch"``) and, with ``log_every``,
+one per N optimizer steps (``"kind": "step"``). Byte counters are cumulative and per worker:
+the maximum over workers of what each worker sent (``wire``) or said (``payload``), so
+"bytes sent per worker" is the cost of the busiest worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["MetricsWriter", "format_bytes", "read_metrics", "read_summary", "versions"]
+
+log = logging.getLogger(__name__)
+
+
+def versions() -> dict[str, str]:
+    """Versions of the software a run used."""
+    from gradzip import __version__
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "gradzip": __version__,
+        "platform": platform.platform(),
+    }
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe copy: tensors and numpy scalars to numbers, tuples to lists, NaN to None."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return _plain(value.tolist())
+    if isinstance(value, np.generic):
+        return _plain(value.item())
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+class MetricsWriter:
+    """Appends records to ``DIR/metrics.jsonl`` and writes ``DIR/summary.json`` at the end.
+
+    A new writer truncates an existing ``metrics.jsonl`` (a run starts from scratch) and
+    removes a stale ``summary.json``, so a directory never pairs new metrics with an old summary.
+
+    Args:
+        out_dir: the run's output directory (created if missing).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.summary_path = self.out_dir / "summary.json"
+        self.summary_path.unlink(missing_ok=True)
+        self._fh = self.metrics_path.open("w", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (flushed, so a crashed run keeps its history)."""
+        self._fh.write(json.dumps(_plain(record), sort_keys=False) + "\n")
+        self._fh.flush()
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        """Write ``obj`` as ``DIR/name`` (atomically)."""
+        path = self.out_dir / name
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(_plain(obj), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    def finish(self, summary: dict[str, Any]) -> Path:
+        """Close the metrics file and write ``summary.json`` last (its presence marks a
+        finished run)."""
+        self.close()
+        return self.write_json("summary.json", summary)
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+def read_metrics(out_dir: str | os.PathLike[str], kind: str | None = "epoch") -> list[dict[str, Any]]:
+    """Records of ``DIR/metrics.jsonl`` (only those of ``kind`` unless it is None)."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def read_summary(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``DIR/summary.json``, or None when the run did not finish."""
+    path = Path(out_dir) / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        log.warning("ignoring unreadable %s", path)
+        return None
+
+
+def format_bytes(n: float | None) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+

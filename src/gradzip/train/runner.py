@@ -1,0 +1,389 @@
+"""The experiment runner: one training run, with simulated workers or real processes.
+
+Launchers:
+
+* ``sim``: N workers simulated in one process. Each worker's gradient is computed on its own
+  shard with one shared model replica (replicas of synchronous data-parallel SGD are identical,
+  so one suffices), the gradients are stacked on a leading worker axis and averaged through an
+  :class:`~gradzip.Engine` over a :class:`~gradzip.SimulatedGroup`; the average updates the one
+  replica. BatchNorm running statistics follow worker 0, as DDP's buffer broadcast does.
+* ``procs``: N processes (gloo on CPU, NCCL on GPUs) with ``DistributedDataParallel`` and the
+  gradzip comm hook. Under ``torchrun`` (``RANK``/``WORLD_SIZE`` set) each process is one worker
+  and the group spans every machine; otherwise the runner spawns N local processes.
+* ``auto`` (default): ``procs`` under ``torchrun``, else ``sim``.
+
+Both launchers train the same shards in the same order and evaluate the same test shards, so
+with a deterministic compressor they report the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradzip._validate import check_bool, check_choice, check_int, check_real
+from gradzip.compressors.base import Compressor
+from gradzip.compressors.spec import compressor_from_spec
+from gradzip.ops.random import stable_hash
+from gradzip.train.loop import TrainLoop
+from gradzip.train.metrics import MetricsWriter, versions
+from gradzip.train.tasks import get_task, parse_model_spec
+
+__all__ = ["LAUNCHERS", "RunConfig", "build_compressor", "resolve_config", "run", "under_torchrun"]
+
+log = logging.getLogger(__name__)
+
+LAUNCHERS = ("auto", "sim", "procs")
+DEVICES = ("cpu", "cuda")
+#: Fields that do not change what is computed (ignored when deciding whether a run is done).
+NON_RESULT_FIELDS = ("out", "cache_dir", "timeout", "threads")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Everything that defines one run; ``None`` fields take the task's defaults.
+
+    Attributes:
+        task: ``digits``, ``cifar10``, ``lm`` or ``logreg``.
+        out: output directory (``metrics.jsonl``, ``summary.json``).
+        workers: number of data-parallel workers (under ``torchrun``: the world size).
+        compressor: compressor spec, e.g. ``"topk:ratio=0.01"``.
+        accordion: Accordion's gentle (critical-regime) level, e.g. ``"powersgd:rank=4"``;
+            ``compressor`` is then the aggressive level.
+        eta: Accordion's threshold on the relative change of gradient norms.
+        interval_epochs: Accordion's decision interval, in epochs (rounded to steps).
+        epochs: training epochs.
+        launcher: ``auto``, ``sim`` or ``procs``.
+        seed: seed of model initialisation, shuffling, augmentation and compressor randomness.
+        data: data path (CIFAR-10 tree or archive, text file, LIBSVM file).
+        model: model spec, e.g. ``"resnet20:width=8"``.
+        lr: single-worker learning rate; the peak is ``lr * workers`` unless ``scale_lr`` is off.
+        batch_size: examples (LM: columns) per worker per step.
+        momentum, weight_decay, nesterov: SGD settings.
+        warmup_epochs: linear warm-up length.
+        milestones: LR decay points (values < 1: fractions of training; others: epochs).
+        gamma: LR factor at each milestone.
+        clip: max norm of the averaged gradient.
+        scale_lr: linear scaling of the LR with the number of workers.
+        error_feedback: force error feedback on or off (default: the compressor's).
+        bptt: LM truncated-BPTT window.
+        text_level: LM tokens: ``word`` or ``char``.
+        limit_train: keep only this many training examples (LM: tokens), for quick runs.
+        log_every: also write a ``"step"`` record every N optimizer steps (0: epochs only).
+        cache_dir: cache of decoded CIFAR arrays (default ``~/.cache/gradzip``).
+        device: ``cpu`` or ``cuda``.
+        timeout: seconds before a spawned multi-process run is abandoned.
+        threads: torch threads of a simulated run (default: the task's; spawned processes
+            share the cores).
+    """
+
+    task: str = "digits"
+    out: str = "gradzip-run"
+    workers: int = 4
+    compressor: str = "none"
+    accordion: str | None = None
+    eta: float = 0.5
+    interval_epochs: float | None = None
+    epochs: int | None = None
+    launcher: str = "auto"
+    seed: int = 0
+    data: str | None = None
+    model: str | None = None
+    lr: float | None = None
+    batch_size: int | None = None
+    momentum: float | None = None
+    weight_decay: float | None = None
+    nesterov: bool | None = None
+    warmup_epochs: float | None = None
+    milestones: tuple[float, ...] | None = None
+    gamma: float | None = None
+    clip: float | None = None
+    scale_lr: bool = True
+    error_feedback: bool | None = None
+    bptt: int = 35
+    text_level: str = "word"
+    limit_train: int | None = None
+    log_every: int = 0
+    cache_dir: str | None = None
+    device: str = "cpu"
+    timeout: float = 7 * 24 * 3600.0
+    threads: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data view (tuples as lists)."""
+        out = dataclasses.asdict(self)
+        if out["milestones"] is not None:
+            out["milestones"] = list(out["milestones"])
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> RunConfig:
+        """Build from plain data, refusing unknown keys.
+
+        Raises:
+            ValueError: a key that is not a field.
+        """
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"run options must be among {', '.join(sorted(known))}, got {unknown}")
+        values = dict(values)
+        if values.get("milestones") is not None:
+            values["milestones"] = _milestones(values["milestones"])
+        return cls(**values)
+
+    def result_key(self) -> dict[str, Any]:
+        """The fields that determine the results (what a re-run must match to be skipped)."""
+        return {k: v for k, v in self.to_dict().items() if k not in NON_RESULT_FIELDS}
+
+
+def _milestones(value: Any) -> tuple[float, ...]:
+    if isinstance(value, str):
+        parts = [p for p in value.replace(" ", "").split(",") if p]
+        try:
+            value = [float(p) for p in parts]
+        except ValueError:
+            raise ValueError(f"`milestones` must be comma-separated numbers, got {value!r}") from None
+    if isinstance(value, (int, float)):
+        value = [value]
+    marks = tuple(check_real("milestones", v, low=0) for v in value)
+    if list(marks) != sorted(marks):
+        raise ValueError(f"`milestones` must be non-decreasing, got {list(marks)}")
+    return marks
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by ``torchrun`` (or another env:// launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _accordion_class() -> type:
+    try:
+        from gradzip.accordion import Accordion
+    except ImportError:
+        raise ValueError(
+            "`accordion` needs gradzip.accordion, which this installation does not provide"
+        ) from None
+    return Accordion
+
+
+def resolve_config(cfg: RunConfig) -> RunConfig:
+    """Fill task defaults and validate every field.
+
+    Raises:
+        ValueError, TypeError: the first invalid field, named.
+    """
+    if not isinstance(cfg, RunConfig):
+        raise TypeError(f"`cfg` must be a RunConfig, got {type(cfg).__name__}")
+    task = get_task(cfg.task)
+    d = task.defaults
+    fill = {
+        f.name: getattr(d, f.name)
+        for f in dataclasses.fields(d)
+        if getattr(cfg, f.name) is None
+    }
+    cfg = dataclasses.replace(cfg, **fill)
+    check_int("workers", cfg.workers, minimum=1)
+    check_int("epochs", cfg.epochs, minimum=1)
+    check_int("batch_size", cfg.batch_size, minimum=1)
+    check_int("seed", cfg.seed, minimum=0)
+    check_int("bptt", cfg.bptt, minimum=1)
+    check_int("log_every", cfg.log_every, minimum=0)
+    if cfg.threads is not None:
+        check_int("threads", cfg.threads, minimum=1)
+    if cfg.limit_train is not None:
+        check_int("limit_train", cfg.limit_train, minimum=2)
+    check_real("lr", cfg.lr, low=0, low_open=True)
+    check_real("momentum", cfg.momentum, low=0, high=1, high_open=True)
+    check_real("weight_decay", cfg.weight_decay, low=0)
+    check_real("warmup_epochs", cfg.warmup_epochs, low=0)
+    check_real("gamma", cfg.gamma, low=0, low_open=True)
+    check_real("interval_epochs", cfg.interval_epochs, low=0, low_open=True)
+    check_real("eta", cfg.eta, low=0, low_open=True)
+    check_real("timeout", cfg.timeout, low=0, low_open=True)
+    if cfg.clip is not None:
+        check_real("clip", cfg.clip, low=0, low_open=True)
+    check_bool("nesterov", cfg.nesterov)
+    check_bool("scale_lr", cfg.scale_lr)
+    if cfg.error_feedback is not None:
+        check_bool("error_feedback", cfg.error_feedback)
+    if cfg.nesterov and cfg.momentum == 0:
+        raise ValueError("`nesterov` must be off when `momentum` is 0, got nesterov=True")
+    check_choice("launcher", cfg.launcher, LAUNCHERS)
+    check_choice("device", cfg.device, DEVICES)
+    check_choice("text_level", cfg.text_level, ("word", "char"))
+    cfg = dataclasses.replace(cfg, milestones=_milestones(cfg.milestones))
+    parse_model_spec(cfg.model)
+    compressor_from_spec(cfg.compressor)
+    if cfg.accordion is not None:
+        compressor_from_spec(cfg.accordion)
+        _accordion_class()
+    if cfg.data is None and task.needs_data:
+        raise ValueError(f"`data` must be given for task {task.name!r} ({task.description})")
+    if cfg.data is not None:
+        path = Path(cfg.data).expanduser()
+        if not path.exists():
+            raise ValueError(f"`data` must be an existing path, got {cfg.data!r}")
+        cfg = dataclasses.replace(cfg, data=str(path))
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("`device` must be 'cpu' on a machine without CUDA, got 'cuda'")
+    launcher = cfg.launcher
+    if launcher == "auto":
+        launcher = "procs" if under_torchrun() else "sim"
+    if launcher == "sim" and under_torchrun():
+        raise ValueError("`launcher` must be 'procs' (or 'auto') under torchrun, got 'sim'")
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != cfg.workers:
+            log.info("torchrun world size %d replaces workers=%d", world, cfg.workers)
+        cfg = dataclasses.replace(cfg, workers=world)
+    return dataclasses.replace(cfg, launcher=launcher, out=str(cfg.out))
+
+
+def milestone_epochs(cfg: RunConfig) -> list[float]:
+    """Milestones in epochs: values below 1 are fractions of ``cfg.epochs``."""
+    assert cfg.milestones is not None and cfg.epochs is not None
+    return [m * cfg.epochs if m < 1 else float(m) for m in cfg.milestones]
+
+
+def build_compressor(cfg: RunConfig, steps_per_epoch: int) -> Compressor:
+    """The run's compressor; with ``accordion`` an Accordion switching between the two specs,
+    deciding every ``interval_epochs`` epochs (converted to optimizer steps)."""
+    if cfg.accordion is None:
+        return compressor_from_spec(cfg.compressor)
+    accordion = _accordion_class()
+    assert cfg.interval_epochs is not None
+    interval = max(1, round(cfg.interval_epochs * steps_per_epoch))
+    return accordion.from_specs(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval)
+
+
+def summarize(cfg: RunConfig, metric: str, history: list[dict[str, Any]],
+              stats: dict[str, Any], wall: float, train_seconds: float) -> dict[str, Any]:
+    """The ``summary.json`` object of a finished run."""
+    last = history[-1] if history else {}
+    values = [r[metric] for r in history if r.get(metric) is not None]
+    best = (max(values) if metric == "accuracy" else min(values)) if values else None
+    sent, dense = stats["wire_bytes"], stats["dense_wire_bytes"]
+    return {
+        "task": cfg.task,
+        "launcher": cfg.launcher,
+        "workers": cfg.workers,
+        "compressor": cfg.compressor,
+        "accordion": cfg.accordion,
+        "metric": metric,
+        f"final_{metric}": last.get(metric),
+        f"best_{metric}": best,
+        "final_test_loss": last.get("test_loss"),
+        "final_train_loss": last.get("train_loss"),
+        "bytes_sent_per_worker": sent,
+        "payload_bytes_per_worker": stats["payload_bytes"],
+        "dense_bytes_per_worker": dense,
+        "compression": (dense / sent) if sent else None,
+        "bytes_accounting": "cumulative ring-collective wire bytes of the busiest worker "
+                            "(max over workers); dense = an fp32 all-reduce of every gradient",
+        "steps": stats["steps"],
+        "rounds": stats["rounds"],
+        "skipped_steps": stats["skipped_steps"],
+        "epochs": cfg.epochs,
+        "wall_seconds": wall,
+        "train_seconds": train_seconds,
+        "config": cfg.to_dict(),
+        "versions": versions(),
+    }
+
+
+# -- launchers ---------------------------------------------------------------------------
+def _run_local(cfg: RunConfig, rank: int, progress: bool, started: float) -> dict[str, Any]:
+    """Train as worker ``rank`` (sim: all workers); rank 0 writes the files."""
+    task = get_task(cfg.task)
+    data = task.load(cfg)
+    writer = MetricsWriter(cfg.out) if rank == 0 else None
+    try:
+        loop = TrainLoop(cfg, task, data, rank=rank, progress=progress and rank == 0)
+        history, stats, train_seconds = loop.run(build_compressor, writer)
+        summary = summarize(cfg, task.metric, history, stats, time.perf_counter() - started,
+                            train_seconds)
+        if writer is not None:
+            for name, obj in loop.extra_files().items():
+                writer.write_json(name, obj)
+            writer.finish(summary)
+        return summary
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _proc_main(rank: int, world: int, cfg_dict: dict[str, Any], progress: bool,
+               started: float) -> dict[str, Any]:
+    """Entry point of a spawned worker process (the process group already exists)."""
+    torch.set_num_threads(cfg_dict.get("threads") or max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(stable_hash(cfg_dict["seed"], "process", rank))
+    return _run_local(RunConfig.from_dict(cfg_dict), rank, progress, started)
+
+
+def _run_torchrun(cfg: RunConfig, progress: bool, started: float) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend)
+    try:
+        rank = dist.get_rank()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(stable_hash(cfg.seed, "process", rank))
+            return _run_local(cfg, rank, progress, started)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def run(cfg: RunConfig, *, progress: bool = False) -> dict[str, Any]:
+    """Train one run and write ``metrics.jsonl`` and ``summary.json`` to ``cfg.out``.
+
+    Args:
+        cfg: the run (task defaults fill its ``None`` fields).
+        progress: show a progress bar (rank 0 only).
+
+    Returns:
+        The summary (as written to ``summary.json``; under torchrun, every rank returns its
+        own copy and only rank 0 writes it).
+
+    Raises:
+        ValueError, TypeError: an invalid configuration.
+        RuntimeError: a worker process failed.
+    """
+    started = time.perf_counter()
+    cfg = resolve_config(cfg)
+    if cfg.launcher == "sim":
+        threads = torch.get_num_threads()
+        try:
+            if cfg.threads is not None:
+                torch.set_num_threads(cfg.threads)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(stable_hash(cfg.seed, "process", 0))
+                return _run_local(cfg, 0, progress, started)
+        finally:
+            torch.set_num_threads(threads)
+    from gradzip.train.loop import require_ddp
+
+    require_ddp()
+    if under_torchrun():
+        return _run_torchrun(cfg, progress, started)
+    if cfg.device == "cuda" and torch.cuda.device_count() < cfg.workers:
+        raise ValueError(
+            f"`workers` must be <= the {torch.cuda.device_count()} GPUs with device='cuda' "
+            f"and launcher='procs', got {cfg.workers}"
+        )
+    from gradzip.comm.launch import run_processes
+
+    backend = "nccl" if cfg.device == "cuda" else "gloo"
+    results = run_processes(_proc_main, cfg.workers, cfg.to_dict(), progress, started,
+                            backend=backend, timeout=cfg.timeout)
+    return results[0]

@@ -1,0 +1,321 @@
+"""The task registry: what a run trains, on which data, with which defaults.
+
+A task knows how to load its data, build its default model, split one epoch into per-worker
+mini-batches (disjoint shards, reshuffled every epoch from the seed), compute a worker's loss,
+and evaluate. The runner is the same for every task.
+
+Evaluation is computed as sums (loss, correct, count) over ``world`` disjoint shards of the
+test set, so a simulated run and a multi-process run (one shard per process, then summed)
+report the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from gradzip.compressors.spec import parse_spec
+from gradzip.ops.random import generator_for
+from gradzip.train import data as D
+from gradzip.train.models import available_models, build_model
+
+__all__ = ["TASKS", "Defaults", "Task", "get_task", "parse_model_spec"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Default hyper-parameters of a task (the learning rate is per worker).
+
+    Attributes:
+        model: model spec (``name`` or ``name:key=value,...``).
+        epochs: training epochs.
+        batch_size: examples (or LM columns) per worker per step.
+        lr: single-worker learning rate; the peak is ``lr * workers`` (linear scaling rule).
+        momentum, weight_decay, nesterov: SGD settings.
+        warmup_epochs: linear warm-up from ``lr`` to the peak.
+        milestones: LR decay points; values below 1 are fractions of training, others epochs.
+        gamma: LR factor at each milestone.
+        interval_epochs: Accordion's decision interval.
+        clip: max global gradient norm (of the averaged gradient), or None.
+        threads: torch intra-op threads for a simulated run (None: torch's default). Tiny
+            models run fastest on one thread; more only adds synchronisation overhead.
+    """
+
+    model: str
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    nesterov: bool = False
+    warmup_epochs: float = 0.0
+    milestones: tuple[float, ...] = (0.5, 0.75)
+    gamma: float = 0.1
+    interval_epochs: float = 10.0
+    clip: float | None = None
+    threads: int | None = None
+
+
+def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """Split ``"resnet20:width=8"`` into the model name and constructor keywords.
+
+    Raises:
+        ValueError: unknown model name or malformed keywords.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise TypeError(f"`model` must be a model name such as 'resnet20', got {spec!r}")
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    if name not in available_models():
+        raise ValueError(f"`model` must be one of {', '.join(available_models())}, got {name!r}")
+    kwargs = parse_spec("model:" + rest)[1] if rest.strip() else {}
+    return name, kwargs
+
+
+def _new_model(spec: str, num_classes: int, seed: int, **extra: Any) -> nn.Module:
+    """Build a model whose initial weights depend only on ``seed`` (global RNG left as it was)."""
+    name, kwargs = parse_model_spec(spec)
+    kwargs = {**extra, **kwargs}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return build_model(name, num_classes, **kwargs)
+        except TypeError as exc:  # an unknown keyword in the model spec
+            raise ValueError(f"`model` keywords do not fit {name!r}: {exc}") from None
+
+
+@dataclass
+class Task:
+    """Base class of tasks: image/vector classification with cross-entropy and accuracy."""
+
+    name: str
+    description: str
+    defaults: Defaults
+    metric: str = "accuracy"
+    needs_data: bool = False
+    augment: bool = False
+    models: tuple[str, ...] = field(default_factory=tuple)
+
+    # -- data and model ---------------------------------------------------------------
+    def load(self, cfg: Any) -> Any:
+        """Load the data for ``cfg`` (a resolved run configuration)."""
+        raise NotImplementedError
+
+    def build_model(self, cfg: Any, data: Any) -> nn.Module:
+        """The model of ``cfg.model``, initialised from ``cfg.seed``."""
+        return _new_model(cfg.model, data.num_classes, cfg.seed)
+
+    @staticmethod
+    def _limit(data: D.TaskData, limit: int | None, seed: int) -> D.TaskData:
+        if limit is None or limit >= len(data.train):
+            return data
+        keep = torch.randperm(len(data.train), generator=generator_for(seed, "limit-train"))[:limit]
+        keep = keep.sort().values
+        data.train = D.TensorSplit(data.train.x[keep], data.train.y[keep])
+        return data
+
+    # -- training -----------------------------------------------------------------------
+    def steps_per_epoch(self, data: Any, cfg: Any, world: int) -> int:
+        """Optimizer steps per epoch (identical on every worker)."""
+        per_worker = len(data.train) // world
+        if per_worker < cfg.batch_size:
+            raise ValueError(
+                f"`batch_size` must be <= the {per_worker} training examples per worker "
+                f"({len(data.train)} examples, {world} workers), got {cfg.batch_size}"
+            )
+        return per_worker // cfg.batch_size
+
+    def batches(self, data: Any, cfg: Any, world: int, rank: int, epoch: int) -> list[Any]:
+        """Worker ``rank``'s mini-batches of ``epoch``: a disjoint shard, reshuffled per epoch."""
+        idx = D.shard_indices(len(data.train), world, rank, epoch, cfg.seed)
+        out = list(D.iter_batches(data.train, idx, cfg.batch_size, drop_last=True))
+        if self.augment:
+            out = [
+                (D.augment_batch(x, generator_for(cfg.seed, "augment", epoch, rank, i)), y)
+                for i, (x, y) in enumerate(out)
+            ]
+        return out
+
+    def init_carry(self, model: nn.Module, cfg: Any) -> Any:
+        """State carried from one batch to the next by one worker (LSTM hidden state)."""
+        return None
+
+    def loss(self, model: nn.Module, batch: Any, carry: Any) -> tuple[Tensor, Any]:
+        """Mean loss of one worker's batch, and the new carry."""
+        x, y = batch
+        return F.cross_entropy(model(x), y), carry
+
+    # -- evaluation ---------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_sums(self, model: nn.Module, data: Any, cfg: Any, world: int, rank: int) -> Tensor:
+        """``[loss_sum, correct, count]`` over shard ``rank`` of ``world`` of the test set."""
+        test = data.test
+        per = math.ceil(len(test) / world)
+        x, y = test.x[rank * per:(rank + 1) * per], test.y[rank * per:(rank + 1) * per]
+        device = next(model.parameters()).device
+        sums = torch.zeros(3, dtype=torch.float64)
+        for start in range(0, len(y), 1000):
+            xb, yb = x[start:start + 1000].to(device), y[start:start + 1000].to(device)
+            logits = model(xb)
+            sums[0] += float(F.cross_entropy(logits, yb, reduction="sum"))
+            sums[1] += float((logits.argmax(1) == yb).sum())
+            sums[2] += len(yb)
+        return sums
+
+    def metrics(self, sums: Tensor) -> dict[str, float]:
+        """Turn summed evaluation counts into ``{"test_loss", metric}``."""
+        count = max(float(sums[2]), 1.0)
+        return {"test_loss": float(sums[0]) / count, "accuracy": float(sums[1]) / count}
+
+
+class DigitsTask(Task):
+    """8x8 handwritten digits, embedded in the package: no download."""
+
+    def load(self, cfg: Any) -> D.TaskData:
+        return self._limit(D.load_digits(seed=cfg.seed), cfg.limit_train, cfg.seed)
+
+
+class Cifar10Task(Task):
+    """CIFAR-10 from ``--data``: the python release or an ImageFolder tree (dir or .tar.gz)."""
+
+    def load(self, cfg: Any) -> D.TaskData:
+        kwargs: dict[str, Any] = {}
+        if cfg.cache_dir is not None:
+            kwargs["cache_dir"] = cfg.cache_dir
+        data = D.load_cifar10(cfg.data, **kwargs)
+        return self._limit(data, cfg.limit_train, cfg.seed)
+
+
+class LogRegTask(Task):
+    """Logistic regression on a LIBSVM file (``--data``) or a generated separable problem."""
+
+    def load(self, cfg: Any) -> D.TaskData:
+        if cfg.data is None:
+            data = D.make_logreg_problem(n=2000, d=100, seed=cfg.seed)
+        else:
+            data = D.load_libsvm(cfg.data, seed=cfg.seed)
+        return self._limit(data, cfg.limit_train, cfg.seed)
+
+    def build_model(self, cfg: Any, data: Any) -> nn.Module:
+        extra = {"num_features": int(data.train.x[0].numel())} if cfg.model.startswith("logreg") else {}
+        return _new_model(cfg.model, data.num_classes, cfg.seed, **extra)
+
+
+class LanguageModelTask(Task):
+    """Word- (or char-) level language modelling with an LSTM; truncated BPTT; perplexity.
+
+    The training stream is cut into ``world`` contiguous parts, one per worker, each arranged
+    in ``batch_size`` columns; every epoch walks the windows in order with the hidden state
+    carried across windows (reset at the start of each epoch).
+    """
+
+    def load(self, cfg: Any) -> D.LMData:
+        lm = D.load_text(cfg.data, level=cfg.text_level)
+        if cfg.limit_train is not None:
+            lm.train_ids = lm.train_ids[: cfg.limit_train]
+        return lm
+
+    def build_model(self, cfg: Any, data: Any) -> nn.Module:
+        return _new_model(cfg.model, len(data.vocab), cfg.seed)
+
+    def _stream(self, data: D.LMData, cfg: Any, world: int, rank: int) -> Tensor:
+        per = len(data.train_ids) // world
+        return D.batchify(data.train_ids[rank * per:(rank + 1) * per], cfg.batch_size)
+
+    def steps_per_epoch(self, data: Any, cfg: Any, world: int) -> int:
+        per = len(data.train_ids) // world
+        if per // cfg.batch_size < 2:
+            raise ValueError(
+                f"`batch_size` must leave at least 2 tokens per column of each worker's "
+                f"{per} tokens, got {cfg.batch_size}"
+            )
+        return math.ceil((per // cfg.batch_size - 1) / cfg.bptt)
+
+    def batches(self, data: Any, cfg: Any, world: int, rank: int, epoch: int) -> list[Any]:
+        return list(D.bptt_batches(self._stream(data, cfg, world, rank), cfg.bptt))
+
+    def init_carry(self, model: nn.Module, cfg: Any) -> Any:
+        return model.init_hidden(cfg.batch_size)  # type: ignore[operator]
+
+    def loss(self, model: nn.Module, batch: Any, carry: Any) -> tuple[Tensor, Any]:
+        inp, tgt = batch
+        logits, hidden = model(inp, carry)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
+        # Truncated BPTT: the next window starts from this state without its history. (The
+        # model may be wrapped in DDP, so no model method is used here.)
+        return loss, tuple(h.detach() for h in hidden)
+
+    @torch.no_grad()
+    def eval_sums(self, model: nn.Module, data: Any, cfg: Any, world: int, rank: int) -> Tensor:
+        per = len(data.valid_ids) // world
+        part = data.valid_ids[rank * per:(rank + 1) * per]
+        sums = torch.zeros(3, dtype=torch.float64)
+        columns = max(1, min(10, len(part) // 2))
+        if len(part) < 2:
+            return sums
+        stream = D.batchify(part, columns).to(next(model.parameters()).device)
+        hidden = model.init_hidden(columns)  # type: ignore[operator]
+        for inp, tgt in D.bptt_batches(stream, cfg.bptt):
+            logits, hidden = model(inp, hidden)
+            sums[0] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             tgt.reshape(-1), reduction="sum"))
+            sums[2] += tgt.numel()
+        return sums
+
+    def metrics(self, sums: Tensor) -> dict[str, float]:
+        loss = float(sums[0]) / max(float(sums[2]), 1.0)
+        return {"test_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+
+
+TASKS: dict[str, Task] = {
+    t.name: t
+    for t in (
+        DigitsTask(
+            "digits", "8x8 handwritten digits (embedded, 1437 train / 360 test), small CNN",
+            Defaults(model="digitsnet", epochs=12, batch_size=16, lr=0.025, weight_decay=1e-4,
+                     warmup_epochs=1.0, milestones=(0.5, 0.75), interval_epochs=2.0,
+                     threads=1),
+            models=("digitsnet", "logreg"),
+        ),
+        Cifar10Task(
+            "cifar10", "CIFAR-10 from --data (python release or ImageFolder dir/.tar.gz)",
+            Defaults(model="resnet20", epochs=300, batch_size=128, lr=0.1, weight_decay=1e-4,
+                     warmup_epochs=5.0, milestones=(0.5, 0.75), interval_epochs=10.0),
+            needs_data=True, augment=True,
+            models=("resnet8", "resnet14", "resnet20", "resnet18", "vgg-tiny", "vgg11",
+                    "vgg16", "vgg19"),
+        ),
+        LanguageModelTask(
+            "lm", "language model on a text file or dir (--data), 2-layer LSTM, perplexity",
+            Defaults(model="lstm", epochs=90, batch_size=20, lr=1.25, momentum=0.0,
+                     warmup_epochs=5.0, milestones=(60.0, 80.0), interval_epochs=5.0,
+                     clip=0.25),
+            metric="perplexity", needs_data=True, models=("lstm",),
+        ),
+        LogRegTask(
+            "logreg", "logistic regression: LIBSVM file (--data) or a generated problem",
+            Defaults(model="logreg", epochs=10, batch_size=32, lr=0.1, momentum=0.0,
+                     milestones=(0.5, 0.75), interval_epochs=2.0, threads=1),
+            models=("logreg",),
+        ),
+    )
+}
+
+
+def get_task(name: str) -> Task:
+    """The registered task called ``name``.
+
+    Raises:
+        ValueError: unknown name.
+    """
+    if name not in TASKS:
+        raise ValueError(f"`task` must be one of {', '.join(TASKS)}, got {name!r}")
+    return TASKS[name]
