@@ -13,10 +13,10 @@ Why it is shaped this way (each point is a failure of hooks keyed differently):
   from the very first step, across the rebuild, and a restored state works on the first step
   after resume.
 * **Collectives are issued synchronously inside the hook**, bucket after bucket, in the same
-  order on every rank (DDP launches buckets in index order). Nothing waits inside a
-  ``Future.then()`` callback: a hook that issues its second all-reduce from a callback of the
-  first one can deadlock on gloo once there are two or more buckets, because the callback
-  runs on the backend's worker thread that the next collective needs.
+  order on every rank (DDP launches buckets in index order). Nothing is issued from, or waits
+  inside, a ``Future.then()`` callback: PyTorch's ``powerSGD_hook``, which chains its
+  all-reduces that way, deadlocks on gloo at its first compressed step once there are two or
+  more buckets.
 * **One optimizer step per backward.** The last bucket of a backward (``bucket.is_last()``)
   finishes the engine's step; micro-batches under ``ddp_model.no_sync()`` never reach the hook,
   so ``stats["steps"]`` counts optimizer steps under gradient accumulation.
@@ -29,7 +29,8 @@ Byte counts in :attr:`GradzipHookState.stats` (cumulative, for this rank):
 * ``payload_bytes``: the bytes of every message this rank contributed to a collective
   (compressed values, indices, sizes exchanged before a padded all-gather, PowerSGD's ``P`` and
   ``Q`` factors and the tensors sent dense beside them, and the 4-byte non-finite flag that is
-  all-reduced per bucket when compression state exists).
+  all-reduced per bucket when compression state exists). The one-off configuration
+  handshake before the first step is counted apart, in ``handshake_bytes``.
 * ``wire_bytes``: what a ring algorithm makes this rank send for those messages
   (``2 (W-1)/W`` times the message for an all-reduce, ``(W-1)`` times the padded message for
   an all-gather).
@@ -112,6 +113,29 @@ def _tree_to(tree: Any, device: torch.device) -> Any:
     return tree
 
 
+class _OnDevice(ProcessGroupCollective):
+    """A process group whose collectives run on ``device``.
+
+    The engine builds its small control messages (the non-finite flag, the configuration
+    handshake, sparse sizes) on the CPU, and an NCCL group cannot reduce CPU tensors; they
+    travel through ``device`` (the parameters' GPU) and come back where they were.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
+        super().__init__(group)
+        self.device = device
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device == self.device:
+            return super()._sum(x)
+        return super()._sum(x.to(self.device)).to(x.device)
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device == self.device:
+            return super()._gather(x)
+        return super()._gather(x.to(self.device)).to(x.device)
+
+
 class GradzipHookState:
     """The state a DDP comm hook receives: one :class:`~gradzip.Engine`, built on first use.
 
@@ -170,11 +194,17 @@ class GradzipHookState:
     def engine(self) -> Engine:
         """The engine (created now if needed; needs an initialised process group)."""
         if self._engine is None:
+            device = next(iter(self.params.values())).device
+            collective = (
+                ProcessGroupCollective(self.process_group)
+                if device.type == "cpu"
+                else _OnDevice(self.process_group, device)
+            )
             engine = Engine(
                 {n: p.shape for n, p in self.params.items()},
                 self.compressor,
                 error_feedback=self.error_feedback,
-                collective=ProcessGroupCollective(self.process_group),
+                collective=collective,
                 nonfinite=self.nonfinite,
                 optimizer=self.optimizer,
             )
@@ -202,17 +232,14 @@ class GradzipHookState:
     # -- observability ---------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:
-        """Cumulative counters of this rank: ``steps``, ``skipped_steps``, ``payload_bytes``,
-        ``wire_bytes``, ``dense_payload_bytes``, ``dense_wire_bytes``, ``collective_calls``,
-        ``compression_rate`` (dense wire bytes / wire bytes, ``None`` before any byte) and
-        ``levels`` (the current per-tensor levels when the compressor reports them, else
-        ``None``). See the module docstring for what each byte count holds."""
+        """This rank's cumulative counters (the engine's, as plain ints; see the module
+        docstring for the byte counts), plus ``compression_rate`` (dense wire bytes / wire
+        bytes, ``None`` before any byte is sent) and ``levels`` (from the compressor's
+        ``current_levels(state)`` when it has one, e.g. an Accordion, else ``None``)."""
         if self._engine is None:
-            return {
-                "steps": 0, "skipped_steps": 0, "payload_bytes": 0, "wire_bytes": 0,
-                "dense_payload_bytes": 0, "dense_wire_bytes": 0, "collective_calls": 0,
-                "compression_rate": None, "levels": None,
-            }
+            keys = ("steps", "skipped_steps", "payload_bytes", "wire_bytes",
+                    "dense_payload_bytes", "dense_wire_bytes", "collective_calls")
+            return {**dict.fromkeys(keys, 0), "compression_rate": None, "levels": None}
         raw = self._engine.stats
         out: dict[str, Any] = {
             key: (value[0] if isinstance(value, list) else value) for key, value in raw.items()
