@@ -7,12 +7,15 @@ tests below check the results one by one.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip.ddp
 from ddp_helpers import ALL_SPECS, spawn, trees_equal
@@ -26,6 +29,7 @@ from ddp_scenarios import (
     main_group,
     resume_group,
 )
+from gradzip import TopK
 
 WORLD = 2
 BUCKET_LABELS = ("one", "tiny")
@@ -95,6 +99,42 @@ def test_state_made_before_the_process_group_defers_the_engine() -> None:
     with pytest.raises(KeyError, match="not among the 2 parameters"):
         state.name_of(torch.zeros(4))
     assert state.name_of(model.weight) == "weight"
+
+
+class _Leveled(TopK):
+    """A compressor that reports levels, as an Accordion does."""
+
+    def current_levels(self, state: dict[str, Any]) -> dict[str, float]:
+        return {"all": self.ratio}
+
+
+def test_single_process_group_stats_levels_and_gathered_state(tmp_path: Path) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1, timeout=timedelta(seconds=60))
+    try:
+        model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+        ddp = DDP(model)
+        state = gradzip.ddp.register(ddp, _Leveled(ratio=0.1))
+        for _ in range(2):
+            ddp(torch.randn(3, 6)).sum().backward()
+        stats = state.stats
+        assert stats["steps"] == 2 and stats["levels"] == {"all": 0.1}
+        assert stats["wire_bytes"] == 0 and stats["compression_rate"] is None  # nothing sent
+        assert 0 < stats["payload_bytes"] < stats["dense_payload_bytes"]
+        gathered = state.gathered().state_dict()
+        assert list(gathered) == ["per_rank"] and len(gathered["per_rank"]) == 1
+        assert trees_equal(gathered["per_rank"][0], state.state_dict())
+        fresh = gradzip.ddp.make_hook(model, _Leveled(ratio=0.1))[0]
+        fresh.load_state_dict(gathered)
+        assert trees_equal(fresh.state_dict(), state.state_dict())
+        with pytest.raises(ValueError, match="must list 1 ranks"):
+            fresh.load_state_dict({"per_rank": [gathered, gathered]})
+        with pytest.raises(ValueError, match="compressor"):
+            gradzip.ddp.make_hook(model, "topk:ratio=0.25")[0].load_state_dict(state.state_dict())
+        with pytest.raises(RuntimeError):  # DDP allows one hook
+            gradzip.ddp.register(ddp, "none")
+    finally:
+        dist.destroy_process_group()
 
 
 # -- one group of processes, many scenarios -------------------------------------------------------
