@@ -98,6 +98,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     a.add_argument("--accordion", default=None, metavar="SPEC",
                    help="gentle level for critical regimes (--compressor is the aggressive one), "
                         "e.g. --compressor powersgd:rank=1 --accordion powersgd:rank=4")
+    a.add_argument("--accordion-batch", default=None, metavar="SMALL,LARGE",
+                   help="Accordion on the batch size: global batch SMALL in critical regimes, "
+                        "LARGE otherwise (multiples of batch-size x workers)")
     a.add_argument("--eta", type=float, default=0.5,
                    help="critical when the gradient norm changes by >= eta (default 0.5)")
     a.add_argument("--interval-epochs", type=float, default=None, metavar="E",
@@ -123,7 +126,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
 _RUN_FIELDS = (
     "task", "workers", "compressor", "out", "launcher", "seed", "epochs", "data", "model",
-    "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "eta", "interval_epochs",
+    "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "accordion_batch", "eta", "interval_epochs",
     "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
     "gamma", "clip", "scale_lr", "error_feedback", "bptt", "text_level",
 )
@@ -206,13 +209,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     metric = summary["metric"]
     value = summary[f"final_{metric}"]
-    shown = f"{100 * value:.2f}%" if metric == "accuracy" and value is not None else f"{value}"
+    if value is None:
+        shown = "-"
+    else:
+        shown = f"{100 * value:.2f}%" if metric == "accuracy" else f"{value:.2f}"
     from gradzip.train.metrics import format_bytes
 
     comp = summary["compression"]
     print(f"{summary['task']}: {summary['workers']} workers ({summary['launcher']}), "
           f"{summary['compressor']}"
           + (f" <-> {summary['accordion']} (Accordion)" if summary["accordion"] else "")
+          + (", global batch {} <-> {} (Accordion)".format(*summary["accordion_batch"])
+             if summary.get("accordion_batch") else "")
           + f", {summary['epochs']} epochs, {summary['steps']} steps")
     print(f"final {metric} {shown}; sent per worker {format_bytes(summary['bytes_sent_per_worker'])}"
           f" ({comp:.1f}x less than dense); {summary['wall_seconds']:.1f} s"

@@ -8,6 +8,7 @@ per-step learning rate, optimizer step, evaluation and the per-epoch metrics rec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -65,12 +66,18 @@ class SimStepper:
                              collective=SimulatedGroup(self.world), optimizer=optimizer)
         self.params = dict(self.engine.params)
         self.buffers = list(model.buffers())
+        self.averaged: dict[str, Tensor] = {}
 
-    def step(self, batches: list[Any], carries: list[Any]) -> float:
+    def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
         """Compute every worker's gradient, average them, leave the average in ``.grad``.
 
+        Args:
+            batches: per worker, the micro-batches of this step (their gradients are averaged
+                locally before the one communication round).
+            carries: per worker, the task's carried state (updated in place).
+
         Returns:
-            The sum over workers of their mean batch losses.
+            The sum over workers of their mean micro-batch losses.
         """
         saved = [b.clone() for b in self.buffers]
         grads: dict[str, list[Tensor]] = {n: [] for n in self.params}
@@ -83,13 +90,15 @@ class SimStepper:
                     b.copy_(s)
             for p in self.params.values():
                 p.grad = None
-            loss, carries[w] = self.task.loss(self.model, _to(batches[w], self.device), carries[w])
-            loss.backward()
-            total += float(loss.detach())
+            for micro in batches[w]:
+                loss, carries[w] = self.task.loss(self.model, _to(micro, self.device), carries[w])
+                (loss / len(batches[w])).backward()
+                total += float(loss.detach()) / len(batches[w])
             for n, p in self.params.items():
                 grads[n].append(p.grad if p.grad is not None else torch.zeros_like(p))
         stacked = {n: torch.stack(g[::-1]) for n, g in grads.items()}
-        for n, avg in self.engine.reduce(stacked).items():
+        self.averaged = self.engine.reduce(stacked)
+        for n, avg in self.averaged.items():
             self.params[n].grad = avg
         return total
 
@@ -128,12 +137,22 @@ class DDPStepper:
         self.ddp = DistributedDataParallel(model, device_ids=ids)
         self.hook = require_ddp().register(self.ddp, compressor, optimizer=optimizer)
 
-    def step(self, batches: list[Any], carries: list[Any]) -> float:
+    def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
         for p in self.model.parameters():
             p.grad = None
-        loss, carries[0] = self.task.loss(self.ddp, _to(batches[0], self.device), carries[0])
-        loss.backward()  # the comm hook leaves the averaged, compressed gradient in .grad
-        return float(loss.detach())
+        micro, total = batches[0], 0.0
+        for i, batch in enumerate(micro):
+            # Local accumulation: only the last micro-batch's backward communicates.
+            sync = contextlib.nullcontext() if i == len(micro) - 1 else self.ddp.no_sync()
+            with sync:
+                loss, carries[0] = self.task.loss(self.ddp, _to(batch, self.device), carries[0])
+                (loss / len(micro)).backward()  # the hook leaves the average in .grad
+            total += float(loss.detach()) / len(micro)
+        return total
+
+    @property
+    def averaged(self) -> dict[str, Tensor]:
+        return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -188,8 +207,25 @@ class TrainLoop:
         )
         self.compressor: Compressor | None = None
         self.stepper: SimStepper | DDPStepper | None = None
+        self.batch_controller = self._batch_controller()
+        self.decisions: list[dict[str, Any]] = []
+        self._decision_count = 0
 
     # -- helpers ----------------------------------------------------------------------
+    def _batch_controller(self) -> Any:
+        """Accordion's batch-size controller for ``accordion_batch``, else None."""
+        cfg = self.cfg
+        if cfg.accordion_batch is None:
+            return None
+        from gradzip.train.runner import batch_controller_class
+
+        small, large = cfg.accordion_batch
+        examples = self.steps_per_epoch * cfg.batch_size * cfg.workers
+        return batch_controller_class()(
+            small, large, micro_batch=cfg.batch_size, workers=cfg.workers, eta=cfg.eta,
+            interval_samples=max(1, round(cfg.interval_epochs * examples)),
+        )
+
     def _lr(self, epoch_float: float) -> float:
         from gradzip.train.runner import milestone_epochs
 
@@ -198,13 +234,38 @@ class TrainLoop:
                      milestones=milestone_epochs(cfg), gamma=cfg.gamma, workers=cfg.workers,
                      scale_with_workers=cfg.scale_lr)
 
-    def levels(self) -> dict[str, str] | None:
-        """Accordion's current level per tensor, or None without Accordion."""
-        levels_fn = getattr(self.compressor, "levels", None)
+    def _plan(self, epoch_float: float) -> tuple[int, float]:
+        """Micro-batches per worker and learning rate of the next optimizer step."""
+        lr = self._lr(epoch_float)
+        ctl = self.batch_controller
+        if ctl is None:
+            return 1, lr
+        # The schedule's rate belongs to the global batch batch_size * workers; the
+        # controller scales linearly from its small batch.
+        unit = self.cfg.batch_size * self.cfg.workers
+        plan = ctl.begin_step(base_lr=lr * ctl.small / unit)
+        return plan.micro_batches, float(plan.lr)
+
+    def _accordion(self) -> tuple[Any, Any]:
+        """(Accordion class, its state) when the compressor is an Accordion, else (None, None)."""
+        try:
+            from gradzip.control import Accordion
+        except ImportError:
+            return None, None
         state = self.stepper.compressor_state if self.stepper is not None else None
-        if levels_fn is None or state is None:
-            return None
-        return dict(levels_fn(state))
+        if not isinstance(self.compressor, Accordion) or state is None:
+            return None, None
+        return Accordion, state
+
+    def _track_decisions(self) -> None:
+        """Append Accordion's latest decision records to the run's log when new."""
+        cls, state = self._accordion()
+        if cls is None:
+            return
+        count = cls.counts(state)["decisions"]
+        if count != self._decision_count:
+            self._decision_count = count
+            self.decisions.extend(cls.decisions(state))
 
     def _bytes(self) -> dict[str, int]:
         """Cumulative counters, max over all workers (a collective in a process group)."""
@@ -237,13 +298,52 @@ class TrainLoop:
         self.model.train()
         return sums  # type: ignore[return-value]
 
+    def _control_fields(self, marks: dict[str, Any]) -> dict[str, Any]:
+        """Accordion and batch-size fields of an epoch record; updates ``marks`` in place."""
+        rec: dict[str, Any] = {}
+        cls, state = self._accordion()
+        if cls is not None:
+            counts = cls.counts(state)
+            crit = counts["critical_steps"] - marks.get("critical_steps", 0)
+            steady = counts["steady_steps"] - marks.get("steady_steps", 0)
+            marks.update(critical_steps=counts["critical_steps"],
+                         steady_steps=counts["steady_steps"])
+            levels = cls.levels(state)
+            rec["critical"] = sum(v == "critical" for v in levels.values())
+            # Fraction of (tensor, step) pairs of this epoch reduced at the critical level.
+            rec["critical_fraction"] = crit / max(crit + steady, 1)
+            rec["levels"] = levels
+        ctl = self.batch_controller
+        if ctl is not None:
+            counts = ctl.counts
+            crit = counts["critical_rounds"] - marks.get("critical_rounds", 0)
+            steady = counts["steady_rounds"] - marks.get("steady_rounds", 0)
+            marks.update(critical_rounds=counts["critical_rounds"],
+                         steady_rounds=counts["steady_rounds"])
+            rec["batch_level"] = ctl.level
+            rec["global_batch"] = ctl.batch_size
+            rec["batch_critical_fraction"] = crit / max(crit + steady, 1)
+        return rec
+
+    def summary_fields(self) -> dict[str, Any]:
+        """Controller counters for ``summary.json`` (empty without Accordion)."""
+        out: dict[str, Any] = {}
+        cls, state = self._accordion()
+        if cls is not None:
+            out["accordion_counts"] = cls.counts(state)
+        if self.batch_controller is not None:
+            out["batch_counts"] = {**self.batch_controller.counts,
+                                   "samples": self.batch_controller.samples}
+        return out
+
     def extra_files(self) -> dict[str, Any]:
-        """Additional JSON files for the run directory (Accordion's decisions log)."""
-        log_fn = getattr(self.compressor, "decisions", None)
-        state = self.stepper.compressor_state if self.stepper is not None else None
-        if log_fn is None or state is None:
-            return {}
-        return {"accordion_decisions.json": list(log_fn(state))}
+        """Additional JSON files for the run directory (the controllers' decision logs)."""
+        out: dict[str, Any] = {}
+        if self.decisions:
+            out["accordion_decisions.json"] = self.decisions
+        if self.batch_controller is not None:
+            out["batch_decisions.json"] = self.batch_controller.decisions
+        return out
 
     # -- the loop ---------------------------------------------------------------------
     def run(self, build_compressor: Callable[[Any, int], Compressor],
@@ -261,64 +361,62 @@ class TrainLoop:
         bar = _progress_bar(cfg.epochs * spe, self.progress, f"{cfg.task} {cfg.compressor}")
         history: list[dict[str, Any]] = []
         started = time.perf_counter()
-        prev_wire, density_mark, step, lr = 0, (0, 0), 0, cfg.lr
-        prev_payload = prev_dense = 0
+        prev = {"wire_bytes": 0, "payload_bytes": 0, "dense_payload_bytes": 0}
+        density_mark, marks, step, lr = (0, 0), {}, 0, cfg.lr  # type: ignore[var-annotated]
+        self._track_decisions()
         self.model.train()
         for epoch in range(cfg.epochs):
             epoch_start = time.perf_counter()
             shards = [task.batches(self.data, cfg, cfg.workers, r, epoch)
                       for r in stepper.local_ranks]
             carries = [task.init_carry(self.model, cfg) for _ in stepper.local_ranks]
-            loss_sum, critical_seen, level_count = 0.0, 0, 0
-            for i in range(spe):
-                lr = self._lr(epoch + i / spe)
+            loss_sum, used, i = 0.0, 0, 0
+            while i < spe:
+                micro, lr = self._plan(epoch + i / spe)
+                if i + micro > spe:
+                    break  # too few micro-batches left for this step: the epoch ends here
                 set_lr(self.optimizer, lr)
                 skipped = stepper.stats["skipped_steps"]
-                step_loss = stepper.step([s[i] for s in shards], carries)
+                step_loss = stepper.step([s[i:i + micro] for s in shards], carries)
                 if cfg.clip is not None:
                     nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
                 if stepper.stats["skipped_steps"] == skipped:
                     self.optimizer.step()
-                loss_sum += step_loss
-                step += 1
-                levels = self.levels()
-                if levels is not None:
-                    critical_seen += sum(v == "critical" for v in levels.values())
-                    level_count += len(levels)
+                if self.batch_controller is not None:
+                    self.batch_controller.end_step(stepper.averaged)
+                loss_sum, used, i, step = loss_sum + step_loss, used + 1, i + micro, step + 1
+                self._track_decisions()
                 if writer is not None and cfg.log_every and step % cfg.log_every == 0:
-                    writer.write({"kind": "step", "epoch": epoch + (i + 1) / spe, "step": step,
+                    writer.write({"kind": "step", "epoch": epoch + i / spe, "step": step,
                                   "lr": lr, "loss": step_loss / len(stepper.local_ranks),
                                   "wire_bytes": max(stepper.stats["wire_bytes"])})
-                bar.update(1)
+                bar.update(micro)
+            bar.update(spe - i)
             sums = self._evaluate()
             reduced = stepper.all_sum(torch.cat([sums.double(),
                                                  torch.tensor([loss_sum], dtype=torch.float64)]))
             counts = self._bytes()
             rec: dict[str, Any] = {
                 "kind": "epoch", "epoch": epoch + 1, "step": step, "lr": lr,
-                "train_loss": float(reduced[-1]) / (spe * cfg.workers),
+                "train_loss": float(reduced[-1]) / (max(used, 1) * cfg.workers),
                 **task.metrics(reduced[:-1]),
                 **counts,
-                "epoch_wire_bytes": counts["wire_bytes"] - prev_wire,
+                "epoch_wire_bytes": counts["wire_bytes"] - prev["wire_bytes"],
                 "compression": (counts["dense_wire_bytes"] / counts["wire_bytes"]
                                 if counts["wire_bytes"] else None),
-                "payload_fraction": ((counts["payload_bytes"] - prev_payload)
-                                     / max(counts["dense_payload_bytes"] - prev_dense, 1)),
+                "payload_fraction": ((counts["payload_bytes"] - prev["payload_bytes"])
+                                     / max(counts["dense_payload_bytes"]
+                                           - prev["dense_payload_bytes"], 1)),
                 "rounds": stepper.stats["steps"],
                 "skipped_steps": stepper.stats["skipped_steps"],
             }
             density, density_mark = self._density(density_mark)
             if density is not None:
                 rec["density"] = density
-            levels = self.levels()
-            if levels is not None:
-                rec["critical"] = sum(v == "critical" for v in levels.values())
-                rec["critical_fraction"] = critical_seen / max(level_count, 1)
-                rec["levels"] = levels
+            rec.update(self._control_fields(marks))
             now = time.perf_counter()
             rec["epoch_seconds"], rec["seconds"] = now - epoch_start, now - started
-            prev_wire = counts["wire_bytes"]
-            prev_payload, prev_dense = counts["payload_bytes"], counts["dense_payload_bytes"]
+            prev = counts
             history.append(rec)
             if writer is not None:
                 writer.write(rec)

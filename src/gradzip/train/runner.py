@@ -56,6 +56,9 @@ class RunConfig:
         compressor: compressor spec, e.g. ``"topk:ratio=0.01"``.
         accordion: Accordion's gentle (critical-regime) level, e.g. ``"powersgd:rank=4"``;
             ``compressor`` is then the aggressive level.
+        accordion_batch: ``(small, large)`` global batch sizes: Accordion's rule applied to
+            the batch size (small in critical regimes), realised by accumulating
+            ``batch_size``-example micro-batches per worker, LR scaled linearly.
         eta: Accordion's threshold on the relative change of gradient norms.
         interval_epochs: Accordion's decision interval, in epochs (rounded to steps).
         epochs: training epochs.
@@ -88,6 +91,7 @@ class RunConfig:
     workers: int = 4
     compressor: str = "none"
     accordion: str | None = None
+    accordion_batch: tuple[int, int] | None = None
     eta: float = 0.5
     interval_epochs: float | None = None
     epochs: int | None = None
@@ -118,8 +122,9 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (tuples as lists)."""
         out = dataclasses.asdict(self)
-        if out["milestones"] is not None:
-            out["milestones"] = list(out["milestones"])
+        for key in ("milestones", "accordion_batch"):
+            if out[key] is not None:
+                out[key] = list(out[key])
         return out
 
     @classmethod
@@ -136,6 +141,8 @@ class RunConfig:
         values = dict(values)
         if values.get("milestones") is not None:
             values["milestones"] = _milestones(values["milestones"])
+        if values.get("accordion_batch") is not None:
+            values["accordion_batch"] = _batch_pair(values["accordion_batch"])
         return cls(**values)
 
     def result_key(self) -> dict[str, Any]:
@@ -163,14 +170,37 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _accordion_class() -> type:
+def _control_attr(name: str, option: str) -> Any:
+    """``gradzip.control.<name>``, or a one-line configuration error where it is missing."""
     try:
-        from gradzip.accordion import Accordion
+        import gradzip.control as control
     except ImportError:
         raise ValueError(
-            "`accordion` needs gradzip.accordion, which this installation does not provide"
+            f"`{option}` needs gradzip.control, which this installation does not provide"
         ) from None
-    return Accordion
+    return getattr(control, name)
+
+
+def _accordion_class() -> Any:
+    return _control_attr("Accordion", "accordion")
+
+
+def batch_controller_class() -> Any:
+    """The batch-size controller class (Accordion's rule applied to the batch size)."""
+    return _control_attr("BatchSizeController", "accordion_batch")
+
+
+def _batch_pair(value: Any) -> tuple[int, int]:
+    if isinstance(value, str):
+        try:
+            value = [int(v) for v in value.replace(" ", "").split(",")]
+        except ValueError:
+            raise ValueError(f"`accordion_batch` must be SMALL,LARGE (integers), got {value!r}") from None
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"`accordion_batch` must be SMALL,LARGE, got {value!r}")
+    small = check_int("accordion_batch", value[0], minimum=1)
+    large = check_int("accordion_batch", value[1], minimum=small)
+    return small, large
 
 
 def resolve_config(cfg: RunConfig) -> RunConfig:
@@ -220,10 +250,16 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     check_choice("text_level", cfg.text_level, ("word", "char"))
     cfg = dataclasses.replace(cfg, milestones=_milestones(cfg.milestones))
     parse_model_spec(cfg.model)
-    compressor_from_spec(cfg.compressor)
+    _prefixed("compressor", compressor_from_spec, cfg.compressor)
     if cfg.accordion is not None:
-        compressor_from_spec(cfg.accordion)
-        _accordion_class()
+        _prefixed("accordion", compressor_from_spec, cfg.accordion)
+        _prefixed("accordion", _accordion_class().from_specs, cfg.compressor, cfg.accordion,
+                  eta=cfg.eta, interval=1)
+    if cfg.accordion_batch is not None:
+        small, large = _batch_pair(cfg.accordion_batch)
+        cfg = dataclasses.replace(cfg, accordion_batch=(small, large))
+        _prefixed("accordion_batch", batch_controller_class(), small, large,
+                  micro_batch=cfg.batch_size, workers=cfg.workers, interval_samples=1)
     if cfg.data is None and task.needs_data:
         raise ValueError(f"`data` must be given for task {task.name!r} ({task.description})")
     if cfg.data is not None:
@@ -244,6 +280,14 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
             log.info("torchrun world size %d replaces workers=%d", world, cfg.workers)
         cfg = dataclasses.replace(cfg, workers=world)
     return dataclasses.replace(cfg, launcher=launcher, out=str(cfg.out))
+
+
+def _prefixed(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn``; a ValueError/TypeError names the option it came from."""
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"--{option.replace('_', '-')}: {exc}") from None
 
 
 def milestone_epochs(cfg: RunConfig) -> list[float]:
@@ -276,6 +320,7 @@ def summarize(cfg: RunConfig, metric: str, history: list[dict[str, Any]],
         "workers": cfg.workers,
         "compressor": cfg.compressor,
         "accordion": cfg.accordion,
+        "accordion_batch": list(cfg.accordion_batch) if cfg.accordion_batch else None,
         "metric": metric,
         f"final_{metric}": last.get(metric),
         f"best_{metric}": best,
@@ -309,6 +354,7 @@ def _run_local(cfg: RunConfig, rank: int, progress: bool, started: float) -> dic
         history, stats, train_seconds = loop.run(build_compressor, writer)
         summary = summarize(cfg, task.metric, history, stats, time.perf_counter() - started,
                             train_seconds)
+        summary.update(loop.summary_fields())
         if writer is not None:
             for name, obj in loop.extra_files().items():
                 writer.write_json(name, obj)
@@ -317,6 +363,16 @@ def _run_local(cfg: RunConfig, rank: int, progress: bool, started: float) -> dic
     finally:
         if writer is not None:
             writer.close()
+
+
+def _preflight(cfg: RunConfig) -> None:
+    """Load the data and build the model and compressor once in the parent, so configuration
+    errors surface as one-line errors here rather than as tracebacks from every process."""
+    task = get_task(cfg.task)
+    data = task.load(cfg)
+    spe = task.steps_per_epoch(data, cfg, cfg.workers)
+    task.build_model(cfg, data)
+    build_compressor(cfg, spe)
 
 
 def _proc_main(rank: int, world: int, cfg_dict: dict[str, Any], progress: bool,
@@ -381,6 +437,7 @@ def run(cfg: RunConfig, *, progress: bool = False) -> dict[str, Any]:
             f"`workers` must be <= the {torch.cuda.device_count()} GPUs with device='cuda' "
             f"and launcher='procs', got {cfg.workers}"
         )
+    _preflight(cfg)
     from gradzip.comm.launch import run_processes
 
     backend = "nccl" if cfg.device == "cuda" else "gloo"

@@ -279,7 +279,7 @@ TASKS: dict[str, Task] = {
     t.name: t
     for t in (
         DigitsTask(
-            "digits", "8x8 handwritten digits (embedded, 1437 train / 360 test), small CNN",
+            "digits", "8x8 handwritten digits (embedded, 1797 images, 80/20 split), small CNN",
             Defaults(model="digitsnet", epochs=12, batch_size=16, lr=0.025, weight_decay=1e-4,
                      warmup_epochs=1.0, milestones=(0.5, 0.75), interval_epochs=2.0,
                      threads=1),
