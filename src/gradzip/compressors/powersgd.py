@@ -19,6 +19,17 @@ from gradzip.ops.random import generator_for
 __all__ = ["PowerSGD"]
 
 
+# Matrices of at most this many entries are stacked for batched matmuls (see ``reduce``).
+_STACK_MAX = 1 << 16
+
+
+def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a[x, y] @ b[w]`` for every ``w`` of ``b[L, y, z]``: ``[L, x, z]``, one 2-D GEMM each."""
+    if b.shape[0] == 1:
+        return torch.mm(a, b[0]).unsqueeze(0)
+    return torch.stack([torch.mm(a, part) for part in b])
+
+
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
     """Tensors are seen as ``[shape[0], prod(shape[1:])]`` (a conv kernel by output channel)."""
     return int(shape[0]), int(math.prod(shape[1:]))
@@ -109,26 +120,62 @@ class PowerSGD(Compressor):
             if r:
                 groups.setdefault((*_matrix_shape(job.shape), r), []).append(job)
         keys = sorted(groups)  # identical order on every worker
+        # Views of the gradients; a strided one is copied once, so that the matmuls below see
+        # the same layout (hence round the same way) whatever the caller's storage.
         mats = {
-            key: torch.stack(
-                [j.tensor.reshape(workers, key[0], key[1]) for j in groups[key]], dim=1
-            )  # [L, B, rows, cols]
+            key: [j.tensor.reshape(workers, key[0], key[1]).contiguous() for j in groups[key]]
             for key in keys
         }
+        # Small matrices of one shape are stacked (one copy) for batched matmuls; large ones
+        # are multiplied one by one, which reads each gradient in place instead of copying it.
+        stacked = {
+            key: torch.stack(mats[key], dim=1)  # [L, B, rows, cols]
+            for key in keys
+            if len(mats[key]) > 1 and key[0] * key[1] <= _STACK_MAX
+        }
+
+        # Both products are computed transposed: (Q^T M^T)^T and (P^T M)^T. It is the same
+        # arithmetic, but a GEMM whose *left* operand is the thin r-row factor streams M once
+        # at memory speed, while M Q with r columns runs several times slower on CPU BLAS.
+        # Per worker 2-D products (never a broadcast matmul, which folds back to M Q) keep the
+        # result of each worker independent of how many workers the process holds.
+        def left(key: tuple[int, int, int], q: torch.Tensor) -> torch.Tensor:
+            """``M Q`` for every matrix of the group: ``[L, B, rows, r]`` (strided)."""
+            qt = q.transpose(-1, -2)  # [B, r, cols]
+            if key in stacked:
+                out = torch.matmul(qt, stacked[key].transpose(-1, -2))  # [L, B, r, rows]
+            else:
+                out = torch.stack(
+                    [_each_worker(qt[b], m.transpose(-1, -2)) for b, m in enumerate(mats[key])],
+                    dim=1,
+                )
+            return out.transpose(-1, -2)
+
+        def right(key: tuple[int, int, int], p: torch.Tensor) -> torch.Tensor:
+            """``M^T P`` for every matrix of the group: ``[L, B, cols, r]`` (strided)."""
+            pt = p.transpose(-1, -2)  # [B, r, rows]
+            if key in stacked:
+                out = torch.matmul(pt, stacked[key])  # [L, B, r, cols]
+            else:
+                out = torch.stack(
+                    [_each_worker(pt[b], m) for b, m in enumerate(mats[key])], dim=1
+                )
+            return out.transpose(-1, -2)
+
         qs = {}
         for key in keys:
             if self.warm_start:
                 stored = [state["q"][j.name] for j in groups[key]]
             else:
                 stored = [self._fresh_q(j.name, j.shape, ctx.step) for j in groups[key]]
-            qs[key] = torch.stack(stored).to(mats[key].device)  # [B, cols, r]
+            qs[key] = torch.stack(stored).to(mats[key][0].device)  # [B, cols, r]
         q_local: dict[tuple[int, int, int], torch.Tensor] = {}
         for iteration in range(self.power_iterations):
             # Round 1: P = M Q, summed. Dense tensors ride along in the first round's buffer.
-            p_parts = [torch.matmul(mats[k], qs[k]) for k in keys]  # [L, B, rows, r]
+            p_parts = [left(k, qs[k]) for k in keys]  # [L, B, rows, r]
             riders = list(dense) if iteration == 0 else []
             flat = flatten_workers([j.tensor for j in riders] + p_parts, workers)
-            total = comm.all_reduce(flat) / world
+            total = comm.all_reduce(flat).div_(world)  # a fresh tensor: divide in place
             sizes = [j.numel for j in riders] + [p[0].numel() for p in p_parts]
             pieces = split_flat(total, sizes)
             for job, piece in zip(riders, pieces[: len(riders)], strict=True):
@@ -138,9 +185,9 @@ class PowerSGD(Compressor):
             for k, piece in zip(keys, pieces[len(riders):], strict=True):
                 ps[k] = orthogonalize(piece.reshape(len(groups[k]), k[0], k[2]))  # [B, rows, r]
             # Round 2: Q = M^T P, summed.
-            q_local = {k: torch.matmul(mats[k].transpose(-1, -2), ps[k]) for k in keys}
+            q_local = {k: right(k, ps[k]) for k in keys}
             flat_q = flatten_workers([q_local[k] for k in keys], workers)
-            total_q = comm.all_reduce(flat_q) / world
+            total_q = comm.all_reduce(flat_q).div_(world)
             for k, piece in zip(keys, split_flat(total_q, [q_local[k][0].numel() for k in keys]),
                                 strict=True):
                 qs[k] = piece.reshape(len(groups[k]), k[1], k[2])

@@ -51,6 +51,7 @@ def gather_sparse(
     widths: Sequence[int],
     comm: Collective,
     extra_payload: int = 0,
+    decoded: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """All-gather every job's sparse message in one buffer and decode the average.
 
@@ -63,6 +64,8 @@ def gather_sparse(
         comm: the collective.
         extra_payload: bytes of metadata per worker counted on top of values and indices
             (e.g. sizes sent beforehand are counted by that exchange, not here).
+        decoded: per job, what each local worker's message decodes to (``[L, *shape]``),
+            when the caller already has it; otherwise it is rebuilt from the values.
     """
     workers = comm.local_workers
     parts: list[torch.Tensor] = []
@@ -78,9 +81,12 @@ def gather_sparse(
             payload[w] += count * (4 + index_bytes(job.numel))
         parts.append(val)
         parts.append(_as_words(idx, job.numel))
-        local = torch.zeros(workers, job.numel, dtype=torch.float32, device=job.tensor.device)
-        # scatter_add, not scatter: padding entries point at index 0 and must add nothing.
-        job.decoded = local.scatter_add_(1, idx, val).reshape(job.tensor.shape)
+        if decoded is not None and decoded[j] is not None:
+            job.decoded = decoded[j].reshape(job.tensor.shape)
+        else:
+            local = torch.zeros(workers, job.numel, dtype=torch.float32, device=job.tensor.device)
+            # scatter_add, not scatter: padding entries point at index 0 and must add nothing.
+            job.decoded = local.scatter_add_(1, idx, val).reshape(job.tensor.shape)
     if not jobs:
         return
     gathered = comm.all_gather(torch.cat(parts, dim=1), payload=payload)
@@ -91,4 +97,4 @@ def gather_sparse(
         idx = _from_words(gathered[:, offset + width : offset + width + words], job.numel)
         offset += width + words
         total = scatter_decode(val, idx, job.numel)
-        job.averaged = (total / comm.world_size).reshape(job.shape)
+        job.averaged = total.div_(comm.world_size).reshape(job.shape)

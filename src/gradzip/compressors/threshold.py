@@ -13,7 +13,7 @@ from gradzip._validate import check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
 from gradzip.compressors.sparse import gather_sparse, index_bytes
-from gradzip.ops.select import threshold_select
+from gradzip.ops.select import threshold_split, topk_abs
 
 __all__ = ["HardThreshold"]
 
@@ -89,9 +89,10 @@ class HardThreshold(Compressor):
 
     def _calibrate(self, jobs: Sequence[Job], comm: Collective) -> float:
         assert self.budget is not None
-        mags = torch.cat([j.tensor.reshape(comm.local_workers, -1).abs() for j in jobs], dim=1)
-        keep = max(1, min(mags.shape[1], int(self.budget * mags.shape[1])))
-        local = torch.topk(mags, keep, dim=1, sorted=False).values.min(dim=1).values
+        flat = torch.cat([j.tensor.reshape(comm.local_workers, -1) for j in jobs], dim=1)
+        keep = max(1, min(flat.shape[1], int(self.budget * flat.shape[1])))
+        # The keep-th largest magnitude of each worker (exact; topk_abs avoids a full sort).
+        local = topk_abs(flat, keep)[0].abs().min(dim=1).values
         lam = float(comm.all_reduce(local.reshape(-1, 1)).item()) / comm.world_size
         return lam if lam > 0 else float(torch.finfo(torch.float32).tiny)
 
@@ -103,7 +104,8 @@ class HardThreshold(Compressor):
         if state["lam"] < 0:
             state["lam"] = self._calibrate(jobs, comm)
         lam = state["lam"]
-        selected = [threshold_select(j.tensor.reshape(comm.local_workers, -1), lam) for j in jobs]
+        # One pass per tensor finds the entries and builds what each message decodes to.
+        selected = [threshold_split(j.tensor.reshape(comm.local_workers, -1), lam) for j in jobs]
         counts = torch.tensor(
             [[sel[0][w].numel() for sel in selected] for w in range(comm.local_workers)],
             dtype=torch.int32,
@@ -126,6 +128,7 @@ class HardThreshold(Compressor):
             [selected[t][1] for t in sparse_ids],
             [widest[t] for t in sparse_ids],
             comm,
+            decoded=[selected[t][2] for t in sparse_ids],
         )
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
