@@ -138,6 +138,7 @@ def test_per_layer_decisions_on_a_norm_sequence(interval: int) -> None:
     assert last["a"]["prev_norm"] == pytest.approx(interval * 3.0, rel=1e-5)
     counts = Accordion.counts(engine)
     assert counts["decisions"] == 8  # the initial one and seven interval ends
+    assert len(engine.compressor_state["controller"]["log"]) == 2 * 8  # LOG_POINTS points kept
     assert counts["switches"] == 4 + 1
     assert counts["critical"] + counts["steady"] == 2 * 8
     assert counts["critical"] == 5 + 5 - 1  # per-tensor choices; the last interval is unrun
@@ -196,6 +197,17 @@ def test_lr_drop_forces_critical_until_the_interval_end() -> None:
     assert set(Accordion.levels(engine).values()) == {C}
     engine.reduce(constant_grads(15))  # the interval's end: the norm rule decides again
     assert {r["reason"] for r in Accordion.decisions(engine)} <= {"steady", "norm_change"}
+    # A drop seen in an interval's last step: two decision points in one step, both kept.
+    for step in range(16, 19):
+        engine.reduce(constant_grads(step))
+    seen = Accordion.counts(engine)["decisions"]
+    opt.param_groups[0]["lr"] = 0.001
+    engine.reduce(constant_grads(19))
+    points = Accordion.decisions(engine, since=seen)
+    assert [(r["decision"], r["reason"], r["step"]) for r in points][::2] == [
+        (seen, "lr_drop", 19), (seen + 1, points[-1]["reason"], 20)]
+    assert Accordion.decisions(engine) == points[2:]
+    assert engine.compressor.current_levels(engine.compressor_state) == Accordion.levels(engine)
 
 
 @pytest.mark.parametrize("how", ["small_decrease", "disabled", "explicit"])

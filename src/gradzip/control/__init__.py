@@ -2,7 +2,7 @@
 compression level (:class:`Accordion`) and to the global batch size
 (:class:`BatchSizeController`)."""
 
-from gradzip.control.accordion import MODEL, Accordion
+from gradzip.control.accordion import LOG_POINTS, MODEL, Accordion
 from gradzip.control.batch import BatchPlan, BatchSizeController
 from gradzip.control.rule import (
     CRITICAL,
@@ -18,6 +18,7 @@ from gradzip.control.rule import (
 
 __all__ = [
     "CRITICAL",
+    "LOG_POINTS",
     "LR_DROP_RATIO",
     "MODEL",
     "REASONS",

@@ -34,12 +34,15 @@ from gradzip.compressors.spec import compressor_from_spec
 from gradzip.control.levels import check_levels
 from gradzip.control.rule import CRITICAL, STEADY, decide, is_lr_drop, joint_norm
 
-__all__ = ["MODEL", "Accordion"]
+__all__ = ["LOG_POINTS", "MODEL", "Accordion"]
 
 log = logging.getLogger(__name__)
 
 #: The decision key when the whole model is judged at once (``per_layer=False``).
 MODEL = "model"
+
+#: Decision points whose records the state keeps (one record per decision key each).
+LOG_POINTS = 8
 
 _KEYS = ("steady", "critical", "eta", "interval", "per_layer", "lr_drop")
 _SPEC = re.compile(r"^\s*accordion\s*\((.*)\)\s*$", re.DOTALL)
@@ -66,8 +69,9 @@ def _controller(state: Any) -> dict[str, Any]:
 
 def _record(step: int, interval: int, key: str, norm: float | None, prev: float | None,
             change: float | None, level: str, reason: str) -> dict[str, Any]:
-    return {"step": step, "interval": interval, "name": key, "norm": norm, "prev_norm": prev,
-            "rel_change": change, "level": level, "reason": reason}
+    # "decision" (the decision point's index) is filled in by _log_decisions.
+    return {"decision": 0, "step": step, "interval": interval, "name": key, "norm": norm,
+            "prev_norm": prev, "rel_change": change, "level": level, "reason": reason}
 
 
 @dataclass(frozen=True)
@@ -333,15 +337,33 @@ class Accordion(Compressor):
         return dict(_controller(state)["level"])
 
     @staticmethod
-    def decisions(state: Any) -> list[dict[str, Any]]:
-        """The records of the latest decision (one per tensor, or one named ``"model"``).
+    def decisions(state: Any, since: int | None = None) -> list[dict[str, Any]]:
+        """Decision records: one per tensor (or one named ``"model"``) per decision point.
 
-        Each record: ``step`` (first optimizer step the level applies to), ``interval``,
-        ``name``, ``norm`` and ``prev_norm`` (accumulated norms; ``None`` where not measured),
-        ``rel_change``, ``level`` and ``reason`` (``"first"``, ``"lr_drop"``, ``"norm_change"``
-        or ``"steady"``).
+        A decision point is the start (``"first"``), an interval's end, or a learning-rate
+        drop; one step may hold two (a drop seen in an interval's last step). The state keeps
+        the records of the last :data:`LOG_POINTS` points.
+
+        Args:
+            state: ``engine.compressor_state`` (or the engine).
+            since: return the points numbered ``since`` and later (a poller passes the
+                ``counts(state)["decisions"]`` it saw last time); ``None``: the latest point.
+
+        Returns:
+            Records, oldest first: ``decision`` (the point's number, from 0), ``step`` (first
+            optimizer step the level applies to), ``interval``, ``name``, ``norm`` and
+            ``prev_norm`` (accumulated norms; ``None`` where not measured), ``rel_change``,
+            ``level`` and ``reason`` (``"first"``, ``"lr_drop"``, ``"norm_change"`` or
+            ``"steady"``).
         """
-        return [dict(r) for r in _controller(state)["log"]]
+        records = _controller(state)["log"]
+        if since is None:
+            since = max((r["decision"] for r in records), default=0)
+        return [dict(r) for r in records if r["decision"] >= since]
+
+    def current_levels(self, state: Any) -> dict[str, str]:
+        """:meth:`levels`, for callers that ask any compressor for its current choice."""
+        return Accordion.levels(state)
 
     @staticmethod
     def counts(state: Any) -> dict[str, Any]:
@@ -379,10 +401,14 @@ def _log_decisions(ctrl: dict[str, Any], records: list[dict[str, Any]], before: 
         counts[r["level"]] += 1
         reasons[r["reason"]] += 1
         counts["switches"] += int(before.get(r["name"], r["level"]) != r["level"])
+    point = counts["decisions"]
     counts["decisions"] += 1
     counts["reasons"] = reasons
     ctrl["counts"] = counts
-    ctrl["log"] = records
+    for r in records:
+        r["decision"] = point
+    kept = [r for r in ctrl["log"] if r["decision"] > point - LOG_POINTS]
+    ctrl["log"] = kept + records
     if ctx is None or 0 in ctx.ranks:
         critical = sum(r["level"] == CRITICAL for r in records)
         log.debug("accordion: interval %d from step %d: %d of %d critical (%s)",
