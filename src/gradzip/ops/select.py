@@ -25,27 +25,35 @@ _CHUNK = 1 << 20
 _FOLD = 8
 
 
-def _hits(mag: torch.Tensor, cut: float) -> torch.Tensor:
+def _reaches(mag: torch.Tensor, cut: float, nan_too: bool) -> torch.Tensor:
+    """``mag >= cut``; with ``nan_too``, NaN counts as reaching every cut (as in ``torch.topk``,
+    which ranks NaN above everything)."""
+    return torch.lt(mag, cut).logical_not_() if nan_too else torch.ge(mag, cut)
+
+
+def _hits(mag: torch.Tensor, cut: float, nan_too: bool) -> torch.Tensor:
     """Ascending int64 positions of ``mag >= cut`` in a 1-D tensor of magnitudes."""
     m = mag.numel()
     cols = m // _FOLD
     if cols < 1024:
-        return torch.nonzero(mag >= cut).squeeze(1)
+        return torch.nonzero(_reaches(mag, cut, nan_too)).squeeze(1)
     main = cols * _FOLD
     grid = mag[:main].view(_FOLD, cols)
-    flagged = torch.nonzero(grid.amax(dim=0) >= cut).squeeze(1)
+    flagged = torch.nonzero(_reaches(grid.amax(dim=0), cut, nan_too)).squeeze(1)
     if flagged.numel() * 4 > cols:  # dense: folding does not pay
-        return torch.nonzero(mag >= cut).squeeze(1)
+        return torch.nonzero(_reaches(mag, cut, nan_too)).squeeze(1)
     # nonzero of a 2-D tensor is row-major, so r * cols + flagged[j] comes out ascending.
-    pos = torch.nonzero(grid.index_select(1, flagged) >= cut)
+    pos = torch.nonzero(_reaches(grid.index_select(1, flagged), cut, nan_too))
     idx = pos[:, 0] * cols + flagged.index_select(0, pos[:, 1])
     if main < m:
-        idx = torch.cat([idx, torch.nonzero(mag[main:] >= cut).squeeze(1) + main])
+        tail = torch.nonzero(_reaches(mag[main:], cut, nan_too)).squeeze(1) + main
+        idx = torch.cat([idx, tail])
     return idx
 
 
-def _at_least(row: torch.Tensor, cut: float) -> torch.Tensor:
-    """Indices (int64, ascending) of the entries of 1-D ``row`` with ``|row| >= cut``."""
+def _at_least(row: torch.Tensor, cut: float, nan_too: bool = False) -> torch.Tensor:
+    """Indices (int64, ascending) of the entries of 1-D ``row`` with ``|row| >= cut`` (and NaN
+    entries too with ``nan_too``)."""
     n = row.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=row.device)
@@ -55,7 +63,7 @@ def _at_least(row: torch.Tensor, cut: float) -> torch.Tensor:
     for start in range(0, n, size):
         part = row[start : start + size]
         m = part.numel()
-        idx = _hits(torch.abs(part, out=mag[:m]), cut)
+        idx = _hits(torch.abs(part, out=mag[:m]), cut, nan_too)
         found.append(idx + start if start else idx)
     return found[0] if len(found) == 1 else torch.cat(found)
 
@@ -96,7 +104,7 @@ def topk_abs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     values_out = torch.empty(rows, k, dtype=x.dtype, device=x.device)
     index_out = torch.empty(rows, k, dtype=torch.int64, device=x.device)
     for row in range(rows):
-        cand = _at_least(x[row], cuts[row])
+        cand = _at_least(x[row], cuts[row], nan_too=True)
         if cand.numel() < k:
             idx = torch.topk(x[row].abs(), k, sorted=False).indices
         else:

@@ -1,0 +1,89 @@
+"""The chunked, folded selection kernels give exactly what the plain definitions give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradzip.ops import select
+
+FAST = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 8192 entries, so multi-chunk rows and chunk tails stay cheap to test."""
+    monkeypatch.setattr(select, "_CHUNK", 8192)
+
+
+def _rows(seed: int, rows: int, n: int, heavy: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n, generator=gen)
+    if heavy:  # a few huge entries and long zero runs, as in real gradients
+        x = x * torch.rand(rows, n, generator=gen).pow(8) * 100
+        x[:, : n // 3] = 0.0
+    return x
+
+
+@FAST
+@given(
+    n=st.integers(0, 30_000),
+    lam=st.floats(0.05, 4.0),
+    seed=st.integers(0, 10**6),
+    heavy=st.booleans(),
+)
+def test_at_least_equals_nonzero(small_chunks: None, n: int, lam: float, seed: int, heavy: bool) -> None:
+    row = _rows(seed, 1, n, heavy)[0]
+    expected = torch.nonzero(row.abs() >= lam).squeeze(1)
+    assert torch.equal(select._at_least(row, lam), expected)
+
+
+@FAST
+@given(n=st.integers(1, 30_000), lam=st.floats(0.05, 4.0), seed=st.integers(0, 10**6))
+def test_threshold_split_matches_its_definition(small_chunks: None, n: int, lam: float, seed: int) -> None:
+    x = _rows(seed, 3, n, heavy=seed % 2 == 0)
+    values, indices, kept = select.threshold_split(x, lam)
+    for row in range(3):
+        mask = x[row].abs() >= lam
+        assert torch.equal(indices[row], torch.nonzero(mask).squeeze(1))
+        assert torch.equal(values[row], x[row][mask])
+        assert torch.equal(kept[row], torch.where(mask, x[row], torch.zeros(())))
+
+
+@pytest.mark.parametrize("heavy", [False, True])
+@pytest.mark.parametrize("n", [65_536, 70_001, 200_003])
+def test_topk_sampled_path_is_exact(small_chunks: None, n: int, heavy: bool) -> None:
+    x = _rows(n, 2, n, heavy)
+    for k in (1, n // 1000, n // 100, n // 9):
+        values, idx = select.topk_abs(x, k)
+        ref = torch.topk(x.abs(), k, dim=1).values
+        assert torch.equal(values.abs().sort(dim=1).values, ref.sort(dim=1).values)
+        assert torch.equal(torch.gather(x, 1, idx), values)
+        for row in range(2):
+            assert idx[row].unique().numel() == k
+
+
+def test_topk_falls_back_when_the_sample_misjudges(small_chunks: None) -> None:
+    # Every sampled position (a multiple of the stride) holds a huge value, so the estimated
+    # cut lets fewer than k entries through and the row must fall back to a full top-k.
+    n, k = 131_072, 1000
+    x = torch.randn(1, n, generator=torch.Generator().manual_seed(5)) * 1e-3
+    stride = n // 32768
+    x[0, ::stride] = 0.0
+    x[0, ::stride][:100] = 1e6
+    x[0, 1::stride][:5000] = torch.linspace(1.0, 2.0, 5000)
+    values, idx = select.topk_abs(x, k)
+    ref = torch.topk(x.abs(), k, dim=1).values
+    assert torch.equal(values.abs().sort(dim=1).values, ref.sort(dim=1).values)
+    assert idx[0].unique().numel() == k
+
+
+def test_nan_rows_fall_back_like_torch_topk() -> None:
+    x = torch.randn(1, 100_000, generator=torch.Generator().manual_seed(1))
+    x[0, 10] = float("nan")
+    _, idx = select.topk_abs(x, 50)
+    assert 10 in idx[0].tolist()  # torch.topk ranks NaN above everything
