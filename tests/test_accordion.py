@@ -226,6 +226,35 @@ def test_lr_drop_variants(how: str) -> None:
     assert set(Accordion.levels(engine).values()) == {expected}
 
 
+def test_bucketed_calls_decide_like_one_call_per_step() -> None:
+    """A DDP hook reduces bucket by bucket (``finish_step=False`` but for the last): the
+    controller must count one step per optimizer step and see an LR drop once."""
+
+    def run(split: bool) -> tuple[list[dict[str, torch.Tensor]], Engine]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        engine = Engine(SHAPES, Accordion("topk:ratio=0.02", "topk:ratio=0.2", interval=3),
+                        collective=SimulatedGroup(4), optimizer=opt)
+        outs = []
+        for step in range(20):
+            if step == 10:
+                opt.param_groups[0]["lr"] = 0.01
+            grads = scaled_grads(step)
+            if split:
+                names = list(grads)
+                out = engine.reduce({n: grads[n] for n in names[2:]}, finish_step=False)
+                out.update(engine.reduce({n: grads[n] for n in names[:2]}))
+            else:
+                out = engine.reduce(grads)
+            outs.append(out)
+        return outs, engine
+
+    (whole, a), (parts, b) = run(False), run(True)
+    assert all(torch.equal(x[n], y[n]) for x, y in zip(whole, parts, strict=True) for n in SHAPES)
+    assert Accordion.counts(a) == Accordion.counts(b)
+    assert Accordion.counts(a)["reasons"]["lr_drop"] == len(SHAPES)
+    assert a.compressor_state["controller"]["log"] == b.compressor_state["controller"]["log"]
+
+
 # -- switching keeps what it should -------------------------------------------------------------
 def powersgd_grads(step: int, workers: int = 4) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)

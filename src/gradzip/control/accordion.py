@@ -18,7 +18,6 @@ References:
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,17 +31,19 @@ from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.none import NoCompression
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.control.levels import check_levels
+from gradzip.control.records import (
+    LOG_POINTS,
+    MODEL,
+    controller,
+    force_critical,
+    key_levels,
+    log_decisions,
+    record,
+)
 from gradzip.control.rule import CRITICAL, STEADY, decide, is_lr_drop, joint_norm
 
 __all__ = ["LOG_POINTS", "MODEL", "Accordion"]
 
-log = logging.getLogger(__name__)
-
-#: The decision key when the whole model is judged at once (``per_layer=False``).
-MODEL = "model"
-
-#: Decision points whose records the state keeps (one record per decision key each).
-LOG_POINTS = 8
 
 _KEYS = ("steady", "critical", "eta", "interval", "per_layer", "lr_drop")
 _SPEC = re.compile(r"^\s*accordion\s*\((.*)\)\s*$", re.DOTALL)
@@ -53,25 +54,6 @@ def _zeros(shape: torch.Size, device: torch.device | None = None) -> torch.Tenso
     # A stride-0 view of one zero: an accumulator of the right shape that costs no memory
     # until the first gradient is added (additions return new, full tensors).
     return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
-
-
-def _controller(state: Any) -> dict[str, Any]:
-    """The controller sub-state of an Accordion state (or of an engine holding one)."""
-    if hasattr(state, "compressor_state"):
-        state = state.compressor_state
-    if not isinstance(state, Mapping) or not isinstance(state.get("controller"), dict):
-        raise TypeError(
-            "`state` must be an Accordion compressor state (engine.compressor_state) or an "
-            f"engine using Accordion, got {type(state).__name__}"
-        )
-    return state["controller"]
-
-
-def _record(step: int, interval: int, key: str, norm: float | None, prev: float | None,
-            change: float | None, level: str, reason: str) -> dict[str, Any]:
-    # "decision" (the decision point's index) is filled in by _log_decisions.
-    return {"decision": 0, "step": step, "interval": interval, "name": key, "norm": norm,
-            "prev_norm": prev, "rel_change": change, "level": level, "reason": reason}
 
 
 @dataclass(frozen=True)
@@ -223,7 +205,7 @@ class Accordion(Compressor):
         steady, critical = self.levels_pair
         names = list(shapes)
         keys = names if self.per_layer else [MODEL]
-        first = [_record(0, 0, k, None, None, None, CRITICAL, "first") for k in keys]
+        first = [record(0, 0, k, None, None, None, CRITICAL, "first") for k in keys]
         return {
             "steady": steady.init_state(shapes),
             "critical": critical.init_state(shapes),
@@ -258,7 +240,7 @@ class Accordion(Compressor):
         if self.lr_drop and not ctrl["lr_drop"] and is_lr_drop(ctrl["last_lr"], ctx.lr):
             # last_lr changes only in end_step, so every call of a step (one per DDP bucket)
             # sees the same drop; the flag makes the switch happen once.
-            _force_critical(ctrl, ctx.step)
+            force_critical(ctrl, ctx.step)
         level = ctrl["level"]
         unknown = [j.name for j in jobs if j.name not in level]
         if unknown:
@@ -300,21 +282,21 @@ class Accordion(Compressor):
             norms = {n: joint_norm([t]) for n, t in acc.items()}
         else:
             norms = {MODEL: joint_norm(acc.values())}
-        before = _key_levels(ctrl)
+        before = key_levels(ctrl)
         interval = ctrl["interval"] + 1
         records, chosen = [], {}
         for key, norm in norms.items():
             prev = ctrl["prev_norm"][key]
             decision = decide(prev, norm, self.eta)
             chosen[key] = decision.level
-            records.append(_record(ctx.step + 1, interval, key, norm, prev,
-                                   decision.rel_change, decision.level, decision.reason))
+            records.append(record(ctx.step + 1, interval, key, norm, prev,
+                                  decision.rel_change, decision.level, decision.reason))
         ctrl["prev_norm"] = norms
         ctrl["acc"] = {n: _zeros(t.shape, t.device) for n, t in acc.items()}
         ctrl["level"] = {n: chosen[n if self.per_layer else MODEL] for n in ctrl["level"]}
         ctrl["lr_drop"] = False
         ctrl["interval"] = interval
-        _log_decisions(ctrl, records, before, ctx)
+        log_decisions(ctrl, records, before, ctx)
 
     # -- observability and user signals ----------------------------------------------------
     @staticmethod
@@ -327,14 +309,14 @@ class Accordion(Compressor):
         Args:
             state: ``engine.compressor_state`` of an engine using Accordion (or the engine).
         """
-        ctrl = _controller(state)
+        ctrl = controller(state)
         if not ctrl["lr_drop"]:
-            _force_critical(ctrl, None)
+            force_critical(ctrl, None)
 
     @staticmethod
     def levels(state: Any) -> dict[str, str]:
         """Current level of every tensor: ``name -> "critical" | "steady"``."""
-        return dict(_controller(state)["level"])
+        return dict(controller(state)["level"])
 
     @staticmethod
     def decisions(state: Any, since: int | None = None) -> list[dict[str, Any]]:
@@ -356,7 +338,7 @@ class Accordion(Compressor):
             ``level`` and ``reason`` (``"first"``, ``"lr_drop"``, ``"norm_change"`` or
             ``"steady"``).
         """
-        records = _controller(state)["log"]
+        records = controller(state)["log"]
         if since is None:
             since = max((r["decision"] for r in records), default=0)
         return [dict(r) for r in records if r["decision"] >= since]
@@ -370,48 +352,5 @@ class Accordion(Compressor):
         """Cumulative counts: ``decisions`` taken, ``critical``/``steady`` choices (one per
         tensor, or per model, per decision), level ``switches``, tensor-steps reduced at each
         level (``critical_steps``/``steady_steps``) and choices per reason."""
-        counts = _controller(state)["counts"]
+        counts = controller(state)["counts"]
         return {**counts, "reasons": dict(counts["reasons"])}
-
-
-def _key_levels(ctrl: dict[str, Any]) -> dict[str, str]:
-    """Current level per decision key (tensor names, or ``"model"``)."""
-    if ctrl["per_layer"]:
-        return dict(ctrl["level"])
-    return {MODEL: next(iter(ctrl["level"].values()), CRITICAL)}
-
-
-def _force_critical(ctrl: dict[str, Any], step: int | None) -> None:
-    before = _key_levels(ctrl)
-    when = ctrl["step"] if step is None else step
-    records = [
-        _record(when, ctrl["interval"], key, None, ctrl["prev_norm"].get(key), None, CRITICAL, "lr_drop")
-        for key in before
-    ]
-    ctrl["lr_drop"] = True
-    ctrl["level"] = {n: CRITICAL for n in ctrl["level"]}
-    _log_decisions(ctrl, records, before, None)
-
-
-def _log_decisions(ctrl: dict[str, Any], records: list[dict[str, Any]], before: Mapping[str, str],
-                   ctx: StepContext | None) -> None:
-    counts = dict(ctrl["counts"])
-    reasons = dict(counts["reasons"])
-    for r in records:
-        counts[r["level"]] += 1
-        reasons[r["reason"]] += 1
-        counts["switches"] += int(before.get(r["name"], r["level"]) != r["level"])
-    point = counts["decisions"]
-    counts["decisions"] += 1
-    counts["reasons"] = reasons
-    ctrl["counts"] = counts
-    for r in records:
-        r["decision"] = point
-    kept = [r for r in ctrl["log"] if r["decision"] > point - LOG_POINTS]
-    ctrl["log"] = kept + records
-    if ctx is None or 0 in ctx.ranks:
-        critical = sum(r["level"] == CRITICAL for r in records)
-        log.debug("accordion: interval %d from step %d: %d of %d critical (%s)",
-                  records[0]["interval"] if records else ctrl["interval"],
-                  records[0]["step"] if records else ctrl["step"], critical, len(records),
-                  ", ".join(sorted({r["reason"] for r in records})))
