@@ -87,3 +87,29 @@ def test_nan_rows_fall_back_like_torch_topk() -> None:
     x[0, 10] = float("nan")
     _, idx = select.topk_abs(x, 50)
     assert 10 in idx[0].tolist()  # torch.topk ranks NaN above everything
+
+
+@FAST
+@given(n=st.integers(4096, 200_000), frac=st.floats(0.0001, 0.25), seed=st.integers(0, 10**6))
+def test_randk_sampled_path_distinct_sorted_shared(n: int, frac: float, seed: int) -> None:
+    k = max(1, int(frac * n))
+    a = select.randk_indices(n, k, seed, 3, "w")
+    assert torch.equal(a, select.randk_indices(n, k, seed, 3, "w"))
+    assert a.numel() == k and a.dtype == torch.int64
+    assert bool((a[1:] > a[:-1]).all()) and int(a[0]) >= 0 and int(a[-1]) < n
+
+
+def test_randk_sampled_path_is_uniform() -> None:
+    # 4000 draws of 200 out of 8192: every position is kept with probability 200/8192, so
+    # per-position counts have mean 97.7 and standard deviation 9.8; the first and last 512
+    # positions (where a biased sampler would show) must look like the rest.
+    n, k, draws = 8192, 200, 4000
+    counts = torch.zeros(n)
+    for seed in range(draws):
+        counts[select.randk_indices(n, k, seed, 0, "u")] += 1
+    expected = draws * k / n
+    sd = (expected * (1 - k / n)) ** 0.5
+    assert abs(float(counts.mean()) - expected) < 1e-9
+    assert 0.85 * sd < float(counts.std()) < 1.15 * sd
+    for part in (counts[:512], counts[-512:], counts[4000:4512]):
+        assert abs(float(part.mean()) - expected) < 5 * sd / 512**0.5

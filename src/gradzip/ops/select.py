@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gradzip.ops.random import generator_for
@@ -155,12 +157,32 @@ def threshold_split(
 
 
 def randk_indices(numel: int, k: int, *keys: object, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``k`` distinct indices in ``[0, numel)`` drawn from a generator seeded by ``keys``.
+    """``k`` distinct indices in ``[0, numel)``, ascending, drawn from a generator seeded by
+    ``keys``: a uniformly random ``k``-subset.
 
     Every worker that passes the same keys gets the same indices, which is what lets a random-k
     payload be summed by all-reduce.
+
+    For ``k`` up to a quarter of ``numel`` it costs ``O(k log k)``, not ``O(numel)``: a little
+    more than ``k`` positions are drawn with replacement and deduplicated (given their number,
+    the distinct positions are a uniform subset), then ``k`` of them are kept at random (a
+    uniform subset of a uniform subset is uniform). A draw with fewer than ``k`` distinct
+    positions is discarded and made again, larger. Denser draws take a random permutation.
     """
     assert 1 <= k <= numel, (k, numel)
     gen = generator_for(*keys)
-    idx = torch.randperm(numel, generator=gen)[:k]
-    return idx.sort().values.to(device)
+    if k * 4 > numel or numel < 4096:
+        idx = torch.randperm(numel, generator=gen)[:k]
+        return idx.sort().values.to(device)
+    # Draws whose expected number of distinct values is k, plus a margin of several standard
+    # deviations, so a redraw is rare.
+    draws = int(-numel * math.log1p(-k / numel)) + 8 * math.isqrt(k) + 64
+    while True:
+        found = torch.unique(torch.randint(numel, (draws,), generator=gen))  # sorted
+        if found.numel() >= k:
+            break
+        draws *= 2
+    if found.numel() > k:
+        keep = torch.randperm(found.numel(), generator=gen)[:k].sort().values
+        found = found.index_select(0, keep)
+    return found.to(device)
