@@ -22,7 +22,7 @@ from gradzip.compressors.base import Compressor
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
 from gradzip.engine import Engine
-from gradzip.train.metrics import MetricsWriter
+from gradzip.train.metrics import MetricsWriter, progress_bar
 from gradzip.train.schedules import lr_at, set_lr
 
 __all__ = ["DDPStepper", "SimStepper", "TrainLoop", "require_ddp"]
@@ -358,7 +358,7 @@ class TrainLoop:
         stepper_cls = SimStepper if cfg.launcher == "sim" else DDPStepper
         self.stepper = stepper = stepper_cls(self.model, task, self.compressor, cfg,
                                              self.optimizer, self.device)
-        bar = _progress_bar(cfg.epochs * spe, self.progress, f"{cfg.task} {cfg.compressor}")
+        bar = progress_bar(cfg.epochs * spe, self.progress, f"{cfg.task} {cfg.compressor}")
         history: list[dict[str, Any]] = []
         started = time.perf_counter()
         prev = {"wire_bytes": 0, "payload_bytes": 0, "dense_payload_bytes": 0}
@@ -392,6 +392,7 @@ class TrainLoop:
                                   "wire_bytes": max(stepper.stats["wire_bytes"])})
                 bar.update(micro)
             bar.update(spe - i)
+            eval_start = time.perf_counter()
             sums = self._evaluate()
             reduced = stepper.all_sum(torch.cat([sums.double(),
                                                  torch.tensor([loss_sum], dtype=torch.float64)]))
@@ -415,6 +416,7 @@ class TrainLoop:
                 rec["density"] = density
             rec.update(self._control_fields(marks))
             now = time.perf_counter()
+            rec["eval_seconds"] = now - eval_start
             rec["epoch_seconds"], rec["seconds"] = now - epoch_start, now - started
             prev = counts
             history.append(rec)
@@ -427,24 +429,3 @@ class TrainLoop:
         stats = {**counts, "steps": step, "rounds": stepper.stats["steps"],
                  "skipped_steps": stepper.stats["skipped_steps"]}
         return history, stats, time.perf_counter() - started
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, enabled: bool, desc: str) -> Any:
-    if not enabled:
-        return _NoBar()
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=False)

@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["MetricsWriter", "format_bytes", "read_metrics", "read_summary", "versions"]
+__all__ = [
+    "MetricsWriter", "format_bytes", "progress_bar", "read_metrics", "read_summary", "versions",
+]
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +130,24 @@ def format_bytes(n: float | None) -> str:
         value /= 1024
     return f"{value:.1f} TiB"  # pragma: no cover
 
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, enabled: bool, desc: str) -> Any:
+    """A tqdm bar, or a stand-in doing nothing when disabled or tqdm is missing."""
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, leave=False)

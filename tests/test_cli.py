@@ -1,0 +1,299 @@
+"""The ``gradzip`` command: listing, error handling, one run per task, compare, demo."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gradzip.cli import main
+
+EPOCH_KEYS = {
+    "kind", "epoch", "step", "lr", "train_loss", "test_loss", "payload_bytes", "wire_bytes",
+    "dense_payload_bytes", "dense_wire_bytes", "epoch_wire_bytes", "compression", "rounds",
+    "epoch_seconds", "seconds",
+}
+SUMMARY_KEYS = {
+    "bytes_sent_per_worker", "dense_bytes_per_worker", "steps", "wall_seconds", "config",
+    "versions", "metric", "compression",
+}
+QUICK = ["--workers", "2", "--epochs", "1", "--quiet"]
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def make_fake_cifar(root: Path, per_batch: int = 24, test: int = 16) -> Path:
+    """A tiny CIFAR-10 python release: two data batches and a test batch."""
+    release = root / "cifar-10-batches-py"
+    release.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, n in (("data_batch_1", per_batch), ("data_batch_2", per_batch), ("test_batch", test)):
+        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 b"labels": [int(v) for v in rng.integers(0, 10, n)]}
+        (release / name).write_bytes(pickle.dumps(batch))
+    return release
+
+
+# -- list -------------------------------------------------------------------------------
+def test_list_json_is_valid_and_complete(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "list", "--json")
+    assert code == 0
+    info = json.loads(out)
+    names = {c["name"] for c in info["compressors"]}
+    assert {"none", "topk", "threshold", "powersgd", "qsgd", "sign"} <= names
+    topk = next(c for c in info["compressors"] if c["name"] == "topk")
+    assert {"name": "ratio", "default": 0.01}.items() <= topk["parameters"][0].items()
+    assert {t["name"] for t in info["tasks"]} == {"digits", "cifar10", "lm", "logreg"}
+    assert "resnet20" in info["models"]
+    assert "demo" in info["presets"]
+
+
+def test_list_text_names_every_compressor(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(capsys, "list")
+    assert code == 0
+    for name in ("topk", "powersgd", "threshold", "digits", "cifar10", "digits-quick"):
+        assert name in out
+
+
+# -- errors -----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--compressor", "topk:ratio=1.5"], "ratio"),
+        (["--compressor", "nosuch"], "compressor"),
+        (["--compressor", "topk:ratio"], "key=value"),
+        (["--task", "nosuch"], "task"),
+        (["--workers", "0"], "workers"),
+        (["--model", "resnet8:nosuch=1"], "model"),
+        (["--task", "cifar10"], "data"),
+        (["--milestones", "a,b"], "milestones"),
+        (["--compressor", "powersgd:rank=1", "--accordion", "topk:ratio=0.1"], "accordion"),
+        (["--accordion-batch", "64,100"], "accordion-batch"),
+        (["--batch-size", "100000"], "batch_size"),
+        (["--data", "/nonexistent/file.txt", "--task", "lm"], "data"),
+    ],
+)
+def test_bad_configuration_is_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], fragment: str
+) -> None:
+    code, out, err = run_cli(capsys, "train", "--out", str(tmp_path / "run"), *QUICK, *args)
+    assert code == 2
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and fragment in err
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_module_entry_point_errors_without_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gradzip", "train", "--compressor", "topk:ratio=2", "--out",
+         str(tmp_path / "x")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert "`ratio` must be in (0, 1], got 2" in proc.stderr
+
+
+def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("train", "compare", "demo", "list"):
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--help"])
+        assert exc.value.code == 0
+        assert "example" in capsys.readouterr().out
+
+
+def test_bench_without_module_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "gradzip.bench", None)  # makes the import fail
+    code, _, err = run_cli(capsys, "bench", "micro")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "gradzip.bench" in err
+
+
+def test_bench_delegates_its_arguments(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen = []
+    fake = type(sys)("gradzip.bench")
+    fake.main = lambda argv: seen.append(argv) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "gradzip.bench", fake)
+    import gradzip
+
+    monkeypatch.setattr(gradzip, "bench", fake, raising=False)
+    assert main(["bench", "micro", "--size", "3"]) == 0
+    assert seen == [["micro", "--size", "3"]]
+
+
+# -- one run per task -------------------------------------------------------------------
+def test_train_digits_writes_metrics_and_summary(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    code, stdout, err = run_cli(capsys, "train", "--task", "digits", "--epochs", "1",
+                                "--workers", "2", "--compressor", "topk:ratio=0.1",
+                                "--out", str(out), "--log-every", "10")
+    assert code == 0, err
+    assert "final accuracy" in stdout
+    records = read_jsonl(out / "metrics.jsonl")
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert len(epochs) == 1 and EPOCH_KEYS <= set(epochs[0]) and "accuracy" in epochs[0]
+    assert epochs[0]["density"] == pytest.approx(0.1)
+    summary = json.loads((out / "summary.json").read_text())
+    assert SUMMARY_KEYS | {"final_accuracy"} <= set(summary)
+    assert steps and steps[-1]["step"] <= summary["steps"]
+    assert 0 < summary["bytes_sent_per_worker"] < summary["dense_bytes_per_worker"]
+    assert summary["config"]["compressor"] == "topk:ratio=0.1"
+    assert summary["config"]["workers"] == 2
+    assert set(summary["versions"]) >= {"python", "torch", "gradzip"}
+    assert err == ""  # no progress bar when stderr is not a terminal
+
+
+def test_train_cifar10_on_a_tiny_fake_release(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    data = make_fake_cifar(tmp_path / "data")
+    out = tmp_path / "c10"
+    code, _, err = run_cli(capsys, "train", "--task", "cifar10", "--data", str(data),
+                           "--cache-dir", str(tmp_path / "cache"), "--model", "resnet8:width=4",
+                           "--batch-size", "8", "--compressor", "powersgd:rank=2",
+                           "--out", str(out), *QUICK)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and 0 <= summary["final_accuracy"] <= 1
+    assert summary["config"]["model"] == "resnet8:width=4"
+
+
+def test_train_lm_on_a_tiny_text(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    words = "the cat sat on a mat while dogs ran to the park".split()
+    text = tmp_path / "corpus.txt"
+    text.write_text("\n".join(" ".join(rng.choice(words, 10)) for _ in range(50)) + "\n")
+    out = tmp_path / "lm"
+    code, stdout, err = run_cli(capsys, "train", "--task", "lm", "--data", str(text),
+                                "--model", "lstm:embed=16,hidden=16,layers=1",
+                                "--batch-size", "4", "--bptt", "10",
+                                "--compressor", "topk:ratio=0.1", "--out", str(out), *QUICK)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["metric"] == "perplexity"
+    assert 1 < summary["final_perplexity"] < 1000 and "final perplexity" in stdout
+    assert summary["config"]["clip"] == 0.25  # the task's clipping of the averaged gradient
+
+
+def test_train_logreg_generated(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "lr"
+    code, _, err = run_cli(capsys, "train", "--task", "logreg",
+                           "--compressor", "threshold:budget=0.05", "--out", str(out), *QUICK)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_accuracy"] > 0.6  # a nearly separable problem, one epoch
+
+
+def test_train_logreg_libsvm(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    lines = []
+    for _ in range(80):
+        x = rng.normal(size=5)
+        label = 1 if x[0] + x[1] > 0 else -1
+        lines.append(f"{label} " + " ".join(f"{j + 1}:{v:.3f}" for j, v in enumerate(x)))
+    data = tmp_path / "tiny.svm"
+    data.write_text("\n".join(lines) + "\n")
+    code, _, err = run_cli(capsys, "train", "--task", "logreg", "--data", str(data),
+                           "--batch-size", "8", "--out", str(tmp_path / "svm"), *QUICK)
+    assert code == 0, err
+
+
+def test_train_with_accordion_logs_levels(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "acc"
+    code, stdout, err = run_cli(capsys, "train", "--compressor", "powersgd:rank=1",
+                                "--accordion", "powersgd:rank=4", "--interval-epochs", "1",
+                                "--limit-train", "400", "--out", str(out), "--workers", "2",
+                                "--epochs", "3", "--quiet")
+    assert code == 0, err
+    assert "Accordion" in stdout
+    epochs = read_jsonl(out / "metrics.jsonl")
+    # The first two intervals are critical by construction (nothing to compare with yet).
+    assert epochs[0]["critical_fraction"] == 1.0
+    assert set(epochs[0]["levels"].values()) <= {"critical", "steady"}
+    assert all(0 <= r["critical_fraction"] <= 1 for r in epochs)
+    decisions = json.loads((out / "accordion_decisions.json").read_text())
+    assert decisions[0]["reason"] == "first"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accordion_counts"]["decisions"] >= 3
+
+
+def test_train_with_accordion_batch_counts_rounds(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "accb"
+    # micro-batch 16 x 2 workers = 32; critical rounds use 32 examples, steady ones 64.
+    code, stdout, err = run_cli(capsys, "train", "--accordion-batch", "32,64",
+                                "--interval-epochs", "1", "--limit-train", "400",
+                                "--out", str(out), "--workers", "2", "--epochs", "3",
+                                "--quiet", "--compressor", "topk:ratio=0.1")
+    assert code == 0, err
+    assert "global batch 32 <-> 64" in stdout
+    epochs = read_jsonl(out / "metrics.jsonl")
+    # 200 examples per worker = 12 micro-batches: 12 rounds per epoch at the small batch.
+    assert epochs[0]["rounds"] == 12 and epochs[0]["global_batch"] in (32, 64)
+    summary = json.loads((out / "summary.json").read_text())
+    counts = summary["batch_counts"]
+    assert counts["critical_rounds"] + counts["steady_rounds"] == summary["rounds"]
+    assert counts["samples"] == 32 * counts["critical_rounds"] + 64 * counts["steady_rounds"]
+    assert (out / "batch_decisions.json").exists()
+
+
+# -- compare and demo -------------------------------------------------------------------
+def test_compare_writes_csv_and_skips_finished_runs(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    grid = tmp_path / "grid.toml"
+    grid.write_text(
+        'name = "tiny"\n[base]\ntask = "digits"\nworkers = 2\nepochs = 1\nlimit_train = 200\n'
+        '[[runs]]\ncompressor = "none"\n[[runs]]\nlabel = "top"\ncompressor = "topk:ratio=0.1"\n'
+    )
+    out = tmp_path / "cmp"
+    code, stdout, err = run_cli(capsys, "compare", str(grid), "--out", str(out))
+    assert code == 0, err
+    assert err.count("done in") == 2
+    rows = (out / "results.csv").read_text().splitlines()
+    assert rows[0].startswith("label,") and len(rows) == 3
+    assert "top" in stdout and (out / "compare.png").stat().st_size > 0
+    summary = out / "top" / "summary.json"
+    before = summary.read_text()
+    code, _, err = run_cli(capsys, "compare", str(grid), "--out", str(out))
+    assert code == 0 and err.count("skipped") == 2 and summary.read_text() == before
+    code, _, err = run_cli(capsys, "compare", str(grid), "--out", str(out), "--set", "seed=1")
+    assert code == 0 and err.count("done in") == 2
+
+
+def test_compare_unknown_preset_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(capsys, "compare", "no-such-preset")
+    assert code == 2 and "preset" in err and len(err.strip().splitlines()) == 1
+
+
+def test_demo_end_to_end_shrunk(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    code, stdout, err = run_cli(capsys, "demo", "--out", str(out), "--epochs", "1",
+                                "--limit-train", "300", "--quiet")
+    assert code == 0, err
+    for label in ("none", "topk 1%", "threshold 1%", "powersgd r1", "accordion"):
+        assert label in stdout
+    assert "plot: " in stdout and (out / "compare.png").stat().st_size > 0
+    assert len((out / "results.csv").read_text().splitlines()) == 7
