@@ -339,6 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"gradzip {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # stdout closed early (e.g. piped into `head`): nothing more to say.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except (RuntimeError, TimeoutError, OSError) as exc:
         if debug:
             raise

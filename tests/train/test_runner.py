@@ -143,8 +143,9 @@ def test_lm_clips_the_averaged_gradient(tmp_path: Path) -> None:
 
 def test_critical_spans_merge_adjacent_epochs() -> None:
     rows = [{"epoch": e, "critical_fraction": f} for e, f in
-            [(1, 1.0), (2, 0.5), (3, 0.0), (4, 0.0), (5, 0.2), (6, 0.0)]]
-    assert critical_spans(rows) == [(0.0, 2.0), (4.0, 5.0)]
+            [(1, 1.0), (2, 1.0), (3, 0.5), (4, 0.0), (5, 0.2), (6, 0.0)]]
+    assert critical_spans(rows) == [(0.0, 2.0, 1.0), (2.0, 3.0, 0.5), (4.0, 5.0, 0.2)]
+    assert critical_spans([{"epoch": 1, "batch_critical_fraction": 1.0}]) == [(0.0, 1.0, 1.0)]
     assert critical_spans([{"epoch": 1, "accuracy": 0.5}]) == []
 
 

@@ -119,8 +119,10 @@ def _read_source(source: str) -> tuple[dict[str, Any], str]:
 
 
 def _slug(text: str) -> str:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.")
-    return slug or "run"
+    """A directory name for a run label: ``"topk 1% <-> 10%"`` -> ``"topk-1pct-to-10pct"``."""
+    text = text.replace("<->", " to ").replace("%", "pct")
+    slug = re.sub(r"[^A-Za-z0-9._=-]+", "-", text).strip("-.")
+    return re.sub(r"-{2,}", "-", slug) or "run"
 
 
 def load_grid(source: str, overrides: dict[str, Any] | None = None,

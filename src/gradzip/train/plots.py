@@ -1,8 +1,8 @@
 """Plots of finished runs: the metric against bytes sent, and against epochs.
 
 Uses matplotlib's object API (no pyplot, no display needed). Runs with Accordion get their
-critical intervals (epochs in which some tensor was at the gentle level) shaded in their colour
-on the per-epoch panel.
+critical intervals shaded in their colour on the per-epoch panel, darker where a larger share
+of the model ran at the gentle level.
 """
 
 from __future__ import annotations
@@ -18,27 +18,28 @@ __all__ = ["critical_spans", "plot_runs"]
 log = logging.getLogger(__name__)
 
 
-def critical_spans(history: Sequence[dict[str, Any]]) -> list[tuple[float, float]]:
-    """Merged ``(start_epoch, end_epoch)`` spans of epochs where some tensor was critical.
+def critical_spans(history: Sequence[dict[str, Any]]) -> list[tuple[float, float, float]]:
+    """``(start_epoch, end_epoch, fraction)`` for every epoch in which Accordion ran some
+    tensor at its critical (gentle) level; adjacent epochs with the same fraction are merged.
 
     Args:
-        history: epoch records (``epoch`` numbered from 1, ``critical_fraction`` or
-            ``critical`` present for Accordion runs).
+        history: epoch records (``epoch`` numbered from 1). ``critical_fraction`` (the share
+            of tensor-steps at the critical level) or, for the batch-size controller,
+            ``batch_critical_fraction`` (the share of rounds at the small batch).
 
     Returns:
         Sorted, non-overlapping spans; empty for runs without Accordion.
     """
-    spans: list[tuple[float, float]] = []
+    spans: list[tuple[float, float, float]] = []
     for rec in history:
-        frac = rec.get("critical_fraction")
-        hit = (frac is not None and frac > 0) or (frac is None and (rec.get("critical") or 0) > 0)
-        if not hit:
+        frac = rec.get("critical_fraction", rec.get("batch_critical_fraction"))
+        if not frac:
             continue
         start, end = float(rec["epoch"]) - 1, float(rec["epoch"])
-        if spans and spans[-1][1] >= start:
-            spans[-1] = (spans[-1][0], end)
+        if spans and spans[-1][1] == start and spans[-1][2] == frac:
+            spans[-1] = (spans[-1][0], end, frac)
         else:
-            spans.append((start, end))
+            spans.append((start, end, float(frac)))
     return spans
 
 
@@ -78,9 +79,10 @@ def plot_runs(
         ax_bytes.plot([r["wire_bytes"] / 2**20 for r in rows], ys, marker=".", color=color,
                       label=label)
         ax_epoch.plot([r["epoch"] for r in rows], ys, marker=".", color=color, label=label)
-        for start, end in critical_spans(rows):
-            ax_epoch.axvspan(start, end, color=color, alpha=0.12, lw=0,
-                             label=None if shaded_label_done else "critical (gentle level)")
+        for start, end, frac in critical_spans(rows):
+            # Darker where more of the model was at the gentle level.
+            ax_epoch.axvspan(start, end, color=color, alpha=0.05 + 0.25 * frac, lw=0,
+                             label=None if shaded_label_done else "critical share (Accordion)")
             shaded_label_done = True
     ax_bytes.set_xscale("log")
     ax_bytes.set_xlabel("MiB sent per worker (cumulative, log scale)")

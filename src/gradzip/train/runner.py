@@ -390,6 +390,8 @@ def _run_torchrun(cfg: RunConfig, progress: bool, started: float) -> dict[str, A
     created = not dist.is_initialized()
     if created:
         dist.init_process_group(backend)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
     try:
         rank = dist.get_rank()
         with torch.random.fork_rng(devices=[]):
