@@ -41,7 +41,31 @@ def scatter_decode(values: torch.Tensor, indices: torch.Tensor, numel: int) -> t
             f"[{int(flat_idx.min())}, {int(flat_idx.max())}]"
         )
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
-    return out.index_add_(0, flat_idx, values.reshape(-1))
+    # One row (one worker's message) at a time, in rank order: within a row every index is
+    # distinct (padding adds zeros), so even atomic GPU scatters add in a fixed order and
+    # every rank computes bit-identical averages.
+    rows_idx = indices.reshape(indices.shape[0], -1) if indices.dim() > 1 else flat_idx[None]
+    rows_val = values.reshape(rows_idx.shape)
+    for row_idx, row_val in zip(rows_idx, rows_val, strict=True):
+        out.index_add_(0, row_idx, row_val)
+    return out
+
+
+def _message(
+    values: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], width: int, workers: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """One job's ``[L, width]`` values and int64 indices, padded with (index 0, value 0)."""
+    counts = [values[w].numel() for w in range(workers)]
+    if all(c == width for c in counts):  # Top-k: every message is full, nothing to pad
+        return (torch.stack(list(values[:workers])).to(torch.float32),
+                torch.stack(list(indices[:workers])).to(torch.int64), counts)
+    val = torch.zeros(workers, width, dtype=torch.float32, device=device)
+    idx = torch.zeros(workers, width, dtype=torch.int64, device=device)
+    for w in range(workers):
+        val[w, : counts[w]] = values[w]
+        idx[w, : counts[w]] = indices[w]
+    return val, idx, counts
 
 
 def gather_sparse(
@@ -55,6 +79,11 @@ def gather_sparse(
 ) -> None:
     """All-gather every job's sparse message in one buffer and decode the average.
 
+    All jobs are decoded together: their indices are shifted into one flat space, so one
+    ``index_add_`` (and one division) fills every average, whatever the number of tensors.
+    Each element still receives the workers' entries in rank order, as a per-tensor decode
+    would add them.
+
     Args:
         jobs: the tensors, in an order identical on every worker.
         values, indices: per job, per local worker, 1-D tensors of at most ``widths[j]``
@@ -66,35 +95,60 @@ def gather_sparse(
             (e.g. sizes sent beforehand are counted by that exchange, not here).
         decoded: per job, what each local worker's message decodes to (``[L, *shape]``),
             when the caller already has it; otherwise it is rebuilt from the values.
+
+    Raises:
+        ValueError: a received index lies outside its tensor (a corrupt message).
     """
+    if not jobs:
+        return
     workers = comm.local_workers
+    device = jobs[0].tensor.device
+    numels = [job.numel for job in jobs]
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
     parts: list[torch.Tensor] = []
     payload = [extra_payload] * workers
+    rebuild: list[int] = []  # jobs whose own decoded message is built here
+    own_val, own_idx = [], []
     for j, job in enumerate(jobs):
-        width = widths[j]
-        val = torch.zeros(workers, width, dtype=torch.float32, device=job.tensor.device)
-        idx = torch.zeros(workers, width, dtype=torch.int64, device=job.tensor.device)
+        val, idx, counts = _message(values[j], indices[j], widths[j], workers, device)
         for w in range(workers):
-            count = values[j][w].numel()
-            val[w, :count] = values[j][w]
-            idx[w, :count] = indices[j][w]
-            payload[w] += count * (4 + index_bytes(job.numel))
+            payload[w] += counts[w] * (4 + index_bytes(numels[j]))
         parts.append(val)
-        parts.append(_as_words(idx, job.numel))
+        parts.append(_as_words(idx, numels[j]))
         if decoded is not None and decoded[j] is not None:
             job.decoded = decoded[j].reshape(job.tensor.shape)
         else:
-            local = torch.zeros(workers, job.numel, dtype=torch.float32, device=job.tensor.device)
-            # scatter_add, not scatter: padding entries point at index 0 and must add nothing.
-            job.decoded = local.scatter_add_(1, idx, val).reshape(job.tensor.shape)
-    if not jobs:
-        return
+            rebuild.append(j)
+            own_val.append(val)
+            own_idx.append(idx + offsets[j] if offsets[j] else idx)
+    if rebuild:
+        local = torch.zeros(workers, offsets[-1], dtype=torch.float32, device=device)
+        # scatter_add, not scatter: padding entries point at index 0 and must add nothing.
+        local.scatter_add_(1, torch.cat(own_idx, dim=1), torch.cat(own_val, dim=1))
+        for j in rebuild:
+            part = local[:, offsets[j] : offsets[j + 1]]
+            jobs[j].decoded = part.reshape(jobs[j].tensor.shape)
     gathered = comm.all_gather(torch.cat(parts, dim=1), payload=payload)
-    offset = 0
-    for j, job in enumerate(jobs):
-        width, words = widths[j], widths[j] * index_bytes(job.numel) // 4
-        val = gathered[:, offset : offset + width]
-        idx = _from_words(gathered[:, offset + width : offset + width + words], job.numel)
+    received_val, received_idx, offset = [], [], 0
+    for j, numel in enumerate(numels):
+        width, words = widths[j], widths[j] * index_bytes(numel) // 4
+        received_val.append(gathered[:, offset : offset + width])
+        received_idx.append(_from_words(gathered[:, offset + width : offset + width + words], numel))
         offset += width + words
-        total = scatter_decode(val, idx, job.numel)
-        job.averaged = total.div_(comm.world_size).reshape(job.shape)
+    idx_all = torch.cat(received_idx, dim=1)  # [W, sum(widths)], each job's own positions
+    limits = torch.tensor(numels, device=device).repeat_interleave(
+        torch.tensor(list(widths), device=device)
+    )
+    if idx_all.numel() and bool(((idx_all < 0) | (idx_all >= limits)).any()):
+        for j, numel in enumerate(numels):  # name the first bad range
+            scatter_decode(received_val[j], received_idx[j], numel)
+    shifts = torch.tensor(offsets[:-1], device=device).repeat_interleave(
+        torch.tensor(list(widths), device=device)
+    )
+    total = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
+    total.index_add_(0, (idx_all + shifts).reshape(-1), torch.cat(received_val, dim=1).reshape(-1))
+    total.div_(comm.world_size)
+    for j, job in enumerate(jobs):
+        job.averaged = total[offsets[j] : offsets[j + 1]].reshape(job.shape)
