@@ -226,3 +226,24 @@ def test_a_dead_worker_makes_the_others_fail_instead_of_hanging() -> None:
     for rank in (0, 1):
         message, _ = results[rank]
         assert message != "finished", message
+
+
+def test_residuals_follow_the_loss_scale_of_a_grad_scaler() -> None:
+    model = torch.nn.Linear(8, 4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaled = gradzip.Engine(model, "topk:ratio=0.25", grad_scaler=scaler)
+    plain = gradzip.Engine({n: p.shape for n, p in model.named_parameters()}, "topk:ratio=0.25")
+    gen = torch.Generator().manual_seed(0)
+    for step in range(4):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+        scaler.scale(torch.ones(()))  # what a loss does: makes the scaler hold a scale tensor
+        scale = float(scaler.get_scale())
+        out = scaled.reduce({n: g * scale for n, g in grads.items()})
+        ref = plain.reduce(grads)
+        for name in grads:
+            # Powers of two: unscaling reproduces the unscaled engine bit for bit.
+            assert torch.equal(out[name] / scale, ref[name]), (step, name)
+        scaler.update(new_scale=scale * (0.5 if step % 2 == 0 else 4.0))
+    assert scaled.residual_scale == 1024.0 * 0.5 * 4.0 * 0.5
+    with pytest.raises(TypeError, match="`grad_scaler` must be a torch.amp.GradScaler"):
+        gradzip.Engine(model, "none", grad_scaler=object())

@@ -15,12 +15,18 @@ from gradzip.compressors import (
     compressor_from_spec,
     describe_compressors,
 )
+from gradzip.control import Accordion, BatchPlan, BatchSizeController, critical_regime
 from gradzip.engine import Engine
+
+from gradzip import ddp  # noqa: E402  (the DDP hook adapter, ``gradzip.ddp.register``)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BF16",
+    "Accordion",
+    "BatchPlan",
+    "BatchSizeController",
     "FP16",
     "QSGD",
     "Collective",
@@ -36,5 +42,7 @@ __all__ = [
     "TopK",
     "__version__",
     "compressor_from_spec",
+    "critical_regime",
+    "ddp",
     "describe_compressors",
 ]

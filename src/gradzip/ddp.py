@@ -151,6 +151,8 @@ class GradzipHookState:
         error_feedback: ``None`` follows the compressor.
         nonfinite: ``"skip"``, ``"zero"`` or ``"raise"`` (see :class:`~gradzip.Engine`).
         process_group: the group DDP reduces over; ``None`` is the world group.
+        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop, so residuals
+            follow its loss scale (see :class:`~gradzip.Engine`).
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
@@ -165,6 +167,7 @@ class GradzipHookState:
         error_feedback: bool | None = None,
         nonfinite: str = "skip",
         process_group: dist.ProcessGroup | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         pairs = _named_parameters(named_params)
         self.compressor = compressor_from_spec(compressor)
@@ -182,6 +185,7 @@ class GradzipHookState:
             )
         self.error_feedback = error_feedback
         self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
         self.process_group = process_group
         self.params: dict[str, torch.Tensor] = dict(pairs)
         # Identity of the parameter objects (DDP hands back the very same objects).
@@ -207,6 +211,7 @@ class GradzipHookState:
                 collective=collective,
                 nonfinite=self.nonfinite,
                 optimizer=self.optimizer,
+                grad_scaler=self.grad_scaler,
             )
             self._engine = engine
             if self._pending is not None:
@@ -377,6 +382,7 @@ def make_hook(
     error_feedback: bool | None = None,
     nonfinite: str = "skip",
     process_group: dist.ProcessGroup | None = None,
+    grad_scaler: Any = None,
 ) -> tuple[GradzipHookState, Any]:
     """The ``(state, hook)`` pair that ``ddp_model.register_comm_hook(state, hook)`` and
     Lightning's ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)`` take.
@@ -385,7 +391,8 @@ def make_hook(
         model_or_named_params: the module DDP wraps (or the DDP model, or its
             ``(name, parameter)`` pairs).
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"powersgd:rank=2"``.
-        optimizer, error_feedback, nonfinite, process_group: see :class:`GradzipHookState`.
+        optimizer, error_feedback, nonfinite, process_group, grad_scaler: see
+            :class:`GradzipHookState`.
 
     Returns:
         ``(state, gradzip_hook)``.
@@ -396,6 +403,7 @@ def make_hook(
     state = GradzipHookState(
         _named_parameters(model_or_named_params), compressor, optimizer=optimizer,
         error_feedback=error_feedback, nonfinite=nonfinite, process_group=process_group,
+        grad_scaler=grad_scaler,
     )
     return state, gradzip_hook
 
@@ -408,13 +416,14 @@ def register(
     error_feedback: bool | None = None,
     nonfinite: str = "skip",
     process_group: dist.ProcessGroup | None = None,
+    grad_scaler: Any = None,
 ) -> GradzipHookState:
     """Register gradzip as ``ddp_model``'s communication hook (before the first backward).
 
     Args:
         ddp_model: a :class:`~torch.nn.parallel.DistributedDataParallel` model.
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
-        optimizer, error_feedback, nonfinite: see :class:`GradzipHookState`.
+        optimizer, error_feedback, nonfinite, grad_scaler: see :class:`GradzipHookState`.
         process_group: defaults to the group ``ddp_model`` reduces over.
 
     Returns:
@@ -433,7 +442,7 @@ def register(
         process_group = getattr(ddp_model, "process_group", None)
     state, hook = make_hook(
         ddp_model.module, compressor, optimizer=optimizer, error_feedback=error_feedback,
-        nonfinite=nonfinite, process_group=process_group,
+        nonfinite=nonfinite, process_group=process_group, grad_scaler=grad_scaler,
     )
     ddp_model.register_comm_hook(state, hook)
     log.debug("registered gradzip %s on %d parameters", state.compressor.spec(), len(state.params))

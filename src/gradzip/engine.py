@@ -75,6 +75,10 @@ class Engine:
             ``"zero"`` leaves the state and returns zeros; ``"raise"`` raises
             ``FloatingPointError``.
         optimizer: read for the learning rate (adaptive compressors react to its drops).
+        grad_scaler: a ``torch.amp.GradScaler`` whose scaled gradients this engine sees.
+            Residuals are kept at the loss scale they were made at; when the scaler changes
+            its scale they are multiplied by the ratio (a power of two: exact), so error
+            feedback re-adds what was not sent at the right magnitude.
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
@@ -93,6 +97,7 @@ class Engine:
         collective: Collective | None = None,
         nonfinite: str = "skip",
         optimizer: torch.optim.Optimizer | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         self.params: dict[str, torch.Tensor] = {}
         if isinstance(params, nn.Module):
@@ -124,7 +129,13 @@ class Engine:
             raise TypeError(
                 f"`optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
+            raise TypeError(
+                f"`grad_scaler` must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
+            )
         self.optimizer = optimizer
+        self.grad_scaler = grad_scaler
+        self.residual_scale: float | None = None
         self.comm = collective if collective is not None else default_collective()
         self.shapes: dict[str, torch.Size] = {n: torch.Size(s) for n, s in shapes.items()}
         self.step = 0
@@ -243,6 +254,7 @@ class Engine:
         if not self._verified:
             self._verify_agreement()
         if self._snapshot is None:
+            self._follow_loss_scale()
             self._snapshot = (_copy_tree(self.compressor_state), dict(self.residuals))
         if self._poisoned or (self._protects_state() and self._any_nonfinite(grads)):
             out = self._handle_nonfinite(names, named_grads)
@@ -251,6 +263,16 @@ class Engine:
         if finish_step:
             self._finish_step()
         return out
+
+    def _follow_loss_scale(self) -> None:
+        """Bring residuals to the scaler's current loss scale (at the start of a step)."""
+        if self.grad_scaler is None or not self.grad_scaler.is_enabled():
+            return
+        scale = float(self.grad_scaler.get_scale())
+        if self.residual_scale is not None and scale != self.residual_scale:
+            ratio = scale / self.residual_scale
+            self.residuals = {n: r * ratio for n, r in self.residuals.items()}
+        self.residual_scale = scale
 
     def _reduce_finite(
         self, names: list[str], grads: list[torch.Tensor], named_grads: Mapping[str, torch.Tensor]
@@ -353,6 +375,7 @@ class Engine:
             "ranks": list(self.comm.local_ranks),
             "step": self.step,
             "skipped_steps": self.skipped_steps,
+            "residual_scale": self.residual_scale,
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
             "compressor_state": _copy_tree(self.compressor_state),
             "meter": self.comm.meter.snapshot(),
@@ -396,6 +419,8 @@ class Engine:
             raise ValueError(f"checkpoint does not match this engine: {mismatch}")
         self.step = int(state["step"])
         self.skipped_steps = int(state["skipped_steps"])
+        scale = state.get("residual_scale")
+        self.residual_scale = None if scale is None else float(scale)
         self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
         self.compressor_state = _copy_tree(state["compressor_state"])
         self.comm.meter.load(state["meter"])

@@ -73,7 +73,8 @@ def compressor_from_spec(spec: str | Compressor) -> Compressor:
     """Build a compressor from a spec string (a compressor passes through unchanged).
 
     Examples: ``"none"``, ``"fp16"``, ``"topk:ratio=0.01"``, ``"threshold:budget=0.01"``,
-    ``"powersgd:rank=2"``, ``"qsgd:levels=8"``, ``"sign"``.
+    ``"powersgd:rank=2"``, ``"qsgd:levels=8"``, ``"sign"``, and an Accordion's own spec,
+    ``"accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=100,...)"``.
 
     Raises:
         ValueError: unknown name, unknown parameter, or an invalid value (the compressor's
@@ -82,6 +83,11 @@ def compressor_from_spec(spec: str | Compressor) -> Compressor:
     """
     if isinstance(spec, Compressor):
         return spec
+    if isinstance(spec, str) and spec.strip().startswith("accordion("):
+        # Imported here: the control package builds on this module.
+        from gradzip.control.accordion import Accordion
+
+        return Accordion.from_spec(spec.strip())
     name, params = parse_spec(spec)
     cls = REGISTRY.get(name)
     if cls is None:
