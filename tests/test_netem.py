@@ -1,0 +1,334 @@
+"""Smoke tests of the emulated-network benchmark (benchmarks/netem.py) that need no rights.
+
+Nothing here creates a namespace or runs ``ip``/``tc``: the lab runs on a recording runner,
+rights are checked through the function and the ``GRADZIP_NETEM_ASSUME_UNPRIVILEGED``
+switch, and process handling is exercised on plain ``sleep`` children.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+netem = _load("netem")
+worker = _load("netem_worker")
+
+
+class FakeRunner:
+    """Records commands; fails (or raises ``exc``) on the first command containing ``fail_on``."""
+
+    def __init__(self, fail_on: str | None = None, exc: BaseException | None = None,
+                 existing: Sequence[str] = ()) -> None:
+        self.calls: list[list[str]] = []
+        self.fail_on, self.exc, self.existing = fail_on, exc, list(existing)
+
+    def __call__(self, argv: Sequence[str]) -> str:
+        argv = list(argv)
+        self.calls.append(argv)
+        if self.fail_on is not None and self.fail_on in " ".join(argv):
+            self.fail_on = None
+            raise self.exc or netem.LabError(f"`{' '.join(argv)}` failed (2): boom")
+        if argv[:3] == ["ip", "netns", "list"]:
+            return "".join(f"{n} (id: 0)\n" for n in self.existing)
+        return ""
+
+    def added(self) -> list[str]:
+        return [c[3] for c in self.calls if c[:3] == ["ip", "netns", "add"]]
+
+    def deleted(self) -> list[str]:
+        return [c[3] for c in self.calls if c[:3] == ["ip", "netns", "del"]]
+
+
+# --------------------------------------------------------------------------- pure helpers
+
+
+def test_addresses_come_from_the_private_subnet_only():
+    assert netem.worker_addresses("10.77.0.0/24", 3) == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+    with pytest.raises(ValueError, match="private IPv4"):
+        netem.worker_addresses("8.8.8.0/24", 2)
+    with pytest.raises(ValueError, match="private IPv4"):
+        netem.worker_addresses("fd00::/64", 2)
+    with pytest.raises(ValueError, match="private IPv4"):
+        netem.worker_addresses("10.77.0.1/24", 2)  # host bits set: not a network
+    with pytest.raises(ValueError, match="must hold 4 hosts"):
+        netem.worker_addresses("10.77.0.0/30", 4)
+
+
+def test_namespace_names_match_the_cleanup_pattern_and_nothing_else():
+    hub, names = netem.namespace_names(4242, 3)
+    assert hub == "gzn4242-hub" and names == ["gzn4242-w0", "gzn4242-w1", "gzn4242-w2"]
+    assert all(netem.NAME_RE.match(n) for n in [hub, *names])
+    alive = {4242}
+    found = netem.stale_namespaces(
+        ["gzn4242-w0", "gzn17-hub", "gzn17-w1", "gzn17-foo", "default", "gzn17-w1x"],
+        lambda pid: pid in alive)
+    assert found == ["gzn17-hub", "gzn17-w1"]
+
+
+def test_shaping_is_tbf_alone_without_delay_and_under_netem_with_delay():
+    delete, add = netem.shaping_commands("ns", "eth0", 100, 0)
+    assert delete == ["tc", "-n", "ns", "qdisc", "del", "dev", "eth0", "root"]
+    assert add[:9] == ["tc", "-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle"]
+    assert add[10:13] == ["tbf", "rate", "100mbit"] and "netem" not in add
+    _, netem_cmd, tbf_cmd = netem.shaping_commands("ns", "h1", 50, 2.5)
+    assert netem_cmd[-3:] == ["netem", "delay", "2.5ms"] and netem_cmd[7:10] == ["root", "handle", "1:"]
+    assert tbf_cmd[7:10] == ["parent", "1:", "handle"] and "50mbit" in tbf_cmd
+    assert netem.tbf_burst_bytes(10) == 32 * 1024
+    assert netem.tbf_burst_bytes(1000) == 250_000
+
+
+def test_topology_commands_stay_inside_the_created_namespaces():
+    hub, names = netem.namespace_names(1, 2)
+    cmds = netem.topology_commands(hub, names, ["10.77.0.1", "10.77.0.2"], 24)
+    ours = {hub, *names}
+    for cmd in cmds:
+        assert cmd[:2] == ["ip", "-n"] and cmd[2] in ours, cmd
+        if "netns" in cmd:  # the veth's peer is created straight into a worker namespace
+            assert cmd[cmd.index("netns") + 1] in names
+    assert ["ip", "-n", names[1], "addr", "add", "10.77.0.2/24", "dev", "eth0"] in cmds
+    assert not any("route" in cmd for cmd in cmds)  # no default route: nothing leaves
+
+
+# --------------------------------------------------------------------------- rights
+
+
+def test_rights_check_refuses_without_root():
+    with pytest.raises(netem.RightsError, match="needs root.*nothing was created"):
+        netem.check_rights(euid=1000, env={})
+    with pytest.raises(netem.RightsError, match="needs root"):
+        netem.check_rights(euid=0, env={netem.UNPRIVILEGED_ENV: "1"})
+
+
+def test_rights_check_needs_iproute2(monkeypatch):
+    monkeypatch.setattr(netem.shutil, "which", lambda tool: None if tool == "tc" else "/x")
+    with pytest.raises(netem.RightsError, match=r"iproute2 \(tc not found\)"):
+        netem.check_rights(euid=0, env={})
+    monkeypatch.setattr(netem.shutil, "which", lambda tool: "/x")
+    netem.check_rights(euid=0, env={})  # root with both tools: allowed
+
+
+def test_command_line_refuses_without_rights_and_creates_nothing():
+    env = {**os.environ, netem.UNPRIVILEGED_ENV: "1"}
+    done = subprocess.run([sys.executable, str(BENCH / "netem.py"), "--workers", "2",
+                           "--bandwidth-mbit", "10"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2
+    assert "needs root" in done.stderr and "--dry-run" in done.stderr
+    assert "ip netns" not in done.stdout
+
+
+def test_first_namespace_failing_reads_as_missing_rights():
+    fake = FakeRunner(fail_on="netns add")
+    lab = netem.Lab(2, runner=fake, pid=7)
+    with pytest.raises(netem.RightsError, match="cannot create network namespaces"):
+        lab.create()
+    assert lab.created == [] and lab.destroy() == [] and fake.deleted() == []
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+def test_lab_creates_then_deletes_exactly_its_namespaces():
+    fake = FakeRunner()
+    lab = netem.Lab(3, runner=fake, pid=11)
+    lab.create()
+    assert fake.added() == ["gzn11-hub", "gzn11-w0", "gzn11-w1", "gzn11-w2"]
+    assert lab.destroy() == []
+    assert fake.deleted() == ["gzn11-w2", "gzn11-w1", "gzn11-w0", "gzn11-hub"]
+    assert lab.created == []
+
+
+def test_failure_midway_deletes_what_was_created():
+    fake = FakeRunner(fail_on="link add h1")
+    lab = netem.Lab(3, runner=fake, pid=12)
+    with pytest.raises(netem.LabError, match="boom"):
+        lab.create()
+    lab.destroy()
+    assert sorted(fake.deleted()) == sorted(fake.added())
+    assert len(fake.deleted()) == 4
+
+
+def test_interrupt_during_namespace_creation_still_deletes_it():
+    fake = FakeRunner(fail_on="netns add gzn13-w1", exc=netem.Interrupted("SIGINT"))
+    lab = netem.Lab(3, runner=fake, pid=13)
+    with pytest.raises(netem.Interrupted):
+        lab.create()
+    lab.destroy()
+    # The namespace whose creation was cut short is deleted too (the deletion fails
+    # harmlessly if it never came to exist); w2 was never attempted.
+    assert fake.deleted() == ["gzn13-w1", "gzn13-w0", "gzn13-hub"]
+
+
+def test_taken_names_are_refused_before_anything_is_created():
+    fake = FakeRunner(existing=["gzn14-w1"])
+    lab = netem.Lab(2, runner=fake, pid=14)
+    with pytest.raises(netem.LabError, match="exist already"):
+        lab.create()
+    assert fake.added() == [] and lab.destroy() == [] and fake.deleted() == []
+
+
+def test_failed_deletion_is_reported_and_the_rest_still_deleted():
+    fake = FakeRunner()
+    lab = netem.Lab(2, runner=fake, pid=15)
+    lab.create()
+    fake.fail_on = "netns del gzn15-w1"
+    errors = lab.destroy()
+    assert len(errors) == 1 and "gzn15-w1" in errors[0]
+    assert fake.deleted() == ["gzn15-w1", "gzn15-w0", "gzn15-hub"]
+
+
+def test_shaping_a_kernel_without_the_qdisc_says_so():
+    fake = FakeRunner(fail_on="netem", exc=netem.LabError("Specified qdisc kind is unknown."))
+    lab = netem.Lab(2, runner=fake, pid=16)
+    with pytest.raises(netem.LabError, match="use --delay-ms 0"):
+        lab.shape(100, 1.0)
+    fake = FakeRunner()
+    netem.Lab(2, runner=fake, pid=16).shape(100, 0)
+    shaped = {(c[2], c[6]) for c in fake.calls if c[4] == "add"}
+    assert shaped == {("gzn16-w0", "eth0"), ("gzn16-w1", "eth0"),
+                      ("gzn16-hub", "h0"), ("gzn16-hub", "h1")}
+
+
+@pytest.mark.parametrize("exc, status", [(netem.Interrupted("SIGTERM"), 130),
+                                         (netem.LabError("worker died"), 1)])
+def test_main_cleans_up_on_interrupt_and_error(monkeypatch, tmp_path, exc, status):
+    fake = FakeRunner()
+    monkeypatch.setattr(netem, "run_command", fake)
+    monkeypatch.setattr(netem, "check_rights", lambda: None)
+
+    def boom(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(netem, "benchmark", boom)
+    code = netem.main(["--workers", "2", "--bandwidth-mbit", "10",
+                       "--out", str(tmp_path / "x.json")])
+    assert code == status
+    assert len(fake.added()) == 3 and sorted(fake.deleted()) == sorted(fake.added())
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_signal_becomes_an_exception_and_handlers_are_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(netem.Interrupted, match="SIGTERM"), netem.signals_raise():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.sigtimedwait([], 5)  # give the handler a chance to run
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def _sleeper(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def test_wait_all_kills_the_rest_on_failure_and_on_timeout():
+    slow, bad = _sleeper("import time; time.sleep(60)"), _sleeper("raise SystemExit(3)")
+    assert netem.wait_all([slow, bad], timeout=60) == "worker 1 exited with code 3"
+    assert slow.poll() is not None  # killed, not left running
+    slow = _sleeper("import time; time.sleep(60)")
+    assert netem.wait_all([slow], timeout=0.2).startswith("timed out")
+    assert slow.poll() is not None
+    ok = _sleeper("pass")
+    assert netem.wait_all([ok], timeout=60) is None
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workers", "1"], "`--workers` must be in [2, 64]"),
+    (["--bandwidth-mbit", "0"], "`--bandwidth-mbit` values must be in (0, 100000]"),
+    (["--delay-ms", "-1"], "`--delay-ms` must be in [0, 1000]"),
+    (["--target", "1.5"], "`--target` must be in (0, 1]"),
+    (["--subnet", "192.0.2.0/24"], "private IPv4"),
+    (["--methods", "none", "none"], "must not repeat"),
+])
+def test_bad_arguments_are_refused(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        netem.parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_dry_run_pairs_every_namespace_with_its_deletion():
+    args = netem.parse_args(["--workers", "2", "--bandwidth-mbit", "100", "20",
+                             "--methods", "none", "accordion"])
+    cmds = netem.dry_run(args)
+    added = [c[3] for c in cmds if c[:3] == ["ip", "netns", "add"]]
+    deleted = [c[3] for c in cmds if c[:3] == ["ip", "netns", "del"]]
+    assert len(added) == 3 and deleted == added[::-1]
+    assert sum("tbf" in c for c in cmds) == 2 * 4  # two rates x (2 worker + 2 hub ports)
+    runs = [c for c in cmds if c[:3] == ["ip", "netns", "exec"]]
+    assert len(runs) == 4 and runs[1][runs[1].index("--spec") + 1] == "accordion"
+
+
+def test_worker_accepts_what_the_launcher_passes():
+    args = netem.parse_args(["--stop-at-target", "--interval", "33", "--eta", "0.4"])
+    argv = netem.worker_argv(args, "accordion", "/tmp/r.json")
+    assert argv[1] == str(netem.WORKER)
+    parsed = worker.parse_args(argv[2:])
+    assert (parsed.spec, parsed.interval, parsed.eta, parsed.stop_at_target) == (
+        "accordion", 33, 0.4, True)
+    env = netem.worker_env("10.77.0.1", 29501, 2, 4)
+    assert (env["MASTER_ADDR"], env["RANK"], env["WORLD_SIZE"], env["GLOO_SOCKET_IFNAME"]) == (
+        "10.77.0.1", "2", "4", "eth0")
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def _record(method: str, step: float, reached: int | None, wire: int) -> dict:
+    n = 10
+    return {"method": method, "step_seconds": [step] * n, "steps_to_target": reached,
+            "accuracy": [0.5] * (n - 1) + [0.99], "compute_seconds": [0.05, 0.07],
+            "allreduce_latency_seconds": 0.001,
+            "hook_stats": [{"wire_bytes": wire * n, "dense_wire_bytes": 1000 * n,
+                            "kernel_tx_bytes": wire * n + 50 * n}] * 2}
+
+
+def test_summary_rows_speedups_and_table():
+    rows = [netem.summarize(_record("none", 1.0, 8, 1000), 50),
+            netem.summarize(_record("powersgd-r4", 0.25, 8, 20), 50),
+            netem.summarize(_record("powersgd-r1", 0.2, None, 10), 50),
+            netem.summarize({"method": "topk", "error": "timed out after 5 s"}, 50)]
+    netem.add_speedups(rows)
+    assert rows[0]["seconds_to_target"] == 8.0 and rows[0]["speedup_vs_none"] == 1.0
+    assert rows[1]["speedup_vs_none"] == 4.0 and rows[1]["compression_rate"] == 50
+    assert rows[1]["kernel_tx_bytes_per_step"] == 70
+    assert rows[1]["compute_seconds"] == pytest.approx(0.06)
+    assert rows[2]["seconds_to_target"] is None and rows[2]["speedup_vs_none"] is None
+    table = netem.markdown_table(rows).splitlines()
+    assert len(table) == 6 and all(line.count("|") == 10 for line in table)
+    assert "| 50 Mbit/s | powersgd-r4 | 0.250 | 8 | 2.0 | 4.00x | 0 kB | 50x | 0.990 |" in table
+    assert "not reached (best 0.990)" in table[4] and "failed: timed out" in table[5]
+
+
+def test_goodput_probe_counts_every_byte():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result: dict = {}
+    receiver = threading.Thread(
+        target=lambda: result.update(worker.goodput_recv(f"127.0.0.1:{port}", 3 << 20, 30)))
+    receiver.start()
+    worker.goodput_send(f"127.0.0.1:{port}", 3 << 20, 30)
+    receiver.join(30)
+    assert result["bytes"] == 3 << 20 and result["mbit_per_s"] > 0
