@@ -115,7 +115,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--milestones", default=None, metavar="M1,M2",
                    help="LR decay points: values < 1 are fractions of training, others epochs")
     o.add_argument("--gamma", type=float, default=None, help="LR factor at each milestone")
-    o.add_argument("--clip", type=float, default=None, help="max norm of the averaged gradient")
+    o.add_argument("--clip", type=float, default=None,
+                   help="max norm of the averaged gradient (0: off)")
     o.add_argument("--no-scale-lr", dest="scale_lr", action="store_false",
                    help="do not multiply the learning rate by the number of workers")
     o.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
@@ -282,8 +283,14 @@ def cmd_list(args: argparse.Namespace) -> int:
          "defaults": {**t.defaults.__dict__, "milestones": list(t.defaults.milestones)}}
         for t in TASKS.values()
     ]
-    info = {"compressors": describe_compressors(), "tasks": tasks, "models": available_models(),
-            "presets": list_presets()}
+    accordion = {
+        "usage": "--compressor STEADY --accordion CRITICAL (same kind, or none); "
+                 "--accordion-batch SMALL,LARGE for the batch-size variant",
+        "options": {"eta": 0.5, "interval_epochs": "the task's default"},
+        "example": "--compressor powersgd:rank=1 --accordion powersgd:rank=4",
+    }
+    info = {"compressors": describe_compressors(), "accordion": accordion, "tasks": tasks,
+            "models": available_models(), "presets": list_presets()}
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -292,6 +299,8 @@ def cmd_list(args: argparse.Namespace) -> int:
         params = ", ".join(f"{p['name']}={p['default']}" for p in c["parameters"]) or "-"
         print(f"  {c['name']:<10} {params}")
         print(f"  {'':<10} {c['description']}")
+    print(f"\nAccordion (adaptive levels): {accordion['usage']}")
+    print(f"  e.g. {accordion['example']} --eta 0.5 --interval-epochs 10")
     print("\ntasks:")
     for t in tasks:
         d = t["defaults"]

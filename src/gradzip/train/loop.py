@@ -378,7 +378,7 @@ class TrainLoop:
                 set_lr(self.optimizer, lr)
                 skipped = stepper.stats["skipped_steps"]
                 step_loss = stepper.step([s[i:i + micro] for s in shards], carries)
-                if cfg.clip is not None:
+                if cfg.clip:
                     nn.utils.clip_grad_norm_(self.model.parameters(), cfg.clip)
                 if stepper.stats["skipped_steps"] == skipped:
                     self.optimizer.step()

@@ -72,7 +72,7 @@ class RunConfig:
         warmup_epochs: linear warm-up length.
         milestones: LR decay points (values < 1: fractions of training; others: epochs).
         gamma: LR factor at each milestone.
-        clip: max norm of the averaged gradient.
+        clip: max norm of the averaged gradient (0: no clipping).
         scale_lr: linear scaling of the LR with the number of workers.
         error_feedback: force error feedback on or off (default: the compressor's).
         bptt: LM truncated-BPTT window.
@@ -238,7 +238,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     check_real("eta", cfg.eta, low=0, low_open=True)
     check_real("timeout", cfg.timeout, low=0, low_open=True)
     if cfg.clip is not None:
-        check_real("clip", cfg.clip, low=0, low_open=True)
+        check_real("clip", cfg.clip, low=0)  # 0 turns the task's clipping off
     check_bool("nesterov", cfg.nesterov)
     check_bool("scale_lr", cfg.scale_lr)
     if cfg.error_feedback is not None:
