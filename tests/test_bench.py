@@ -11,6 +11,7 @@ import torch
 
 from gradzip import bench
 from gradzip.benchmarks_impl import micro
+from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
 
@@ -60,12 +61,15 @@ def test_replayed_worker_computes_what_the_simulator_computes(spec: str) -> None
     compressor = compressor_from_spec(spec)
     jobs, _ = micro._jobs(spec, data)
     state = compressor.init_state({j.name: j.shape for j in jobs})
-    recorder = micro._Recorder(4)
-    compressor.reduce(jobs, copy.deepcopy(state), recorder, StepContext(0, (0, 1, 2, 3), 4))
+    compressor.reduce(jobs, copy.deepcopy(state), SimulatedGroup(4),
+                      StepContext(0, (0, 1, 2, 3), 4))
+    recorded = micro.record_messages(
+        compressor, state, lambda w: [Job(j.name, j.tensor[w : w + 1]) for j in jobs], 4
+    )
     mine = [Job(j.name, j.tensor[:1]) for j in jobs]
-    replay = micro._Replay(recorder.messages)
-    compressor.reduce(mine, copy.copy(state), replay, StepContext(0, (0,), 4))
-    assert len(replay.entries) == len(recorder.messages)
+    exchange = micro._Exchange(4, 0, recorded)
+    compressor.reduce(mine, copy.copy(state), exchange, StepContext(0, (0,), 4))
+    assert exchange.consistent and len(exchange.entries) == len(recorded[0])
     for full, one in zip(jobs, mine, strict=True):
         torch.testing.assert_close(one.averaged, full.averaged, rtol=0, atol=1e-6)
         torch.testing.assert_close(one.decoded, full.decoded[:1], rtol=0, atol=1e-6)

@@ -2,13 +2,15 @@
 
 What is timed, for one worker of a group of ``W`` (default 4):
 
-1. A *recording* pass runs ``compressor.reduce`` on a :class:`~gradzip.SimulatedGroup` of ``W``
-   workers with ``W`` different gradients and keeps every message handed to a collective.
+1. A *recording* step collects what each of ``W`` workers (``W`` different gradients) hands to
+   every collective call: each worker runs ``compressor.reduce`` alone (one worker's memory at
+   a time), seeing the others' messages of the previous pass, until the messages settle (see
+   :func:`record_messages`).
 2. Each timed pass runs ``compressor.reduce`` for worker 0 alone, in a group of ``W`` whose
-   collectives *replay* the recorded messages of the other workers: an all-reduce adds the
-   ``W`` messages in this process (the arithmetic a CPU backend does; nothing travels), an
-   all-gather concatenates them. The result is what worker 0 would compute in a real group,
-   minus the transport.
+   collectives take the recorded messages of the other workers: an all-reduce adds the ``W``
+   messages in this process (the arithmetic a CPU backend does; nothing travels), an
+   all-gather stacks them. The result is what worker 0 would compute in a real group, minus
+   the transport.
 3. ``compress`` is the time from the start of ``reduce`` to the entry of its *last* collective
    (selection, packing, the worker's own decoded message that error feedback needs, and for
    PowerSGD the first round including the sum of the ``P`` factors and their
@@ -24,6 +26,7 @@ arithmetic of PyTorch's built-in ``powerSGD_hook`` for PowerSGD (per matrix ``P 
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import math
 import time
@@ -36,13 +39,14 @@ import torch
 from gradzip._validate import check_int
 from gradzip.benchmarks_impl.common import median_seconds
 from gradzip.comm.base import Collective
-from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.ops import select
 from gradzip.ops.random import generator_for
 
-__all__ = ["DEFAULT_NUMELS", "MICRO_SPECS", "MicroRow", "powersgd_layout", "run_micro"]
+__all__ = [
+    "DEFAULT_NUMELS", "MICRO_SPECS", "MicroRow", "powersgd_layout", "record_messages", "run_micro",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,53 +115,99 @@ def powersgd_layout(numel: int) -> list[tuple[int, tuple[int, ...]]]:
     return layout
 
 
-class _Recorder(SimulatedGroup):
-    """A simulated group that keeps every message it is handed, in call order."""
+class _Exchange(Collective):
+    """Worker ``rank`` of a group of ``world`` whose other workers' messages were recorded.
 
-    def __init__(self, workers: int) -> None:
-        super().__init__(workers)
-        self.messages: list[torch.Tensor] = []
-
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        self.messages.append(x)
-        return super()._sum(x)
-
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        self.messages.append(x)
-        return super()._gather(x)
-
-
-class _Replay(Collective):
-    """Worker 0 of a group of ``len(messages[i])`` whose other workers' messages were recorded.
-
-    Entry times of every collective are kept so the caller can split compress from decode.
+    An all-reduce adds the ``world`` messages in rank order in this process (as
+    :class:`~gradzip.SimulatedGroup` does), an all-gather stacks them. Messages this worker
+    sends are kept in :attr:`sent`, entry times of each call in :attr:`entries`. Where no
+    recorded message of the right shape exists (an earlier recording pass), this worker's own
+    message stands in and :attr:`consistent` turns false.
     """
 
-    def __init__(self, messages: Sequence[torch.Tensor]) -> None:
-        super().__init__(world_size=messages[0].shape[0], local_workers=1, first_rank=0)
-        self.messages = messages
+    def __init__(self, world: int, rank: int, others: Sequence[Sequence[torch.Tensor]] | None
+                 ) -> None:
+        super().__init__(world_size=world, local_workers=1, first_rank=rank)
+        self.others = others
+        self.sent: list[torch.Tensor] = []
         self.entries: list[float] = []
+        self.consistent = True
 
-    def _recorded(self, x: torch.Tensor) -> torch.Tensor:
+    def _rows(self, x: torch.Tensor) -> list[torch.Tensor]:
         self.entries.append(time.perf_counter())
-        recorded = self.messages[len(self.entries) - 1]
-        if recorded.shape[1:] != x.shape[1:] or recorded.dtype != x.dtype:
-            raise RuntimeError(
-                f"replayed message {len(self.entries) - 1} has shape {tuple(x.shape[1:])}, the "
-                f"recorded one {tuple(recorded.shape[1:])}: the compressor is not deterministic"
-            )
-        return recorded
+        call = len(self.sent)
+        self.sent.append(x)
+        rows = []
+        for w in range(self.world_size):
+            theirs = None
+            if w != self.first_rank and self.others is not None and call < len(self.others[w]):
+                theirs = self.others[w][call]
+            if w == self.first_rank:
+                theirs = x
+            elif theirs is None or theirs.shape != x.shape or theirs.dtype != x.dtype:
+                self.consistent = False
+                theirs = x
+            rows.append(theirs[0])
+        return rows
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        recorded = self._recorded(x)
-        total = x[0].clone()
-        for i in range(1, recorded.shape[0]):
-            total += recorded[i]
+        rows = self._rows(x)
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total += row
         return total
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        recorded = self._recorded(x)
-        return torch.cat([x, recorded[1:]])
+        return torch.stack(self._rows(x))
+
+
+def _fingerprint(messages: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+    out = []
+    for m in messages:
+        raw = m.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+        out.append((tuple(m.shape), m.dtype, hashlib.blake2b(memoryview(raw)).hexdigest()))
+    return out
+
+
+def record_messages(
+    compressor: Compressor, state: dict[str, Any], jobs_of: Callable[[int], list[Job]],
+    world: int, max_passes: int = 8,
+) -> list[list[torch.Tensor]]:
+    """Every worker's messages, per collective call, in one step of a group of ``world``.
+
+    Each worker runs alone (one worker's memory at a time, not ``world``'s), seeing the
+    others' messages of the previous pass; a message that depends on an earlier exchange
+    (PowerSGD's ``Q``, the threshold's padded values) is right once that exchange was, so the
+    passes reach a fixed point after as many passes as there are calls, plus one to confirm.
+
+    Args:
+        compressor: the compressor.
+        state: its initial state (copied for every run).
+        jobs_of: fresh jobs holding worker ``w``'s gradients (``[1, *shape]``).
+        world: the group size.
+        max_passes: give up after this many passes.
+
+    Returns:
+        ``messages[w][call]``: what worker ``w`` handed to each collective call.
+
+    Raises:
+        RuntimeError: no fixed point was reached.
+    """
+    previous: list[list[tuple[Any, ...]]] | None = None
+    recorded: list[list[torch.Tensor]] | None = None
+    for _ in range(max_passes):
+        sent, consistent = [], True
+        for w in range(world):
+            exchange = _Exchange(world, w, recorded)
+            compressor.reduce(jobs_of(w), copy.deepcopy(state), exchange,
+                              StepContext(step=0, ranks=(w,), world_size=world))
+            sent.append(exchange.sent)
+            consistent = consistent and exchange.consistent
+        prints = [_fingerprint(m) for m in sent]
+        if consistent and prints == previous:
+            return sent
+        previous, recorded = prints, sent
+    raise RuntimeError(f"the messages of {compressor.spec()} did not settle in {max_passes} passes")
 
 
 def _jobs(spec: str, data: torch.Tensor) -> tuple[list[Job], str]:
@@ -230,27 +280,27 @@ def _measure(
     jobs, layout = _jobs(spec, data)
     numel = sum(j.numel for j in jobs)
     state0 = compressor.init_state({j.name: j.shape for j in jobs})
-    recorder = _Recorder(workers)
-    compressor.reduce(jobs, copy.deepcopy(state0), recorder,
-                      StepContext(step=0, ranks=tuple(range(workers)), world_size=workers))
+    recorded = record_messages(
+        compressor, state0, lambda w: [Job(j.name, j.tensor[w : w + 1]) for j in jobs], workers
+    )
     mine = [Job(j.name, j.tensor[:1]) for j in jobs]
     ctx = StepContext(step=0, ranks=(0,), world_size=workers)
 
     def once() -> tuple[float, float]:
-        replay = _Replay(recorder.messages)
+        exchange = _Exchange(workers, 0, recorded)
         step_jobs = [Job(j.name, j.tensor) for j in mine]
         state = copy.copy(state0)  # compressors replace entries, never write into them
         start = time.perf_counter()
-        compressor.reduce(step_jobs, state, replay, ctx)
+        compressor.reduce(step_jobs, state, exchange, ctx)
         end = time.perf_counter()
-        last = replay.entries[-1] if replay.entries else end
+        last = exchange.entries[-1] if exchange.entries else end
         return last - start, end - last
 
     once()
     phases = sorted(once() for _ in range(repeat))
     compress = sorted(p[0] for p in phases)[len(phases) // 2]
     decode = sorted(p[1] for p in phases)[len(phases) // 2]
-    del recorder, phases
+    del recorded, phases
 
     baseline = baseline_decode = select_time = density = None
     baseline_name = None
