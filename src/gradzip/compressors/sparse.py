@@ -80,9 +80,8 @@ def gather_sparse(
     """All-gather every job's sparse message in one buffer and decode the average.
 
     All jobs are decoded together: their indices are shifted into one flat space, so one
-    ``index_add_`` (and one division) fills every average, whatever the number of tensors.
-    Each element still receives the workers' entries in rank order, as a per-tensor decode
-    would add them.
+    ``index_add_`` per worker (and one division) fills every average, whatever the number of
+    tensors. Each element receives the workers' entries in rank order.
 
     Args:
         jobs: the tensors, in an order identical on every worker.
@@ -148,7 +147,12 @@ def gather_sparse(
         torch.tensor(list(widths), device=device)
     )
     total = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
-    total.index_add_(0, (idx_all + shifts).reshape(-1), torch.cat(received_val, dim=1).reshape(-1))
+    flat_idx, flat_val = idx_all + shifts, torch.cat(received_val, dim=1)
+    # One worker's row at a time, in rank order: a row never holds an index twice (padding
+    # adds zeros), so even atomic GPU scatters add in a fixed order and every rank computes
+    # bit-identical averages (a decision taken from them must agree across ranks).
+    for row_idx, row_val in zip(flat_idx, flat_val, strict=True):
+        total.index_add_(0, row_idx, row_val)
     total.div_(comm.world_size)
     for j, job in enumerate(jobs):
         job.averaged = total[offsets[j] : offsets[j + 1]].reshape(job.shape)
