@@ -1,5 +1,6 @@
 """gradzip: compressed gradient communication for data-parallel PyTorch training."""
 
+from gradzip import ddp  # the DDP hook adapter: gradzip.ddp.register
 from gradzip.comm import Collective, ProcessGroupCollective, SimulatedGroup
 from gradzip.compressors import (
     BF16,
@@ -17,8 +18,6 @@ from gradzip.compressors import (
 )
 from gradzip.control import Accordion, BatchPlan, BatchSizeController, critical_regime
 from gradzip.engine import Engine
-
-from gradzip import ddp  # noqa: E402  (the DDP hook adapter, ``gradzip.ddp.register``)
 
 __version__ = "0.1.0"
 

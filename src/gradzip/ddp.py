@@ -113,29 +113,6 @@ def _tree_to(tree: Any, device: torch.device) -> Any:
     return tree
 
 
-class _OnDevice(ProcessGroupCollective):
-    """A process group whose collectives run on ``device``.
-
-    The engine builds its small control messages (the non-finite flag, the configuration
-    handshake, sparse sizes) on the CPU, and an NCCL group cannot reduce CPU tensors; they
-    travel through ``device`` (the parameters' GPU) and come back where they were.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None, device: torch.device) -> None:
-        super().__init__(group)
-        self.device = device
-
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device == self.device:
-            return super()._sum(x)
-        return super()._sum(x.to(self.device)).to(x.device)
-
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device == self.device:
-            return super()._gather(x)
-        return super()._gather(x.to(self.device)).to(x.device)
-
-
 class GradzipHookState:
     """The state a DDP comm hook receives: one :class:`~gradzip.Engine`, built on first use.
 
@@ -199,10 +176,10 @@ class GradzipHookState:
         """The engine (created now if needed; needs an initialised process group)."""
         if self._engine is None:
             device = next(iter(self.params.values())).device
-            collective = (
-                ProcessGroupCollective(self.process_group)
-                if device.type == "cpu"
-                else _OnDevice(self.process_group, device)
+            # Collectives run where the parameters live (control messages made on the CPU
+            # travel through that device: NCCL cannot reduce CPU tensors).
+            collective = ProcessGroupCollective(
+                self.process_group, device=None if device.type == "cpu" else device
             )
             engine = Engine(
                 {n: p.shape for n, p in self.params.items()},
