@@ -264,8 +264,10 @@ class TrainLoop:
             return
         count = cls.counts(state)["decisions"]
         if count != self._decision_count:
+            # Every point since the last poll: one step can hold two (an LR drop seen in an
+            # interval's last step), and the latest alone would miss the drop's records.
+            self.decisions.extend(cls.decisions(state, since=self._decision_count))
             self._decision_count = count
-            self.decisions.extend(cls.decisions(state))
 
     def _bytes(self) -> dict[str, int]:
         """Cumulative counters, max over all workers (a collective in a process group)."""
