@@ -44,6 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(with --accordion: the aggressive level)")
     parser.add_argument("--accordion", default=None, metavar="SPEC",
                         help="Accordion's gentle level for critical regimes, e.g. powersgd:rank=4")
+    parser.add_argument("--eta", type=float, default=0.5,
+                        help="Accordion: relative change of the gradient norm that marks a "
+                             "critical regime")
+    parser.add_argument("--interval", type=int, default=10,
+                        help="Accordion: optimizer steps between decisions")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int, default=32, help="per process")
     parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
@@ -63,14 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_compressor(args: argparse.Namespace) -> gradzip.Compressor | str:
     if args.accordion is None:
         return args.compressor
-    accordion = getattr(gradzip, "Accordion", None)
-    if accordion is None or not hasattr(accordion, "from_specs"):
-        raise SystemExit(
-            "--accordion needs gradzip.Accordion.from_specs, which this version of gradzip does "
-            "not have; use --compressor alone"
-        )
-    # (gentle level for critical regimes, aggressive level elsewhere)
-    return accordion.from_specs(args.accordion, args.compressor)
+    # --compressor is the aggressive (steady) level, --accordion the gentle (critical) one.
+    return gradzip.Accordion.from_specs(
+        args.compressor, args.accordion, eta=args.eta, interval=args.interval
+    )
 
 
 def load_data(kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
