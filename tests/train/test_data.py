@@ -1,9 +1,10 @@
-"""Tests for gradzip.train.data."""
+"""Tests for the training data layer: gradzip.train.data, .cifar, .text and .tabular."""
 
 from __future__ import annotations
 
 import importlib.util
 import pickle
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -12,7 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from gradzip.train import cifar as C
 from gradzip.train import data as D
+from gradzip.train import tabular as TB
+from gradzip.train import text as T
 
 needs_pil = pytest.mark.skipif(importlib.util.find_spec("PIL") is None,
                                reason="Pillow is not installed")
@@ -72,7 +76,7 @@ def _write_pickle_release(root: Path, rng: np.random.Generator) -> dict[str, np.
     xt, yt = _rand_images(rng, 10), rng.integers(0, 10, 10).tolist()
     with open(root / "test_batch", "wb") as fh:
         pickle.dump({b"data": xt.transpose(0, 3, 1, 2).reshape(10, 3072), b"labels": yt}, fh)
-    names = [n.encode() for n in D.CIFAR10_CLASSES]
+    names = [n.encode() for n in C.CIFAR10_CLASSES]
     with open(root / "batches.meta", "wb") as fh:
         pickle.dump({b"label_names": names}, fh)
     return {"x_train": np.concatenate(xs), "y_train": np.asarray(ys),
@@ -96,9 +100,9 @@ def test_cifar_pickle_release_dir_parent_and_tar(tmp_path: Path) -> None:
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(release, arcname="cifar-10-batches-py")
     for source in (release, release.parent, archive):
-        task = D.load_cifar10(source, use_cache=False)
+        task = C.load_cifar10(source, use_cache=False)
         assert task.meta["layout"] == "pickle"
-        assert task.meta["classes"] == list(D.CIFAR10_CLASSES)
+        assert task.meta["classes"] == list(C.CIFAR10_CLASSES)
         assert task.num_classes == 10
         assert task.train.x.shape == (100, 3, 32, 32)
         assert task.test.x.shape == (10, 3, 32, 32)
@@ -132,7 +136,7 @@ def test_cifar_image_folder_png_exact(tmp_path: Path) -> None:
     truth = _write_folder_tree(tmp_path / "cifar10", rng, "png")
     (tmp_path / "cifar10" / "train" / "cat" / ".DS_Store").write_bytes(b"junk")
     for source in (tmp_path / "cifar10", tmp_path):  # tree itself, or under a top folder
-        task = D.load_cifar10(source, use_cache=False)
+        task = C.load_cifar10(source, use_cache=False)
         assert task.meta["layout"] == "folder"
         assert task.meta["classes"] == ["airplane", "cat", "dog"]
         assert task.num_classes == 3
@@ -153,7 +157,7 @@ def test_cifar_image_folder_jpeg_tar(tmp_path: Path) -> None:
     archive = tmp_path / "cifar10.tar.gz"
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(tree, arcname="cifar10")
-    task = D.load_cifar10(archive, use_cache=False)
+    task = C.load_cifar10(archive, use_cache=False)
     assert task.train.x.shape == (9, 3, 32, 32)
     assert sorted(task.test.y.tolist()) == [0, 0, 1, 1, 2, 2]
 
@@ -163,18 +167,18 @@ def test_cifar_cache_roundtrip(tmp_path: Path) -> None:
     tree = tmp_path / "data"
     _write_folder_tree(tree, np.random.default_rng(3), "png")
     cache = tmp_path / "cache"
-    first = D.load_cifar10(tree, cache_dir=cache)
+    first = C.load_cifar10(tree, cache_dir=cache)
     cache_file = Path(first.meta["cache_file"])
     assert cache_file.is_file() and cache_file.parent == cache
     assert list(cache.glob("*.npz")) == [cache_file]
-    second = D.load_cifar10(tree, cache_dir=cache)
+    second = C.load_cifar10(tree, cache_dir=cache)
     assert second.meta["cache_file"] == str(cache_file)
     assert torch.equal(first.train.x, second.train.x)
     assert torch.equal(first.test.y, second.test.y)
     assert first.meta["classes"] == second.meta["classes"]
     # Changing the source gives a new cache key.
     (tree / "test" / "cat" / "9.png").write_bytes((tree / "test" / "cat" / "0.png").read_bytes())
-    third = D.load_cifar10(tree, cache_dir=cache)
+    third = C.load_cifar10(tree, cache_dir=cache)
     assert third.meta["cache_file"] != str(cache_file)
     assert len(third.test) == len(first.test) + 1
 
@@ -183,13 +187,13 @@ def test_cifar_cache_roundtrip(tmp_path: Path) -> None:
 def test_cifar_cache_hit_does_not_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tree = tmp_path / "data"
     _write_folder_tree(tree, np.random.default_rng(4), "png")
-    first = D.load_cifar10(tree, cache_dir=tmp_path / "c")
+    first = C.load_cifar10(tree, cache_dir=tmp_path / "c")
 
     def boom(path: Path) -> dict:
         raise AssertionError("source was read despite a cache hit")
 
-    monkeypatch.setattr(D, "_read_cifar", boom)
-    second = D.load_cifar10(tree, cache_dir=tmp_path / "c")
+    monkeypatch.setattr(C, "_read_cifar", boom)
+    second = C.load_cifar10(tree, cache_dir=tmp_path / "c")
     assert torch.equal(first.train.x, second.train.x)
 
 
@@ -197,9 +201,9 @@ def test_cifar_cache_hit_does_not_decode(tmp_path: Path, monkeypatch: pytest.Mon
 def test_cifar_corrupt_cache_is_rebuilt(tmp_path: Path) -> None:
     tree = tmp_path / "data"
     _write_folder_tree(tree, np.random.default_rng(5), "png")
-    first = D.load_cifar10(tree, cache_dir=tmp_path / "c")
+    first = C.load_cifar10(tree, cache_dir=tmp_path / "c")
     Path(first.meta["cache_file"]).write_bytes(b"garbage")
-    second = D.load_cifar10(tree, cache_dir=tmp_path / "c")
+    second = C.load_cifar10(tree, cache_dir=tmp_path / "c")
     assert torch.equal(first.train.x, second.train.x)
     with np.load(first.meta["cache_file"]) as cached:
         assert cached["x_train"].shape == (9, 32, 32, 3)
@@ -212,21 +216,21 @@ def test_decoding_without_pillow_is_a_clear_import_error(
         (tmp_path / split / "cat" / "0.png").write_bytes(b"x")
     monkeypatch.setitem(sys.modules, "PIL", None)
     with pytest.raises(ImportError, match="decoding JPEG files needs Pillow: pip install pillow"):
-        D.load_cifar10(tmp_path, use_cache=False)
+        C.load_cifar10(tmp_path, use_cache=False)
 
 
 def test_cifar_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="`path` must be an existing path"):
-        D.load_cifar10(tmp_path / "missing")
+        C.load_cifar10(tmp_path / "missing")
     with pytest.raises(TypeError, match="`path` must be a str or os.PathLike"):
-        D.load_cifar10(3)  # type: ignore[arg-type]
+        C.load_cifar10(3)  # type: ignore[arg-type]
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="train/<class>/<image>"):
-        D.load_cifar10(tmp_path / "empty", use_cache=False)
+        C.load_cifar10(tmp_path / "empty", use_cache=False)
     plain = tmp_path / "x.bin"
     plain.write_bytes(b"abc")
     with pytest.raises(ValueError, match="tar archive"):
-        D.load_cifar10(plain, use_cache=False)
+        C.load_cifar10(plain, use_cache=False)
 
 
 # ---------------------------------------------------------------- augmentation
@@ -272,7 +276,7 @@ def test_augment_batch_validation() -> None:
         D.augment_batch(torch.zeros(3, 8, 8), gen)
     with pytest.raises(TypeError, match="`generator` must be a torch.Generator"):
         D.augment_batch(torch.zeros(1, 3, 8, 8), 0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="`pad` must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="`pad` must be >= 0, got -1"):
         D.augment_batch(torch.zeros(1, 3, 8, 8), gen, pad=-1)
 
 
@@ -283,21 +287,21 @@ def test_load_text_word_level(tmp_path: Path) -> None:
     path = tmp_path / "corpus.txt"
     lines = ["the cat sat"] * 9 + ["the dog ran"]
     path.write_text("\n".join(lines) + "\n")
-    lm = D.load_text(path, level="word", valid_fraction=0.1)
-    assert lm.vocab[0] == D.UNK
-    assert set(lm.vocab) == {D.UNK, D.EOS, "the", "cat", "sat"}
+    lm = T.load_text(path, level="word", valid_fraction=0.1)
+    assert lm.vocab[0] == T.UNK
+    assert set(lm.vocab) == {T.UNK, T.EOS, "the", "cat", "sat"}
     assert lm.train_ids.dtype == torch.int64
     assert len(lm.train_ids) == 9 * 4 and len(lm.valid_ids) == 4
     decoded = [lm.vocab[i] for i in lm.valid_ids.tolist()]
-    assert decoded == ["the", D.UNK, D.UNK, D.EOS]
+    assert decoded == ["the", T.UNK, T.UNK, T.EOS]
 
 
 def test_load_text_char_level_and_directory(tmp_path: Path) -> None:
     (tmp_path / "ptb.train.txt").write_text("abcab\nba\n")
     (tmp_path / "ptb.valid.txt").write_text("abz\n")
-    lm = D.load_text(tmp_path, level="char")
-    assert set(lm.vocab) == {D.UNK, "a", "b", "c", "\n"}
-    assert [lm.vocab[i] for i in lm.valid_ids.tolist()] == ["a", "b", D.UNK, "\n"]
+    lm = T.load_text(tmp_path, level="char")
+    assert set(lm.vocab) == {T.UNK, "a", "b", "c", "\n"}
+    assert [lm.vocab[i] for i in lm.valid_ids.tolist()] == ["a", "b", T.UNK, "\n"]
     assert len(lm.train_ids) == 9
 
 
@@ -305,29 +309,29 @@ def test_load_text_validation(tmp_path: Path) -> None:
     path = tmp_path / "t.txt"
     path.write_text("a b\nc d\n")
     with pytest.raises(ValueError, match="`level` must be one of 'word', 'char', got 'byte'"):
-        D.load_text(path, level="byte")
+        T.load_text(path, level="byte")
     with pytest.raises(ValueError, match="`valid_fraction` must be"):
-        D.load_text(path, valid_fraction=1.5)
+        T.load_text(path, valid_fraction=1.5)
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="non-empty"):
-        D.load_text(tmp_path / "empty.txt")
+        T.load_text(tmp_path / "empty.txt")
 
 
 def test_batchify_and_bptt() -> None:
     ids = torch.arange(23)
-    data = D.batchify(ids, 4)
+    data = T.batchify(ids, 4)
     assert data.shape == (5, 4)
     assert data[:, 1].tolist() == [5, 6, 7, 8, 9]
-    pairs = list(D.bptt_batches(data, 3))
+    pairs = list(T.bptt_batches(data, 3))
     assert [p[0].shape[0] for p in pairs] == [3, 1]
     for inp, tgt in pairs:
         assert torch.equal(inp + 1, tgt)
     with pytest.raises(ValueError, match="`batch_size` must be"):
-        D.batchify(torch.arange(3), 4)
-    with pytest.raises(ValueError, match="`bptt` must be an integer >= 1, got 0"):
-        D.bptt_batches(data, 0)
+        T.batchify(torch.arange(3), 4)
+    with pytest.raises(ValueError, match="`bptt` must be >= 1, got 0"):
+        T.bptt_batches(data, 0)
     with pytest.raises(ValueError, match="`ids` must be a 1-D tensor"):
-        D.batchify(data, 2)
+        T.batchify(data, 2)
 
 
 # ---------------------------------------------------------------- libsvm / logreg
@@ -337,32 +341,32 @@ def test_load_libsvm(tmp_path: Path) -> None:
     path = tmp_path / "a.svm"
     rows = ["+1 1:0.5 3:2", "-1 2:1.5 # comment", "", "+1 qid:3 4:-1"] * 3
     path.write_text("\n".join(rows) + "\n")
-    task = D.load_libsvm(path, test_fraction=0.25, seed=0)
+    task = TB.load_libsvm(path, test_fraction=0.25, seed=0)
     assert task.num_classes == 2 and task.meta["labels"] == [-1.0, 1.0]
     assert task.train.x.shape == (7, 4) and task.test.x.shape == (2, 4)
     assert task.train.x.dtype == torch.float32
-    full = D.load_libsvm(path, num_features=6, test_path=path)
+    full = TB.load_libsvm(path, num_features=6, test_path=path)
     assert full.train.x.shape == (9, 6)
     assert full.train.x[0].tolist() == [0.5, 0, 2, 0, 0, 0]
     assert full.train.y[:3].tolist() == [1, 0, 1]
     with pytest.raises(ValueError, match="`num_features` must be >= the largest index 4"):
-        D.load_libsvm(path, num_features=3)
+        TB.load_libsvm(path, num_features=3)
 
 
 def test_load_libsvm_label_mapping_and_errors(tmp_path: Path) -> None:
     path = tmp_path / "b.svm"
     path.write_text("2 1:1\n1 1:2\n3 2:1\n2 1:0\n")
-    task = D.load_libsvm(path, test_path=path)
+    task = TB.load_libsvm(path, test_path=path)
     assert task.num_classes == 3 and task.train.y.tolist() == [1, 0, 2, 1]
     bad = tmp_path / "bad.svm"
     bad.write_text("1 0:1\n")
     with pytest.raises(ValueError, match="LIBSVM format"):
-        D.load_libsvm(bad)
+        TB.load_libsvm(bad)
 
 
 def test_make_logreg_problem() -> None:
-    task = D.make_logreg_problem(n=500, d=20, seed=3)
-    again = D.make_logreg_problem(n=500, d=20, seed=3)
+    task = TB.make_logreg_problem(n=500, d=20, seed=3)
+    again = TB.make_logreg_problem(n=500, d=20, seed=3)
     assert task.train.x.shape == (400, 20) and task.test.x.shape == (100, 20)
     assert torch.equal(task.train.x, again.train.x)
     agree = ((task.train.x @ task.meta["w"] > 0).long() == task.train.y).float().mean()
@@ -394,7 +398,7 @@ def test_shards_deterministic_and_vary_by_epoch() -> None:
 def test_shard_validation() -> None:
     with pytest.raises(ValueError, match="`rank` must be < world_size=2, got 2"):
         D.shard_indices(10, 2, 2, 0, 0)
-    with pytest.raises(ValueError, match="`n` must be an integer >= 4, got 3"):
+    with pytest.raises(ValueError, match="`n` must be >= 4, got 3"):
         D.shard_indices(3, 4, 0, 0, 0)
     with pytest.raises(TypeError, match="`epoch` must be an integer"):
         D.shard_indices(10, 2, 0, 1.5, 0)  # type: ignore[arg-type]
@@ -407,3 +411,31 @@ def test_iter_batches() -> None:
     assert [len(y) for _, y in batches] == [3, 3, 3]
     assert torch.equal(torch.cat([y for _, y in batches]), idx[:9])
     assert len(list(D.iter_batches(split, idx, 3, drop_last=False))) == 4
+
+
+# ---------------------------------------------------------------- re-exports
+
+
+def test_data_module_re_exports_the_loader_modules() -> None:
+    modules = {"cifar": C, "text": T, "tabular": TB}
+    owners = {"CIFAR10_CLASSES": "cifar", "IMAGE_EXTENSIONS": "cifar", "load_cifar10": "cifar",
+              "UNK": "text", "EOS": "text", "load_text": "text", "batchify": "text",
+              "bptt_batches": "text", "load_libsvm": "tabular", "make_logreg_problem": "tabular"}
+    for name, owner in owners.items():
+        assert getattr(D, name) is getattr(modules[owner], name), name
+        assert name in D.__all__ and name in dir(D)
+    assert all(hasattr(D, name) for name in D.__all__)
+    with pytest.raises(AttributeError, match="no attribute 'not_a_loader'"):
+        D.not_a_loader  # noqa: B018
+
+
+def test_loader_modules_import_cleanly_in_any_order() -> None:
+    code = ("import importlib, sys\n"
+            "for first in ('cifar', 'text', 'tabular', 'data'):\n"
+            "    for key in [k for k in sys.modules if k.startswith('gradzip.train')]:\n"
+            "        del sys.modules[key]\n"
+            "    importlib.import_module('gradzip.train.' + first)\n"
+            "    from gradzip.train.data import load_cifar10, load_libsvm, load_text\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
