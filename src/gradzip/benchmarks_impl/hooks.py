@@ -57,12 +57,15 @@ _BUCKET_CAP_MB = 256
 
 @dataclass
 class HookRow:
-    """One configuration at one world size; seconds are medians over rounds."""
+    """One configuration at one world size; seconds are medians over rounds, ratios medians
+    of per-round ratios. Wall time is the slowest rank's; CPU time the ranks' mean."""
 
     config: str
     workers: int
     seconds_per_step: float
     ratio_to_nohook: float | None
+    cpu_seconds_per_step: float
+    cpu_ratio_to_nohook: float | None
     model: str
     parameters: int
     batch_per_worker: int
@@ -72,6 +75,11 @@ class HookRow:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _paired_ratio(values: Sequence[float], base: Sequence[float]) -> float:
+    """Median over rounds of ``values[r] / base[r]`` (both measured in the same round)."""
+    return statistics.median(v / b for v, b in zip(values, base, strict=True))
 
 
 def _check_config(config: str) -> None:
@@ -140,15 +148,17 @@ def _worker(
         for _ in range(warmup):
             step(*runs[config])
     times: dict[str, list[float]] = {c: [] for c in configs}
+    cpu: dict[str, list[float]] = {c: [] for c in configs}
     for r in range(rounds):
         order = list(configs[r % len(configs):]) + list(configs[: r % len(configs)])
         for config in order:
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step(*runs[config])
             times[config].append((time.perf_counter() - start) / steps)
-    return {"times": times, "parameters": parameters}
+            cpu[config].append((time.process_time() - start_cpu) / steps)
+    return {"times": times, "cpu": cpu, "parameters": parameters}
 
 
 def run_hooks(
@@ -210,13 +220,19 @@ def run_hooks(
         times = {
             c: [max(res["times"][c][r] for res in results) for r in range(rounds)] for c in configs
         }
+        # CPU time of the processes (all their threads), averaged over ranks: the work a
+        # configuration does, much less sensitive than wall time to other jobs on the machine.
+        cpu = {
+            c: [statistics.mean(res["cpu"][c][r] for res in results) for r in range(rounds)]
+            for c in configs
+        }
         for config in configs:
-            ratio = statistics.median(
-                t / base for t, base in zip(times[config], times["nohook"], strict=True)
-            )
             row = HookRow(
                 config=config, workers=world, seconds_per_step=statistics.median(times[config]),
-                ratio_to_nohook=ratio, model=f"{model} (width {width})",
+                ratio_to_nohook=_paired_ratio(times[config], times["nohook"]),
+                cpu_seconds_per_step=statistics.median(cpu[config]),
+                cpu_ratio_to_nohook=_paired_ratio(cpu[config], cpu["nohook"]),
+                model=f"{model} (width {width})",
                 parameters=results[0]["parameters"], batch_per_worker=batch,
                 threads_per_worker=per_proc, steps_per_round=steps, rounds=rounds,
             )

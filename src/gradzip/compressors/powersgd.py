@@ -30,6 +30,11 @@ def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.mm(a, part) for part in b])
 
 
+def _stack_batch(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``[L, ...]`` tensors stacked along a new batch axis 1 (no copy for a single one)."""
+    return parts[0].unsqueeze(1) if len(parts) == 1 else torch.stack(parts, dim=1)
+
+
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
     """Tensors are seen as ``[shape[0], prod(shape[1:])]`` (a conv kernel by output channel)."""
     return int(shape[0]), int(math.prod(shape[1:]))
@@ -113,12 +118,15 @@ class PowerSGD(Compressor):
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
         workers, world = comm.local_workers, comm.world_size
-        dense = [j for j in jobs if not self.matrix_rank_for(j.shape)]
+        dense = []
         groups: dict[tuple[int, int, int], list[Job]] = {}
         for job in jobs:
-            r = self.matrix_rank_for(job.shape)
+            shape = job.shape
+            r = self.matrix_rank_for(shape)
             if r:
-                groups.setdefault((*_matrix_shape(job.shape), r), []).append(job)
+                groups.setdefault((*_matrix_shape(shape), r), []).append(job)
+            else:
+                dense.append(job)
         keys = sorted(groups)  # identical order on every worker
         # Views of the gradients; a strided one is copied once, so that the matmuls below see
         # the same layout (hence round the same way) whatever the caller's storage.
@@ -145,9 +153,8 @@ class PowerSGD(Compressor):
             if key in stacked:
                 out = torch.matmul(qt, stacked[key].transpose(-1, -2))  # [L, B, r, rows]
             else:
-                out = torch.stack(
-                    [_each_worker(qt[b], m.transpose(-1, -2)) for b, m in enumerate(mats[key])],
-                    dim=1,
+                out = _stack_batch(
+                    [_each_worker(qt[b], m.transpose(-1, -2)) for b, m in enumerate(mats[key])]
                 )
             return out.transpose(-1, -2)
 
@@ -157,9 +164,7 @@ class PowerSGD(Compressor):
             if key in stacked:
                 out = torch.matmul(pt, stacked[key])  # [L, B, r, cols]
             else:
-                out = torch.stack(
-                    [_each_worker(pt[b], m) for b, m in enumerate(mats[key])], dim=1
-                )
+                out = _stack_batch([_each_worker(pt[b], m) for b, m in enumerate(mats[key])])
             return out.transpose(-1, -2)
 
         qs = {}
@@ -168,7 +173,10 @@ class PowerSGD(Compressor):
                 stored = [state["q"][j.name] for j in groups[key]]
             else:
                 stored = [self._fresh_q(j.name, j.shape, ctx.step) for j in groups[key]]
-            qs[key] = torch.stack(stored).to(mats[key][0].device)  # [B, cols, r]
+            device = mats[key][0].device
+            qs[key] = (stored[0].unsqueeze(0) if len(stored) == 1 else torch.stack(stored)).to(
+                device
+            )  # [B, cols, r]
         q_local: dict[tuple[int, int, int], torch.Tensor] = {}
         for iteration in range(self.power_iterations):
             # Round 1: P = M Q, summed. Dense tensors ride along in the first round's buffer.
