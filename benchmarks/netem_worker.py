@@ -104,7 +104,7 @@ def build_compressor(args: argparse.Namespace) -> Any:
     """The compressor of this run: a spec string, or Accordion between two levels."""
     if args.spec != "accordion":
         return args.spec
-    from gradzip.control import Accordion
+    from gradzip import Accordion
 
     return Accordion(args.steady, args.critical, eta=args.eta, interval=args.interval)
 
@@ -199,7 +199,7 @@ def train(args: argparse.Namespace) -> None:
     lrs: list[float] = []
     critical: list[float] = []
     total_steps = args.epochs * steps_per_epoch
-    reached = None
+    reached, smoothed = None, False
     for epoch in range(args.epochs):
         batches = shard(epoch)
         for i in range(steps_per_epoch):
@@ -227,9 +227,14 @@ def train(args: argparse.Namespace) -> None:
             accuracy.append(float(sums[0] / sums[1]))
             if reached is None and accuracy[-1] >= args.target:
                 reached = len(accuracy)
-            if args.stop_at_target and reached is not None:
+            recent = accuracy[-args.window:]
+            smoothed = len(recent) == args.window and sum(recent) / args.window >= args.target
+            if args.stop_at_target and smoothed:
                 break
-        if args.stop_at_target and reached is not None:
+        if rank == 0:
+            print(f"epoch {epoch + 1}: step {len(accuracy)}, accuracy {accuracy[-1]:.4f}, "
+                  f"{sum(step_seconds):.1f} s of steps", flush=True)
+        if args.stop_at_target and smoothed:
             break
 
     tx_train = _tx_bytes() - tx_start
@@ -239,10 +244,9 @@ def train(args: argparse.Namespace) -> None:
     dist.all_gather_object(stats, mine)
     extra: dict[str, Any] = {}
     if args.spec == "accordion":
-        from gradzip.control import Accordion
+        from gradzip import Accordion
 
         extra["accordion_counts"] = Accordion.counts(hook.engine.compressor_state)
-    dist.destroy_process_group()
     if rank == 0:
         record = {
             "spec": hook.compressor.spec(),
@@ -263,7 +267,12 @@ def train(args: argparse.Namespace) -> None:
             "hook_stats": stats,
             **extra,
         }
-        Path(args.result).write_text(json.dumps(record))
+        tmp = Path(args.result + ".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(args.result)
+    # Nobody leaves while another rank may still be communicating; the caller then exits
+    # without tearing the process group down (see main).
+    dist.barrier()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -275,8 +284,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--critical", default="powersgd:rank=4")
     t.add_argument("--eta", type=float, default=0.5)
     t.add_argument("--interval", type=int, default=22)
-    t.add_argument("--epochs", type=int, default=10)
-    t.add_argument("--drop-epoch", type=float, default=6.0)
+    t.add_argument("--epochs", type=int, default=16)
+    t.add_argument("--drop-epoch", type=float, default=10.0)
     t.add_argument("--warmup-epochs", type=float, default=1.0)
     t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--weight-decay", type=float, default=1e-4)
@@ -284,7 +293,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--width", type=int, default=64)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--target", type=float, default=0.98)
-    t.add_argument("--stop-at-target", action="store_true")
+    t.add_argument("--window", type=int, default=5)
+    t.add_argument("--stop-at-target", action="store_true",
+                   help="stop once the mean of the last --window accuracies reaches --target")
     t.add_argument("--compute-steps", type=int, default=12)
     t.add_argument("--threads", type=int, default=1)
     t.add_argument("--bucket-cap-mb", type=float, default=25.0)
@@ -307,6 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if args.mode == "train":
         train(args)
+        # Every result is written and every rank has passed the final barrier. Exiting
+        # through the interpreter's teardown (or destroy_process_group) lets gloo's I/O
+        # threads race with destructors, which now and then aborts a rank with "terminate
+        # called without an active exception"; skip that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     elif args.mode == "goodput-recv":
         print(json.dumps(goodput_recv(args.bind, args.bytes, args.timeout)), flush=True)
     else:

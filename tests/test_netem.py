@@ -260,6 +260,8 @@ def test_wait_all_kills_the_rest_on_failure_and_on_timeout():
     (["--target", "1.5"], "`--target` must be in (0, 1]"),
     (["--subnet", "192.0.2.0/24"], "private IPv4"),
     (["--methods", "none", "none"], "must not repeat"),
+    (["--methods", "none", "accordion:eta=0"], "accordion:eta=0.3,interval=11"),
+    (["--window", "0"], "`--window` must be >= 1"),
 ])
 def test_bad_arguments_are_refused(capsys, argv, message):
     with pytest.raises(SystemExit) as info:
@@ -297,17 +299,18 @@ def test_worker_accepts_what_the_launcher_passes():
 
 def _record(method: str, step: float, reached: int | None, wire: int) -> dict:
     n = 10
-    return {"method": method, "step_seconds": [step] * n, "steps_to_target": reached,
-            "accuracy": [0.5] * (n - 1) + [0.99], "compute_seconds": [0.05, 0.07],
+    accuracy = [0.5] * n if reached is None else [0.5] * (reached - 3) + [0.99] * (n - reached + 3)
+    return {"method": method, "step_seconds": [step] * n, "steps_to_target": 1, "target": 0.98,
+            "accuracy": accuracy, "compute_seconds": [0.05, 0.07],
             "allreduce_latency_seconds": 0.001,
             "hook_stats": [{"wire_bytes": wire * n, "dense_wire_bytes": 1000 * n,
                             "kernel_tx_bytes": wire * n + 50 * n}] * 2}
 
 
 def test_summary_rows_speedups_and_table():
-    rows = [netem.summarize(_record("none", 1.0, 8, 1000), 50),
-            netem.summarize(_record("powersgd-r4", 0.25, 8, 20), 50),
-            netem.summarize(_record("powersgd-r1", 0.2, None, 10), 50),
+    rows = [netem.summarize(_record("none", 1.0, 8, 1000), 50, window=3),
+            netem.summarize(_record("powersgd-r4", 0.25, 8, 20), 50, window=3),
+            netem.summarize(_record("powersgd-r1", 0.2, None, 10), 50, window=3),
             netem.summarize({"method": "topk", "error": "timed out after 5 s"}, 50)]
     netem.add_speedups(rows)
     assert rows[0]["seconds_to_target"] == 8.0 and rows[0]["speedup_vs_none"] == 1.0
@@ -318,7 +321,29 @@ def test_summary_rows_speedups_and_table():
     table = netem.markdown_table(rows).splitlines()
     assert len(table) == 6 and all(line.count("|") == 10 for line in table)
     assert "| 50 Mbit/s | powersgd-r4 | 0.250 | 8 | 2.0 | 4.00x | 0 kB | 50x | 0.990 |" in table
-    assert "not reached (best 0.990)" in table[4] and "failed: timed out" in table[5]
+    assert "not reached (best 0.500)" in table[4] and "failed: timed out" in table[5]
+
+
+def test_target_needs_a_window_of_evaluations():
+    acc = [0.5, 0.99, 0.5, 0.98, 0.98, 0.99, 0.97]
+    assert netem.steps_to_target(acc, 0.98, 1) == 2
+    assert netem.steps_to_target(acc, 0.98, 3) == 6
+    assert netem.steps_to_target(acc, 0.98, 8) is None
+    assert netem.steps_to_target([], 0.5, 1) is None
+
+
+def test_accordion_variants_override_eta_and_interval_only():
+    assert netem.parse_method("topk") == ("topk", {})
+    assert netem.parse_method("accordion:eta=0.3,interval=11") == (
+        "accordion", {"eta": 0.3, "interval": 11})
+    for bad in ("accordion:steady=x", "topk:eta=0.3", "accordion:eta=-1", "accordion:interval=x",
+                "accordion:eta=0.3,eta=0.4", "sign"):
+        with pytest.raises(ValueError, match="--methods"):
+            netem.parse_method(bad)
+    args = netem.parse_args(["--methods", "accordion:interval=44"])
+    argv = netem.worker_argv(args, "accordion:interval=44", "r.json")
+    parsed = worker.parse_args(argv[2:])
+    assert (parsed.spec, parsed.interval, parsed.eta) == ("accordion", 44, 0.5)
 
 
 def test_goodput_probe_counts_every_byte():
