@@ -1,10 +1,10 @@
 """Benchmark over an emulated slow network: real gloo workers in network namespaces.
 
 Builds one network namespace per worker and a hub namespace holding a bridge, joins each
-worker to the bridge with a veth pair, caps every link in both directions with ``tc``
-(``tbf`` for bandwidth; ``netem`` for delay when ``--delay-ms`` > 0), then trains with
-``benchmarks/netem_worker.py`` in each namespace (gloo over TCP, DDP with the gradzip comm
-hook) once per (bandwidth, method), and writes a JSON record and a CSV summary.
+worker to the bridge with a veth pair, caps every link in both directions with ``tc`` (``tbf``
+for bandwidth; ``netem`` on each worker's egress for delay when ``--delay-ms`` > 0), then
+trains with ``benchmarks/netem_worker.py`` in each namespace (gloo over TCP, DDP with the
+gradzip comm hook) once per (bandwidth, method), and writes a JSON record and a CSV summary.
 
 What it touches, and nothing else:
 
@@ -20,8 +20,10 @@ What it touches, and nothing else:
 It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and refuses with a message otherwise.
 ``--dry-run`` prints the commands it would run, as any user.
 
-Example:
-    sudo python benchmarks/netem.py --bandwidth-mbit 150 40 --out benchmarks/results/netem.json
+Example (the run behind BENCHMARKS.md section 3, about 18 minutes on 2 cores):
+    sudo python benchmarks/netem.py --bandwidth-mbit 1000 150 40 \
+        --methods none powersgd-r1 powersgd-r4 accordion accordion:eta=0.3 topk threshold \
+        --out benchmarks/results/netem.json --plot benchmarks/results/netem.png
 """
 
 from __future__ import annotations
@@ -238,10 +240,12 @@ class Lab:
         Raises:
             LabError: a ``tc`` command failed (e.g. a kernel without ``sch_netem``).
         """
-        links = [(ns, WORKER_IFNAME) for ns in self.names]
-        links += [(self.hub, f"h{i}") for i in range(self.workers)]
-        for ns, dev in links:
-            delete, *rest = shaping_commands(ns, dev, rate_mbit, delay_ms)
+        # The delay sits on the worker's egress only, so worker-to-worker one-way latency
+        # grows by delay_ms (a packet crosses its sender's egress and the receiver's port).
+        links = [(ns, WORKER_IFNAME, delay_ms) for ns in self.names]
+        links += [(self.hub, f"h{i}", 0.0) for i in range(self.workers)]
+        for ns, dev, delay in links:
+            delete, *rest = shaping_commands(ns, dev, rate_mbit, delay)
             with contextlib.suppress(LabError):
                 self.runner(delete)
             for cmd in rest:
@@ -592,10 +596,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Compressed DDP training over an emulated slow network (needs root).")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--bandwidth-mbit", type=float, nargs="+", default=[150.0, 40.0],
+    p.add_argument("--bandwidth-mbit", type=float, nargs="+", default=[1000.0, 150.0, 40.0],
                    help="per-link rate cap in Mbit/s, each direction; one set of runs each")
     p.add_argument("--delay-ms", type=float, default=0.0,
-                   help="one-way delay added on each link direction (needs sch_netem)")
+                   help="one-way delay added between any two workers (netem on each worker's "
+                        "egress; needs a kernel with sch_netem)")
     p.add_argument("--methods", nargs="+", default=list(METHODS),
                    help=f"among {', '.join(METHODS)}; also accordion:eta=X,interval=N")
     p.add_argument("--subnet", default="10.77.0.0/24")
@@ -754,7 +759,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.plot is not None:
                 plot(doc["runs"], min(args.bandwidth_mbit), args.target, args.plot)
             print(markdown_table(doc["rows"]))
-            status = 0
+            failed = [f"{r['bandwidth_mbit']:g} Mbit/s {r['method']}" for r in doc["rows"]
+                      if "error" in r]
+            if failed:
+                print(f"netem.py: {len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+            status = 1 if failed else 0
         except RightsError as exc:
             print(f"netem.py: {exc}", file=sys.stderr)
             status = 2

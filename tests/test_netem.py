@@ -207,6 +207,11 @@ def test_shaping_a_kernel_without_the_qdisc_says_so():
     shaped = {(c[2], c[6]) for c in fake.calls if c[4] == "add"}
     assert shaped == {("gzn16-w0", "eth0"), ("gzn16-w1", "eth0"),
                       ("gzn16-hub", "h0"), ("gzn16-hub", "h1")}
+    fake = FakeRunner()
+    netem.Lab(2, runner=fake, pid=16).shape(100, 3)
+    delayed = {(c[2], c[6]) for c in fake.calls if "netem" in c}
+    assert delayed == {("gzn16-w0", "eth0"), ("gzn16-w1", "eth0")}  # one delay per path
+    assert sum("tbf" in c for c in fake.calls) == 4
 
 
 @pytest.mark.parametrize("exc, status", [(netem.Interrupted("SIGTERM"), 130),
