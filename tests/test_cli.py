@@ -115,14 +115,6 @@ def test_help_has_examples(capsys: pytest.CaptureFixture[str]) -> None:
         assert "example" in capsys.readouterr().out
 
 
-def test_bench_without_module_is_a_clear_error(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "gradzip.bench", None)  # makes the import fail
-    code, _, err = run_cli(capsys, "bench", "micro")
-    assert code == 2 and len(err.strip().splitlines()) == 1 and "gradzip.bench" in err
-
-
 def test_bench_delegates_its_arguments(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
