@@ -138,6 +138,7 @@ class Engine:
         self.residual_scale: float | None = None
         self.comm = collective if collective is not None else default_collective()
         self.shapes: dict[str, torch.Size] = {n: torch.Size(s) for n, s in shapes.items()}
+        self._order = {n: i for i, n in enumerate(self.shapes)}
         self.step = 0
         self.skipped_steps = 0
         self.dense_payload = [0] * self.comm.local_workers
@@ -249,7 +250,11 @@ class Engine:
         """
         if not isinstance(named_grads, Mapping):
             raise TypeError(f"`named_grads` must be a mapping name -> tensor, got {type(named_grads).__name__}")
-        names = list(named_grads)
+        # The engine's own parameter order, not the caller's: DDP hands a bucket's tensors in
+        # an order that changes when it rebuilds its buckets, and the layout of the flat
+        # buffers decides which worker adds which element first in a ring all-reduce. A fixed
+        # layout keeps a resumed run bit-identical to an uninterrupted one.
+        names = sorted(named_grads, key=lambda n: self._order.get(n, -1))
         grads = [self._as_worker_axis(n, named_grads[n]) for n in names]
         if not self._verified:
             self._verify_agreement()
