@@ -269,8 +269,9 @@ def plot(path: Path, part: str, rows: list[dict[str, Any]], agg: list[dict[str, 
     """CIFAR-10: final accuracy (mean, seed range) vs bytes; logreg: test loss vs bytes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    fig = Figure(figsize=(6.4, 4.2), dpi=90)
+    fig = Figure(figsize=(8.0, 4.2), dpi=90)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     colours = {}
@@ -293,8 +294,10 @@ def plot(path: Path, part: str, rows: list[dict[str, Any]], agg: list[dict[str, 
         ax.set_ylabel("final test accuracy, % (mean, seed range)")
         ax.set_xlabel("MiB sent per worker over training (log)")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"quality per byte: {part}")
     fig.tight_layout()
     fig.savefig(path)
@@ -330,6 +333,24 @@ def benchmark(part: str, config: Path, results: Path, overrides: dict[str, Any],
     (results / f"quality_{tag}.json").write_text(json.dumps(doc, indent=2) + "\n",
                                                   encoding="utf-8")
     return doc
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The aggregated rows as a Markdown table (as pasted into BENCHMARKS.md)."""
+    acc = doc["part"] == "cifar10"
+    head = "| run | " + ("test accuracy % (mean, spread)" if acc else "test loss (mean, spread)")
+    lines = [head + " | MiB sent/worker | vs dense | critical intervals found (forced) "
+                    "| gentle share of tensor-steps |", "|---|---:|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        m, sp = ((100 * r["final_accuracy_mean"], 100 * r["final_accuracy_spread"]) if acc
+                 else (r["final_test_loss_mean"], r["final_test_loss_spread"]))
+        crit = ("- | -" if r["critical_found"] is None
+                else f"{r['critical_found']:.1f} ({r['critical_forced']:.1f}) of "
+                     f"{r['decision_points']:.0f} | {100 * r['critical_step_share']:.0f}%")
+        lines.append(f"| {r['label']} | {m:.{2 if acc else 4}f} ({sp:.{2 if acc else 4}f}) | "
+                     f"{r['bytes_sent_per_worker'] / 2**20:.2f} | {r['compression']:.1f}x | "
+                     f"{crit} |")
+    return "\n".join(lines)
 
 
 def _value(text: str) -> Any:
@@ -384,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         config = args.cifar10_config if part == "cifar10" else args.logreg_config
         out = None if args.out is None else str(Path(args.out) / tag)
         doc = benchmark(part, config, args.results, extra, out, args.jobs, tag, png)
+        print(markdown(doc))
         print(json.dumps({"part": part, "wall_seconds": round(doc["wall_seconds"], 1),
                           "verdicts": doc["verdicts"]}, indent=1))
     return 0
