@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradzip._validate import check_real
+from gradzip._validate import check_bool, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
 from gradzip.compressors.sparse import gather_sparse, index_bytes
@@ -54,6 +54,11 @@ class HardThreshold(Compressor):
       (error feedback makes residuals grow past the first step's quantile); the run-density
       term pays that back, so the run's average density converges to the budget.
 
+    With ``padded=True`` (budget mode only) the density counts what the wire carries: every
+    worker ships as many entries as the densest worker of each tensor, so the budget then
+    bounds the *padded* volume and the bytes match a Top-k of ``ratio=budget`` (plus 4 bytes
+    of sizes per tensor), at the price of a higher lambda than ``padded=False`` needs.
+
     References:
         Sahu et al., "Rethinking gradient sparsification as total error minimization",
         NeurIPS 2021.
@@ -61,6 +66,7 @@ class HardThreshold(Compressor):
 
     lam: float | None = None
     budget: float | None = None
+    padded: bool = False
     spec_name: ClassVar[str] = "threshold"
 
     def __post_init__(self) -> None:
@@ -75,6 +81,9 @@ class HardThreshold(Compressor):
             object.__setattr__(
                 self, "budget", check_real("budget", self.budget, low=0, high=1, low_open=True)
             )
+        check_bool("padded", self.padded)
+        if self.padded and self.budget is None:
+            raise ValueError(f"`padded` needs `budget` (it shapes the budget), got lam={self.lam!r}")
 
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
         # lam < 0 marks "not calibrated yet" in budget mode; recent < 0 "no step seen yet".
@@ -114,7 +123,10 @@ class HardThreshold(Compressor):
         # sparse-or-dense choice below are identical everywhere.
         all_counts = comm.all_gather(counts).to(torch.int64)  # [W, T]
         widest = all_counts.max(dim=0).values.tolist()
-        state["step_sent"] += int(all_counts.sum())
+        # What counts against the budget: the entries workers said, or (padded) the entries
+        # the wire carries, the densest worker's count from every worker.
+        sent = sum(widest) * comm.world_size if self.padded else int(all_counts.sum())
+        state["step_sent"] += sent
         state["step_offered"] += comm.world_size * sum(j.numel for j in jobs)
         sparse_ids = [
             t for t, job in enumerate(jobs)
