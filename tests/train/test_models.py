@@ -37,7 +37,7 @@ def test_resnet_validation() -> None:
         M.ResNetCifar(7)
     with pytest.raises(TypeError, match="`width` must be an integer"):
         M.ResNetCifar(20, width=1.5)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="`num_classes` must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="`num_classes` must be >= 1, got 0"):
         M.ResNetCifar(20, num_classes=0)
 
 
@@ -107,7 +107,7 @@ def test_logistic_regression() -> None:
     model = M.LogisticRegression(12, num_classes=3)
     assert model(torch.randn(5, 3, 4)).shape == (5, 3)
     assert _count(model) == 12 * 3 + 3
-    with pytest.raises(ValueError, match="`num_classes` must be an integer >= 2, got 1"):
+    with pytest.raises(ValueError, match="`num_classes` must be >= 2, got 1"):
         M.LogisticRegression(4, num_classes=1)
 
 

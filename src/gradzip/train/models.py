@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradzip._validate import check_int
+
 logger = logging.getLogger(__name__)
 
 Hidden = tuple[Tensor, Tensor]
@@ -26,14 +28,6 @@ VGG_CONFIGS: dict[str, list[int | str]] = {
               512, 512, 512, 512, "M", 512, 512, 512, 512, "M"],
 }
 RESNET_DEPTHS = (8, 14, 20, 18)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class BasicBlock(nn.Module):
@@ -93,13 +87,13 @@ class ResNetCifar(nn.Module):
             ValueError: If ``depth`` is unknown or a size is < 1.
         """
         super().__init__()
-        _check_int("depth", depth, 1)
+        check_int("depth", depth, minimum=1)
         if depth not in RESNET_DEPTHS:
             choices = ", ".join(map(str, RESNET_DEPTHS))
             raise ValueError(f"`depth` must be one of {choices}, got {depth!r}")
-        _check_int("width", width, 1)
-        _check_int("num_classes", num_classes, 1)
-        _check_int("in_channels", in_channels, 1)
+        check_int("width", width, minimum=1)
+        check_int("num_classes", num_classes, minimum=1)
+        check_int("in_channels", in_channels, minimum=1)
         if depth == 18:
             blocks, widths = [2, 2, 2, 2], [width, 2 * width, 4 * width, 8 * width]
         else:
@@ -159,8 +153,8 @@ class VGGCifar(nn.Module):
             raise TypeError(f"`width_multiplier` must be a number, got {width_multiplier!r}")
         if not width_multiplier > 0:
             raise ValueError(f"`width_multiplier` must be > 0, got {width_multiplier!r}")
-        _check_int("num_classes", num_classes, 1)
-        _check_int("in_channels", in_channels, 1)
+        check_int("num_classes", num_classes, minimum=1)
+        check_int("in_channels", in_channels, minimum=1)
         layers: list[nn.Module] = []
         channels = in_channels
         for item in VGG_CONFIGS[cfg]:
@@ -197,8 +191,8 @@ class DigitsNet(nn.Module):
             ValueError: If an argument is < 1.
         """
         super().__init__()
-        _check_int("hidden", hidden, 1)
-        _check_int("num_classes", num_classes, 1)
+        check_int("hidden", hidden, minimum=1)
+        check_int("num_classes", num_classes, minimum=1)
         self.features = nn.Sequential(
             nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
             nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2))
@@ -234,7 +228,7 @@ class LSTMLanguageModel(nn.Module):
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("embed", embed),
                             ("hidden", hidden), ("layers", layers)):
-            _check_int(name, value, 1)
+            check_int(name, value, minimum=1)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
             raise TypeError(f"`dropout` must be a number in [0, 1), got {dropout!r}")
         if not 0.0 <= dropout < 1.0:
@@ -268,7 +262,7 @@ class LSTMLanguageModel(nn.Module):
             TypeError: If ``batch_size`` is not an integer.
             ValueError: If ``batch_size`` < 1.
         """
-        _check_int("batch_size", batch_size, 1)
+        check_int("batch_size", batch_size, minimum=1)
         weight = self.decoder.weight
         shape = (self.num_layers, batch_size, self.hidden_size)
         return (weight.new_zeros(shape), weight.new_zeros(shape))
@@ -315,8 +309,8 @@ class LogisticRegression(nn.Module):
             ValueError: If an argument is out of range.
         """
         super().__init__()
-        _check_int("num_features", num_features, 1)
-        _check_int("num_classes", num_classes, 2)
+        check_int("num_features", num_features, minimum=1)
+        check_int("num_classes", num_classes, minimum=2)
         self.linear = nn.Linear(num_features, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -374,7 +368,7 @@ def build_model(name: str, num_classes: int, **kwargs: Any) -> nn.Module:
     key = name.strip().lower()
     if key not in _REGISTRY:
         raise ValueError(f"`name` must be one of {', '.join(available_models())}, got {name!r}")
-    _check_int("num_classes", num_classes, 1)
+    check_int("num_classes", num_classes, minimum=1)
     model = _REGISTRY[key](num_classes, **kwargs)
     count = sum(p.numel() for p in model.parameters())
     logger.debug("built %s with %d parameters", key, count)

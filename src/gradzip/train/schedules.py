@@ -8,30 +8,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from gradzip._validate import check_int, check_real
+
 logger = logging.getLogger(__name__)
-
-
-def _check_number(name: str, value: Any, *, positive: bool = False) -> float:
-    kind = "a positive finite number" if positive else "a non-negative finite number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"`{name}` must be {kind}, got {value!r}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"`{name}` must be {kind}, got {value!r}")
-    return float(value)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def lr_at(epoch_float: float, *, base_lr: float, warmup_epochs: float,
@@ -61,16 +44,16 @@ def lr_at(epoch_float: float, *, base_lr: float, warmup_epochs: float,
         TypeError: If an argument has the wrong type.
         ValueError: If an argument is out of range or milestones are unsorted.
     """
-    epoch = _check_number("epoch_float", epoch_float)
-    base = _check_number("base_lr", base_lr, positive=True)
-    warmup = _check_number("warmup_epochs", warmup_epochs)
-    decay = _check_number("gamma", gamma, positive=True)
-    _check_int("workers", workers, 1)
+    epoch = check_real("epoch_float", epoch_float, low=0)
+    base = check_real("base_lr", base_lr, low=0, low_open=True)
+    warmup = check_real("warmup_epochs", warmup_epochs, low=0)
+    decay = check_real("gamma", gamma, low=0, low_open=True)
+    check_int("workers", workers, minimum=1)
     if not isinstance(scale_with_workers, bool):
         raise TypeError(f"`scale_with_workers` must be a bool, got {scale_with_workers!r}")
     if isinstance(milestones, (str, bytes)) or not isinstance(milestones, Sequence):
         raise TypeError(f"`milestones` must be a sequence of numbers, got {milestones!r}")
-    marks = [_check_number("milestones", m) for m in milestones]
+    marks = [check_real("milestones", m, low=0) for m in milestones]
     if any(b < a for a, b in itertools.pairwise(marks)):
         raise ValueError(f"`milestones` must be non-decreasing, got {list(milestones)!r}")
     peak = base * workers if scale_with_workers else base
@@ -92,7 +75,7 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"`optimizer` must be a torch.optim.Optimizer, got {optimizer!r}")
-    value = _check_number("lr", lr)
+    value = check_real("lr", lr, low=0)
     for group in optimizer.param_groups:
         group["lr"] = value
 
@@ -112,7 +95,7 @@ def batch_scaled_lr(base_lr: float, batch: int, reference_batch: int) -> float:
         TypeError: If an argument has the wrong type.
         ValueError: If an argument is out of range.
     """
-    base = _check_number("base_lr", base_lr, positive=True)
-    _check_int("batch", batch, 1)
-    _check_int("reference_batch", reference_batch, 1)
+    base = check_real("base_lr", base_lr, low=0, low_open=True)
+    check_int("batch", batch, minimum=1)
+    check_int("reference_batch", reference_batch, minimum=1)
     return base * batch / reference_batch
