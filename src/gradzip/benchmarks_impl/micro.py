@@ -29,6 +29,7 @@ import copy
 import hashlib
 import logging
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -37,7 +38,6 @@ from typing import Any
 import torch
 
 from gradzip._validate import check_int
-from gradzip.benchmarks_impl.common import median_seconds
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
@@ -272,9 +272,15 @@ def _select_op(compressor: Compressor, data: torch.Tensor) -> Callable[[], objec
     return None
 
 
-def _measure(
-    spec: str, data: torch.Tensor, repeat: int, threads: int, clone_of: Callable[[int], float]
-) -> MicroRow:
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int) -> MicroRow:
+    """One row. Every repetition times, back to back, the clone, the compressor's step and
+    the baselines, so the ratios compare figures taken under the same machine load."""
     workers = data.shape[0]
     compressor = compressor_from_spec(spec)
     jobs, layout = _jobs(spec, data)
@@ -285,8 +291,9 @@ def _measure(
     )
     mine = [Job(j.name, j.tensor[:1]) for j in jobs]
     ctx = StepContext(step=0, ranks=(0,), world_size=workers)
+    flat0 = data[:1, :numel]
 
-    def once() -> tuple[float, float]:
+    def step() -> tuple[float, float]:
         exchange = _Exchange(workers, 0, recorded)
         step_jobs = [Job(j.name, j.tensor) for j in mine]
         state = copy.copy(state0)  # compressors replace entries, never write into them
@@ -296,40 +303,45 @@ def _measure(
         last = exchange.entries[-1] if exchange.entries else end
         return last - start, end - last
 
-    once()
-    phases = sorted(once() for _ in range(repeat))
-    compress = sorted(p[0] for p in phases)[len(phases) // 2]
-    decode = sorted(p[1] for p in phases)[len(phases) // 2]
-    del recorded, phases
-
-    baseline = baseline_decode = select_time = density = None
-    baseline_name = None
-    flat0 = data[:1]
+    extra: dict[str, Callable[[], object]] = {}
+    baseline_name = density = None
     if compressor.spec_name == "topk":
         k = compressor.k_for(numel)  # type: ignore[attr-defined]
-        baseline = median_seconds(lambda: torch.topk(flat0.abs(), k, dim=1, sorted=False), repeat)
+        extra["baseline"] = lambda: torch.topk(flat0.abs(), k, dim=1, sorted=False)
         baseline_name = "torch.topk(x.abs(), k)"
         density = k / numel
     elif compressor.spec_name == "powersgd":
         mats = [j.tensor[0].reshape(j.shape[0], -1) for j in jobs]
-        b_compress, b_decode, baseline_name = _builtin_powersgd(
+        extra["baseline"], extra["baseline_decode"], baseline_name = _builtin_powersgd(
             mats, compressor.matrix_rank  # type: ignore[attr-defined]
         )
-        baseline = median_seconds(b_compress, repeat)
-        baseline_decode = median_seconds(b_decode, repeat)
     elif compressor.spec_name == "threshold":
         density = float((flat0.abs() >= compressor.lam).sum()) / numel  # type: ignore[attr-defined]
     elif compressor.spec_name == "randk":
         density = compressor.k_for(numel) / numel  # type: ignore[attr-defined]
     op = _select_op(compressor, flat0)
     if op is not None:
-        select_time = median_seconds(op, repeat)
+        extra["select"] = op
+
+    samples: dict[str, list[float]] = {"clone": [], "compress": [], "decode": []}
+    samples.update({key: [] for key in extra})
+    for rep in range(repeat + 1):  # the first repetition warms up and is dropped
+        clone = _timed(flat0.clone)
+        compress, decode = step()
+        others = {key: _timed(fn) for key, fn in extra.items()}
+        if rep:
+            samples["clone"].append(clone)
+            samples["compress"].append(compress)
+            samples["decode"].append(decode)
+            for key, value in others.items():
+                samples[key].append(value)
+    med = {key: statistics.median(values) for key, values in samples.items()}
     return MicroRow(
-        compressor=spec, numel=numel, layout=layout, compress_seconds=compress,
-        decode_seconds=decode, clone_seconds=clone_of(numel), baseline_seconds=baseline,
-        baseline=baseline_name, baseline_decode_seconds=baseline_decode,
-        select_seconds=select_time, density=density, workers=workers, threads=threads,
-        repeat=repeat,
+        compressor=spec, numel=numel, layout=layout, compress_seconds=med["compress"],
+        decode_seconds=med["decode"], clone_seconds=med["clone"],
+        baseline_seconds=med.get("baseline"), baseline=baseline_name,
+        baseline_decode_seconds=med.get("baseline_decode"), select_seconds=med.get("select"),
+        density=density, workers=workers, threads=threads, repeat=repeat,
     )
 
 
@@ -370,16 +382,8 @@ def run_micro(
     for numel in numels:
         gen = generator_for("bench-micro", numel)
         data = torch.randn(workers, numel, generator=gen)
-        clones: dict[int, float] = {}
-
-        def clone_of(n: int, data: torch.Tensor = data, clones: dict[int, float] = clones) -> float:
-            if n not in clones:
-                part = data[:1, :n]
-                clones[n] = median_seconds(part.clone, repeat)
-            return clones[n]
-
         for spec in specs:
-            row = _measure(spec, data, repeat, threads, clone_of)
+            row = _measure(spec, data, repeat, threads)
             log.info("%s", row)
             rows.append(row)
             if on_row is not None:
