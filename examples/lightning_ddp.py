@@ -27,6 +27,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -142,6 +143,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{stats['steps']} steps, last loss {module.last_loss:.4f}")
         print(f"bytes sent per rank: payload {stats['payload_bytes']} vs dense "
               f"{stats['dense_payload_bytes']}")
+    if dist.is_initialized():
+        # Leave the group together and tear it down before the interpreter exits: a gloo
+        # group left to process exit can abort one rank ("terminate called ...") after all
+        # the work is done.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
