@@ -114,11 +114,11 @@ def test_logreg_grid_on_a_libsvm_file(tmp_path: Path) -> None:
     ])
     assert code == 0
     runs = _rows(results / "quality_logreg_runs.csv")
-    assert len(runs) == 10
+    assert len(runs) == 12  # six configurations, two seeds
     assert all(math.isfinite(float(r["final_test_loss"])) for r in runs)
     agg = {r["label"]: r for r in _rows(results / "quality_logreg.csv")}
     assert set(agg) == {"none", "topk 1%", "threshold budget 1%", "topk 10%",
-                        "threshold budget 10%"}
+                        "threshold budget 10%", "threshold budget 1% padded"}
     doc = json.loads((results / "quality_logreg.json").read_text(encoding="utf-8"))
     assert {v["metric"] for v in doc["verdicts"]} == {"final_test_loss_mean"}
     assert (results / "quality_logreg.png").is_file()
