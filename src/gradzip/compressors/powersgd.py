@@ -35,6 +35,11 @@ def _stack_batch(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0].unsqueeze(1) if len(parts) == 1 else torch.stack(parts, dim=1)
 
 
+def _stack_workers(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Per-worker results stacked along a new worker axis 0 (no copy for a single worker)."""
+    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
+
+
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
     """Tensors are seen as ``[shape[0], prod(shape[1:])]`` (a conv kernel by output channel)."""
     return int(shape[0]), int(math.prod(shape[1:]))
@@ -142,69 +147,65 @@ class PowerSGD(Compressor):
             if len(mats[key]) > 1 and key[0] * key[1] <= _STACK_MAX
         }
 
-        # Both products are computed transposed: (Q^T M^T)^T and (P^T M)^T. It is the same
-        # arithmetic, but a GEMM whose *left* operand is the thin r-row factor streams M once
-        # at memory speed, while M Q with r columns runs several times slower on CPU BLAS.
-        # Per worker 2-D products (never a broadcast matmul, which folds back to M Q) keep the
-        # result of each worker independent of how many workers the process holds.
-        def left(key: tuple[int, int, int], q: torch.Tensor) -> torch.Tensor:
-            """``M Q`` for every matrix of the group: ``[L, B, rows, r]`` (strided)."""
-            qt = q.transpose(-1, -2)  # [B, r, cols]
+        # Both products are computed transposed, P^T = Q^T M^T and Q^T = P^T M, and the factors
+        # travel transposed ([r, rows] and [r, cols] per matrix). It is the same arithmetic,
+        # but a GEMM whose *left* operand is the thin r-row factor streams M once at memory
+        # speed, while M Q with r columns runs several times slower on CPU BLAS; and the
+        # results are contiguous as they are sent. Per worker 2-D products (never a broadcast
+        # matmul, which folds back to M Q) keep each worker's result independent of how many
+        # workers the process holds.
+        def left(key: tuple[int, int, int], qt: torch.Tensor) -> torch.Tensor:
+            """``(M Q)^T`` for every matrix of the group: ``[L, B, r, rows]``."""
             if key in stacked:
-                out = torch.matmul(qt, stacked[key].transpose(-1, -2))  # [L, B, r, rows]
-            else:
-                out = _stack_batch(
-                    [_each_worker(qt[b], m.transpose(-1, -2)) for b, m in enumerate(mats[key])]
-                )
-            return out.transpose(-1, -2)
+                return torch.matmul(qt, stacked[key].transpose(-1, -2))
+            return _stack_batch(
+                [_each_worker(qt[b], m.transpose(-1, -2)) for b, m in enumerate(mats[key])]
+            )
 
-        def right(key: tuple[int, int, int], p: torch.Tensor) -> torch.Tensor:
-            """``M^T P`` for every matrix of the group: ``[L, B, cols, r]`` (strided)."""
-            pt = p.transpose(-1, -2)  # [B, r, rows]
+        def right(key: tuple[int, int, int], pt: torch.Tensor) -> torch.Tensor:
+            """``(M^T P)^T`` for every matrix of the group: ``[L, B, r, cols]``."""
             if key in stacked:
-                out = torch.matmul(pt, stacked[key])  # [L, B, r, cols]
-            else:
-                out = _stack_batch([_each_worker(pt[b], m) for b, m in enumerate(mats[key])])
-            return out.transpose(-1, -2)
+                return torch.matmul(pt, stacked[key])
+            return _stack_batch([_each_worker(pt[b], m) for b, m in enumerate(mats[key])])
 
-        qs = {}
+        qts = {}  # Q^T per group: [B, r, cols]
         for key in keys:
             if self.warm_start:
                 stored = [state["q"][j.name] for j in groups[key]]
             else:
                 stored = [self._fresh_q(j.name, j.shape, ctx.step) for j in groups[key]]
             device = mats[key][0].device
-            qs[key] = (stored[0].unsqueeze(0) if len(stored) == 1 else torch.stack(stored)).to(
-                device
-            )  # [B, cols, r]
-        q_local: dict[tuple[int, int, int], torch.Tensor] = {}
+            batch = stored[0].unsqueeze(0) if len(stored) == 1 else torch.stack(stored)
+            qts[key] = batch.transpose(-1, -2).to(device)
+        qt_local: dict[tuple[int, int, int], torch.Tensor] = {}
+        ps: dict[tuple[int, int, int], torch.Tensor] = {}
         for iteration in range(self.power_iterations):
             # Round 1: P = M Q, summed. Dense tensors ride along in the first round's buffer.
-            p_parts = [left(k, qs[k]) for k in keys]  # [L, B, rows, r]
+            pt_parts = [left(k, qts[k]) for k in keys]  # [L, B, r, rows]
             riders = list(dense) if iteration == 0 else []
-            flat = flatten_workers([j.tensor for j in riders] + p_parts, workers)
+            flat = flatten_workers([j.tensor for j in riders] + pt_parts, workers)
             total = comm.all_reduce(flat).div_(world)  # a fresh tensor: divide in place
-            sizes = [j.numel for j in riders] + [p[0].numel() for p in p_parts]
+            sizes = [j.numel for j in riders] + [p[0].numel() for p in pt_parts]
             pieces = split_flat(total, sizes)
             for job, piece in zip(riders, pieces[: len(riders)], strict=True):
                 job.averaged = piece.reshape(job.shape)
                 job.decoded = job.tensor
-            ps = {}
             for k, piece in zip(keys, pieces[len(riders):], strict=True):
-                ps[k] = orthogonalize(piece.reshape(len(groups[k]), k[0], k[2]))  # [B, rows, r]
+                pt = piece.reshape(len(groups[k]), k[2], k[0])
+                ps[k] = orthogonalize(pt.transpose(-1, -2))  # [B, rows, r]
             # Round 2: Q = M^T P, summed.
-            q_local = {k: right(k, ps[k]) for k in keys}
-            flat_q = flatten_workers([q_local[k] for k in keys], workers)
+            qt_local = {k: right(k, ps[k].transpose(-1, -2)) for k in keys}  # [L, B, r, cols]
+            flat_q = flatten_workers([qt_local[k] for k in keys], workers)
             total_q = comm.all_reduce(flat_q).div_(world)
-            for k, piece in zip(keys, split_flat(total_q, [q_local[k][0].numel() for k in keys]),
-                                strict=True):
-                qs[k] = piece.reshape(len(groups[k]), k[1], k[2])
+            sizes = [qt_local[k][0].numel() for k in keys]
+            for k, piece in zip(keys, split_flat(total_q, sizes), strict=True):
+                qts[k] = piece.reshape(len(groups[k]), k[2], k[1])
         new_q = dict(state["q"])
         for k in keys:
-            approx = torch.matmul(ps[k], qs[k].transpose(-1, -2))  # [B, rows, cols]
-            own = torch.matmul(ps[k], q_local[k].transpose(-1, -2))  # [L, B, rows, cols]
+            approx = torch.bmm(ps[k], qts[k])  # [B, rows, cols]
+            own = _stack_workers([torch.bmm(ps[k], qt_local[k][w]) for w in range(workers)])
             for b, job in enumerate(groups[k]):
                 job.averaged = approx[b].reshape(job.shape)
                 job.decoded = own[:, b].reshape(job.tensor.shape)
-                new_q[job.name] = qs[k][b].clone()
+                new_q[job.name] = qts[k][b].t().contiguous()  # stored as [cols, r]
         state["q"] = new_q
