@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -38,20 +39,40 @@ def _rows(seed: int, rows: int, n: int, heavy: bool) -> torch.Tensor:
 )
 def test_at_least_equals_nonzero(small_chunks: None, n: int, lam: float, seed: int, heavy: bool) -> None:
     row = _rows(seed, 1, n, heavy)[0]
+    row[::97] = float("nan")
     expected = torch.nonzero(row.abs() >= lam).squeeze(1)
-    assert torch.equal(select._at_least(row, lam), expected)
+    with_nan = torch.nonzero(~(row.abs() < lam)).squeeze(1)
+    assert torch.equal(select._at_least(row, lam), expected)  # NumPy path on the CPU
+    assert torch.equal(select._at_least(row, lam, nan_too=True), with_nan)
+    if n:  # the torch path other devices take
+        assert torch.equal(select._at_least_torch(row, lam, False), expected)
+        assert torch.equal(select._at_least_torch(row, lam, True), with_nan)
+    assert torch.equal(select._at_least(row.double(), lam), expected)
 
 
 @FAST
-@given(n=st.integers(1, 30_000), lam=st.floats(0.05, 4.0), seed=st.integers(0, 10**6))
+@given(n=st.integers(0, 100_000), density=st.floats(0.0, 1.0), seed=st.integers(0, 10**6))
+def test_true_positions_equals_flatnonzero(n: int, density: float, seed: int) -> None:
+    mask = np.random.default_rng(seed).random(n) < density
+    assert np.array_equal(select._true_positions(mask), np.flatnonzero(mask))
+
+
+@FAST
+@given(
+    n=st.integers(1, 30_000),
+    lam=st.one_of(st.just(0.0), st.floats(0.05, 4.0)),
+    seed=st.integers(0, 10**6),
+)
 def test_threshold_split_matches_its_definition(small_chunks: None, n: int, lam: float, seed: int) -> None:
     x = _rows(seed, 3, n, heavy=seed % 2 == 0)
+    x[1, ::89] = float("nan")  # never selected: |NaN| >= lam is false
     values, indices, kept = select.threshold_split(x, lam)
     for row in range(3):
         mask = x[row].abs() >= lam
         assert torch.equal(indices[row], torch.nonzero(mask).squeeze(1))
         assert torch.equal(values[row], x[row][mask])
         assert torch.equal(kept[row], torch.where(mask, x[row], torch.zeros(())))
+        assert torch.equal(kept[row].signbit(), (x[row].signbit() & mask))  # zeros are +0.0
 
 
 @pytest.mark.parametrize("heavy", [False, True])
