@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -26,7 +28,9 @@ def _json_rows(text: str) -> list[dict]:
 
 
 def test_micro_json_rows_cover_every_compressor(capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench.main(["micro", "--json", "--numel", "70000", "--repeat", "1", "--threads", "1"])
+    # "cold" leaves this process's allocator settings alone ("warm" would change them).
+    code = bench.main(["micro", "--json", "--numel", "70000", "--repeat", "1", "--threads", "1",
+                       "--heap", "cold"])
     assert code == 0
     rows = _json_rows(capsys.readouterr().out)
     assert [r["compressor"] for r in rows] == list(micro.MICRO_SPECS)
@@ -35,7 +39,7 @@ def test_micro_json_rows_cover_every_compressor(capsys: pytest.CaptureFixture[st
             assert isinstance(row[key], kind), (row["compressor"], key)
         for key in ("compress_seconds", "decode_seconds", "clone_seconds"):
             assert math.isfinite(row[key]) and row[key] >= 0
-        assert row["threads"] == 1 and row["workers"] == 4
+        assert row["threads"] == 1 and row["workers"] == 4 and row["heap"] == "cold"
         has_baseline = row["compressor"].split(":")[0] in ("topk", "powersgd")
         assert (row["baseline_seconds"] is not None) == has_baseline, row["compressor"]
     by_name = {r["compressor"].split(":")[0]: r for r in rows}
@@ -45,13 +49,23 @@ def test_micro_json_rows_cover_every_compressor(capsys: pytest.CaptureFixture[st
 
 def test_micro_table_and_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
     code = bench.main(["micro", "--numel", "1048576", "--repeat", "1", "--threads", "1",
-                       "--compressors", "topk:ratio=0.01", "powersgd:rank=4"])
+                       "--heap", "cold", "--compressors", "topk:ratio=0.01", "powersgd:rank=4"])
     assert code == 0
     out = capsys.readouterr().out
     assert "| compressor" in out and "torch " + torch.__version__ in out
     verdicts = [line for line in out.splitlines() if line.startswith("- ")]
     assert len(verdicts) == 2
     assert all(("met" in v or "MISSED" in v) for v in verdicts)
+
+
+def test_micro_warm_heap_in_its_own_process() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gradzip.bench", "micro", "--json", "--numel", "70000",
+         "--repeat", "1", "--threads", "1", "--compressors", "threshold:lam=2.5758"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout
+    (row,) = _json_rows(out)
+    assert row["heap"] in ("warm", "unmanaged") and row["compress_seconds"] > 0
 
 
 @pytest.mark.parametrize("spec", micro.MICRO_SPECS)

@@ -2,7 +2,8 @@
 
 Usage::
 
-    gradzip bench micro [--json] [--numel N ...] [--repeat R] [--threads T] [--compressors SPEC ...]
+    gradzip bench micro [--json] [--numel N ...] [--repeat R] [--threads T] [--heap warm|cold]
+                        [--compressors SPEC ...]
     gradzip bench hooks [--json] [--workers 2 4] [--steps N] [--rounds R] [--configs CFG ...]
 
 ``micro`` times compression and decoding of every compressor on one tensor (see
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradzip.benchmarks_impl.common import environment, format_table
+from gradzip.benchmarks_impl.common import HEAP_MODES, environment, format_table
 from gradzip.benchmarks_impl.hooks import HOOK_CONFIGS, HookRow, run_hooks
 from gradzip.benchmarks_impl.micro import DEFAULT_NUMELS, MICRO_SPECS, MicroRow, run_micro
 
@@ -122,6 +123,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="torch threads (default: as many as cores)")
     micro.add_argument("--workers", type=int, default=4, help="messages decoded and averaged")
     micro.add_argument("--compressors", nargs="+", default=list(MICRO_SPECS), metavar="SPEC")
+    micro.add_argument("--heap", choices=HEAP_MODES, default="warm",
+                       help="large allocations reuse memory (warm) or take fresh pages (cold)")
     hooks = sub.add_parser("hooks", help="DDP step time per hook over gloo")
     hooks.add_argument("--json", action="store_true", help="one JSON object per row")
     hooks.add_argument("--workers", type=int, nargs="+", default=[2, 4])
@@ -146,7 +149,7 @@ def _run_micro(args: argparse.Namespace) -> None:
     threads = args.threads if args.threads is not None else torch.get_num_threads()
     env = environment(threads)
     rows = run_micro(args.numel, args.compressors, repeat=args.repeat, workers=args.workers,
-                     threads=threads, on_row=_emit_json if args.json else None)
+                     threads=threads, heap=args.heap, on_row=_emit_json if args.json else None)
     if args.json:
         return
     table = []
@@ -157,7 +160,7 @@ def _run_micro(args: argparse.Namespace) -> None:
         table.append(d)
     print(f"<!-- torch {env['torch']}, {env['threads']} threads, {env['cpus']} cpus, "
           f"load average {env['load_average']}, {args.workers} workers, "
-          f"median of {args.repeat} -->")
+          f"median of {args.repeat}, heap {rows[0].heap if rows else args.heap} -->")
     print(format_table(table, _MICRO_COLUMNS))
     print()
     for line in micro_verdicts(rows):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
 import os
 import platform
 import statistics
@@ -11,7 +14,54 @@ from typing import Any
 
 import torch
 
-__all__ = ["environment", "format_table", "median_seconds"]
+__all__ = ["HEAP_MODES", "Heap", "environment", "format_table", "median_seconds"]
+
+log = logging.getLogger(__name__)
+
+HEAP_MODES = ("warm", "cold")
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+
+
+class Heap:
+    """Makes the cost of large allocations the same for every timed call.
+
+    With glibc's defaults, whether a new buffer costs page faults depends on history: over
+    32 MiB it is always fresh pages, below that it is whatever the heap happens to hold. Two
+    deterministic regimes instead:
+
+    * ``"warm"``: freed memory is kept and reused (``mallopt``: no ``mmap``, no trimming), as
+      a caching allocator would; timings measure the kernels and memory bandwidth. This
+      changes the process's allocator for good: use it in a process of its own.
+    * ``"cold"``: the heap is trimmed (``malloc_trim``) before every timed call, so every
+      large buffer is fresh pages, as glibc gives buffers over 32 MiB by default.
+
+    Off glibc neither is available and the mode is reported as ``"unmanaged"``.
+    """
+
+    def __init__(self, mode: str) -> None:
+        if mode not in HEAP_MODES:
+            raise ValueError(f"`heap` must be one of {', '.join(HEAP_MODES)}, got {mode!r}")
+        self._libc = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            self._libc = libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+        except OSError:  # pragma: no cover - not glibc
+            pass
+        if self._libc is None:  # pragma: no cover - not glibc
+            log.warning("heap mode %r needs glibc; allocations are left unmanaged", mode)
+            self.mode = "unmanaged"
+            return
+        self.mode = mode
+        if mode == "warm":
+            self._libc.mallopt(_M_MMAP_MAX, 0)
+            self._libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+
+    def before_timing(self) -> None:
+        """Called before each timed call."""
+        if self.mode == "cold":
+            self._libc.malloc_trim(0)  # type: ignore[union-attr]
 
 
 def median_seconds(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:

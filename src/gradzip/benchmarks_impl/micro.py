@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from gradzip._validate import check_int
+from gradzip.benchmarks_impl.common import Heap
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
@@ -90,6 +91,7 @@ class MicroRow:
     workers: int
     threads: int
     repeat: int
+    heap: str
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -268,17 +270,11 @@ def _select_op(compressor: Compressor, data: torch.Tensor) -> Callable[[], objec
         return lambda: select.topk_abs(data, k)
     if compressor.spec_name == "threshold" and compressor.lam is not None:  # type: ignore[attr-defined]
         lam = compressor.lam  # type: ignore[attr-defined]
-        return lambda: select.threshold_select(data, lam)
+        return lambda: select.threshold_split(data, lam)
     return None
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int) -> MicroRow:
+def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int, heap: Heap) -> MicroRow:
     """One row. Every repetition times, back to back, the clone, the compressor's step and
     the baselines, so the ratios compare figures taken under the same machine load."""
     workers = data.shape[0]
@@ -293,10 +289,17 @@ def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int) -> MicroR
     ctx = StepContext(step=0, ranks=(0,), world_size=workers)
     flat0 = data[:1, :numel]
 
+    def timed(fn: Callable[[], object]) -> float:
+        heap.before_timing()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
     def step() -> tuple[float, float]:
         exchange = _Exchange(workers, 0, recorded)
         step_jobs = [Job(j.name, j.tensor) for j in mine]
         state = copy.copy(state0)  # compressors replace entries, never write into them
+        heap.before_timing()
         start = time.perf_counter()
         compressor.reduce(step_jobs, state, exchange, ctx)
         end = time.perf_counter()
@@ -326,9 +329,9 @@ def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int) -> MicroR
     samples: dict[str, list[float]] = {"clone": [], "compress": [], "decode": []}
     samples.update({key: [] for key in extra})
     for rep in range(repeat + 1):  # the first repetition warms up and is dropped
-        clone = _timed(flat0.clone)
+        clone = timed(flat0.clone)
         compress, decode = step()
-        others = {key: _timed(fn) for key, fn in extra.items()}
+        others = {key: timed(fn) for key, fn in extra.items()}
         if rep:
             samples["clone"].append(clone)
             samples["compress"].append(compress)
@@ -341,7 +344,7 @@ def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int) -> MicroR
         decode_seconds=med["decode"], clone_seconds=med["clone"],
         baseline_seconds=med.get("baseline"), baseline=baseline_name,
         baseline_decode_seconds=med.get("baseline_decode"), select_seconds=med.get("select"),
-        density=density, workers=workers, threads=threads, repeat=repeat,
+        density=density, workers=workers, threads=threads, repeat=repeat, heap=heap.mode,
     )
 
 
@@ -352,6 +355,7 @@ def run_micro(
     repeat: int = 5,
     workers: int = 4,
     threads: int | None = None,
+    heap: str = "warm",
     on_row: Callable[[MicroRow], None] | None = None,
 ) -> list[MicroRow]:
     """Time every compressor at every size (see the module docstring for what is timed).
@@ -362,6 +366,9 @@ def run_micro(
         repeat: timed repetitions per figure (the median is reported), after one warm-up.
         workers: the group size whose messages are decoded and averaged (>= 2).
         threads: ``torch.set_num_threads`` for the run (``None``: leave as it is).
+        heap: ``"warm"`` or ``"cold"`` large allocations (see
+            :class:`~gradzip.benchmarks_impl.common.Heap`; ``"warm"`` changes this process's
+            allocator for good).
         on_row: called with each row as soon as it is measured.
 
     Returns:
@@ -378,12 +385,13 @@ def run_micro(
     if threads is not None:
         torch.set_num_threads(check_int("threads", threads, minimum=1))
     threads = torch.get_num_threads()
+    managed = Heap(heap)
     rows = []
     for numel in numels:
         gen = generator_for("bench-micro", numel)
         data = torch.randn(workers, numel, generator=gen)
         for spec in specs:
-            row = _measure(spec, data, repeat, threads)
+            row = _measure(spec, data, repeat, threads, managed)
             log.info("%s", row)
             rows.append(row)
             if on_row is not None:
