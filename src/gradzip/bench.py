@@ -2,7 +2,7 @@
 
 Usage::
 
-    gradzip bench micro [--json] [--numel N ...] [--repeat R] [--threads T] [--heap warm|cold]
+    gradzip bench micro [--json] [--numel N ...] [--repeat R] [--threads T] [--heap warm|default]
                         [--compressors SPEC ...]
     gradzip bench hooks [--json] [--workers 2 4] [--steps N] [--rounds R] [--configs CFG ...]
 
@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     micro.add_argument("--workers", type=int, default=4, help="messages decoded and averaged")
     micro.add_argument("--compressors", nargs="+", default=list(MICRO_SPECS), metavar="SPEC")
     micro.add_argument("--heap", choices=HEAP_MODES, default="warm",
-                       help="large allocations reuse memory (warm) or take fresh pages (cold)")
+                       help="freed memory is reused (warm), or buffers of 32 MiB and more are "
+                            "fresh pages as with glibc's defaults (default)")
     hooks = sub.add_parser("hooks", help="DDP step time per hook over gloo")
     hooks.add_argument("--json", action="store_true", help="one JSON object per row")
     hooks.add_argument("--workers", type=int, nargs="+", default=[2, 4])

@@ -18,50 +18,48 @@ __all__ = ["HEAP_MODES", "Heap", "environment", "format_table", "median_seconds"
 
 log = logging.getLogger(__name__)
 
-HEAP_MODES = ("warm", "cold")
-# glibc's mallopt parameters (malloc.h).
+HEAP_MODES = ("warm", "default")
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold its dynamic rule reaches.
 _M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
 _M_MMAP_MAX = -4
+_MMAP_THRESHOLD_MAX = 32 << 20
 
 
 class Heap:
     """Makes the cost of large allocations the same for every timed call.
 
-    With glibc's defaults, whether a new buffer costs page faults depends on history: over
-    32 MiB it is always fresh pages, below that it is whatever the heap happens to hold. Two
-    deterministic regimes instead:
+    With glibc, whether a new buffer costs fresh pages (page faults) depends on history: its
+    mmap threshold moves with what was freed before. Two fixed regimes instead:
 
-    * ``"warm"``: freed memory is kept and reused (``mallopt``: no ``mmap``, no trimming), as
-      a caching allocator would; timings measure the kernels and memory bandwidth. This
-      changes the process's allocator for good: use it in a process of its own.
-    * ``"cold"``: the heap is trimmed (``malloc_trim``) before every timed call, so every
-      large buffer is fresh pages, as glibc gives buffers over 32 MiB by default.
+    * ``"warm"``: freed memory is kept and reused (no ``mmap``, no trimming), as a caching
+      allocator would: timings show the kernels and memory bandwidth.
+    * ``"default"``: glibc's long-run default, fixed: buffers of 32 MiB and more are fresh
+      pages from ``mmap`` on every allocation; smaller ones reuse heap memory.
 
-    Off glibc neither is available and the mode is reported as ``"unmanaged"``.
+    Either changes this process's allocator for good: run it in a process of its own. Off
+    glibc neither is available and the mode is reported as ``"unmanaged"``.
     """
 
     def __init__(self, mode: str) -> None:
         if mode not in HEAP_MODES:
             raise ValueError(f"`heap` must be one of {', '.join(HEAP_MODES)}, got {mode!r}")
-        self._libc = None
+        libc = None
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            self._libc = libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
         except OSError:  # pragma: no cover - not glibc
             pass
-        if self._libc is None:  # pragma: no cover - not glibc
+        if libc is None or not hasattr(libc, "mallopt"):  # pragma: no cover - not glibc
             log.warning("heap mode %r needs glibc; allocations are left unmanaged", mode)
             self.mode = "unmanaged"
             return
         self.mode = mode
         if mode == "warm":
-            self._libc.mallopt(_M_MMAP_MAX, 0)
-            self._libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
-
-    def before_timing(self) -> None:
-        """Called before each timed call."""
-        if self.mode == "cold":
-            self._libc.malloc_trim(0)  # type: ignore[union-attr]
+            libc.mallopt(_M_MMAP_MAX, 0)
+            libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)
+        else:
+            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
+            libc.mallopt(_M_TRIM_THRESHOLD, 2 * _MMAP_THRESHOLD_MAX)
 
 
 def median_seconds(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:

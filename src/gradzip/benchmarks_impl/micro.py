@@ -290,7 +290,6 @@ def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int, heap: Hea
     flat0 = data[:1, :numel]
 
     def timed(fn: Callable[[], object]) -> float:
-        heap.before_timing()
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
@@ -299,7 +298,6 @@ def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int, heap: Hea
         exchange = _Exchange(workers, 0, recorded)
         step_jobs = [Job(j.name, j.tensor) for j in mine]
         state = copy.copy(state0)  # compressors replace entries, never write into them
-        heap.before_timing()
         start = time.perf_counter()
         compressor.reduce(step_jobs, state, exchange, ctx)
         end = time.perf_counter()
@@ -366,8 +364,8 @@ def run_micro(
         repeat: timed repetitions per figure (the median is reported), after one warm-up.
         workers: the group size whose messages are decoded and averaged (>= 2).
         threads: ``torch.set_num_threads`` for the run (``None``: leave as it is).
-        heap: ``"warm"`` or ``"cold"`` large allocations (see
-            :class:`~gradzip.benchmarks_impl.common.Heap`; ``"warm"`` changes this process's
+        heap: ``"warm"`` or ``"default"`` large allocations (see
+            :class:`~gradzip.benchmarks_impl.common.Heap`; either changes this process's
             allocator for good).
         on_row: called with each row as soon as it is measured.
 
