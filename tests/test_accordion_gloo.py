@@ -10,6 +10,7 @@ import torch
 from gradzip import Engine, SimulatedGroup, compressor_from_spec
 from gradzip.comm import run_processes
 from gradzip.control import Accordion
+from test_accordion import scaled_grads as grads_for
 
 WORLD = 4
 STEPS = 16
@@ -20,17 +21,6 @@ SCENARIOS = {
     "threshold": "accordion(steady=threshold:budget=0.01,critical=threshold:budget=0.1,interval=2)",
     "threshold-alone": "threshold:budget=0.02",
 }
-
-
-def grads_for(step: int, workers: int) -> dict[str, torch.Tensor]:
-    """Per-worker gradients whose scale jumps every few steps, so decisions vary."""
-    gen = torch.Generator().manual_seed(step)
-    scale = (1.0, 1.0, 4.0, 4.0, 0.5, 0.5)[(step // 3) % 6]
-    return {
-        "conv.weight": scale * torch.randn(workers, 16, 8, 3, 3, generator=gen),
-        "fc.weight": scale * torch.randn(workers, 32, 24, generator=gen),
-        "fc.bias": scale * torch.randn(workers, 32, generator=gen),
-    }
 
 
 SHAPES = {n: g.shape[1:] for n, g in grads_for(0, 1).items()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -33,18 +32,6 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def make_fake_cifar(root: Path, per_batch: int = 24, test: int = 16) -> Path:
-    """A tiny CIFAR-10 python release: two data batches and a test batch."""
-    release = root / "cifar-10-batches-py"
-    release.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name, n in (("data_batch_1", per_batch), ("data_batch_2", per_batch), ("test_batch", test)):
-        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                 b"labels": [int(v) for v in rng.integers(0, 10, n)]}
-        (release / name).write_bytes(pickle.dumps(batch))
-    return release
 
 
 # -- list -------------------------------------------------------------------------------
@@ -155,9 +142,9 @@ def test_train_digits_writes_metrics_and_summary(
 
 
 def test_train_cifar10_on_a_tiny_fake_release(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_cifar: Path
 ) -> None:
-    data = make_fake_cifar(tmp_path / "data")
+    data = fake_cifar
     out = tmp_path / "c10"
     code, _, err = run_cli(capsys, "train", "--task", "cifar10", "--data", str(data),
                            "--cache-dir", str(tmp_path / "cache"), "--model", "resnet8:width=4",

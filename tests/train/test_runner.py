@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,17 +24,6 @@ TINY = dict(task="digits", workers=2, epochs=1, limit_train=200)
 
 def tiny(tmp_path: Path, name: str = "run", **kw: object) -> RunConfig:
     return RunConfig(**{**TINY, "out": str(tmp_path / name), **kw})  # type: ignore[arg-type]
-
-
-def make_fake_cifar(root: Path, per_batch: int = 24, test: int = 16) -> Path:
-    release = root / "cifar-10-batches-py"
-    release.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for name, n in (("data_batch_1", per_batch), ("data_batch_2", per_batch), ("test_batch", test)):
-        batch = {b"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
-                 b"labels": [int(v) for v in rng.integers(0, 10, n)]}
-        (release / name).write_bytes(pickle.dumps(batch))
-    return release
 
 
 # -- configuration ----------------------------------------------------------------------
@@ -174,9 +161,9 @@ def test_sim_and_procs_launchers_agree(tmp_path: Path, extra: dict) -> None:
 
 
 @pytest.mark.slow
-def test_sim_and_procs_agree_with_batchnorm(tmp_path: Path) -> None:
+def test_sim_and_procs_agree_with_batchnorm(tmp_path: Path, fake_cifar: Path) -> None:
     """BatchNorm statistics follow worker 0 in the simulator, as DDP's buffer broadcast does."""
-    data = make_fake_cifar(tmp_path / "data")
+    data = fake_cifar
     kw = dict(task="cifar10", data=str(data), cache_dir=str(tmp_path / "cache"), workers=2,
               epochs=2, batch_size=4, model="resnet8:width=4", compressor="powersgd:rank=2",
               threads=1)
