@@ -23,6 +23,7 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import gradzip.comm
 import gradzip.ddp
 from gradzip.train.data import load_digits
 from gradzip.train.models import DigitsNet
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> None:
         f"bytes sent per rank: payload {stats['payload_bytes']} vs dense "
         f"{stats['dense_payload_bytes']}"
     )
+    # Leave the group together before exiting (see shutdown_process_group): with gloo, a rank
+    # that exits right after its last collective can abort while tearing down.
+    gradzip.comm.shutdown_process_group()
     accelerator.end_training()
 
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
+import gradzip.comm
 import gradzip.ddp
 from gradzip.train.data import load_digits
 from gradzip.train.models import DigitsNet
@@ -143,12 +143,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{stats['steps']} steps, last loss {module.last_loss:.4f}")
         print(f"bytes sent per rank: payload {stats['payload_bytes']} vs dense "
               f"{stats['dense_payload_bytes']}")
-    if dist.is_initialized():
-        # Leave the group together and tear it down before the interpreter exits: a gloo
-        # group left to process exit can abort one rank ("terminate called ...") after all
-        # the work is done.
-        dist.barrier()
-        dist.destroy_process_group()
+    # Leave the group together before exiting: with gloo, a rank that exits right after its
+    # last collective can abort while tearing down (see shutdown_process_group).
+    gradzip.comm.shutdown_process_group()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradzip
+import gradzip.comm
 import gradzip.ddp
 from gradzip.train.data import load_digits
 from gradzip.train.models import DigitsNet
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bytes sent per rank: payload {stats['payload_bytes']} vs dense "
               f"{stats['dense_payload_bytes']} ({ratio:.1f}x less); wire {stats['wire_bytes']} "
               f"vs dense {stats['dense_wire_bytes']}")
-    dist.destroy_process_group()
+    gradzip.comm.shutdown_process_group()  # a barrier, a pause, then destroy_process_group
 
 
 if __name__ == "__main__":

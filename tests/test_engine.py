@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import gradzip
 from conformance import SHAPES, make_grads
-from gradzip.comm import run_processes
+from gradzip.comm import run_processes, shutdown_process_group
 from gradzip.compressors.sparse import _as_words, _from_words, index_bytes, scatter_decode
 
 
@@ -217,6 +217,27 @@ def test_ranks_with_different_configurations_fail_at_the_first_step() -> None:
     messages = run_processes(_disagreeing, 2, timeout=120)
     for msg in messages:
         assert "ranks disagree on `compressor`" in msg
+
+
+def _reduce_then_shut_down(rank: int, world_size: int) -> tuple[bool, bool]:
+    engine = gradzip.Engine(SHAPES, "topk:ratio=0.1")
+    engine.reduce({n: g[rank] for n, g in make_grads(world_size, 0).items()})
+    before = torch.distributed.is_initialized()
+    shutdown_process_group(settle_s=0.01)
+    shutdown_process_group()  # a second call finds no group and does nothing
+    return before, torch.distributed.is_initialized()
+
+
+def test_shutdown_process_group_leaves_together_and_destroys_the_group() -> None:
+    assert run_processes(_reduce_then_shut_down, 2, timeout=120) == [(True, False)] * 2
+
+
+def test_shutdown_process_group_validates_and_is_a_no_op_without_a_group() -> None:
+    shutdown_process_group()
+    with pytest.raises(ValueError, match="`settle_s` must be >= 0, got -1"):
+        shutdown_process_group(settle_s=-1)
+    with pytest.raises(TypeError, match="`settle_s`"):
+        shutdown_process_group(settle_s="0.1")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

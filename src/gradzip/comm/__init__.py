@@ -6,7 +6,11 @@ Byte accounting lives here, because only the collective knows what it moves.
 from gradzip.comm.base import ByteMeter, Collective
 from gradzip.comm.launch import free_port, run_processes
 from gradzip.comm.simulated import SimulatedGroup, SingleWorker
-from gradzip.comm.torch_dist import ProcessGroupCollective, default_collective
+from gradzip.comm.torch_dist import (
+    ProcessGroupCollective,
+    default_collective,
+    shutdown_process_group,
+)
 
 __all__ = [
     "ByteMeter",
@@ -17,4 +21,5 @@ __all__ = [
     "default_collective",
     "free_port",
     "run_processes",
+    "shutdown_process_group",
 ]

@@ -52,7 +52,8 @@ def _entry(
         try:
             value = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # ``fn`` may have shut the group down itself
+                dist.destroy_process_group()
         # Plain bytes: tensors put on a queue directly travel as shared-memory handles that
         # die with this process, which may exit before the parent reads them.
         buffer = io.BytesIO()

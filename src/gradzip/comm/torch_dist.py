@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
+from gradzip._validate import check_real
 from gradzip.comm.base import Collective
 
-__all__ = ["ProcessGroupCollective", "default_collective"]
+__all__ = ["ProcessGroupCollective", "default_collective", "shutdown_process_group"]
 
 
 class ProcessGroupCollective(Collective):
@@ -76,3 +79,26 @@ def default_collective() -> Collective:
     from gradzip.comm.simulated import SingleWorker
 
     return SingleWorker()
+
+
+def shutdown_process_group(*, settle_s: float = 0.1) -> None:
+    """Leave the default process group together and destroy it, for the end of a script.
+
+    Every rank must call it. Ranks meet at a barrier, then release the interpreter lock for
+    ``settle_s`` seconds before ``destroy_process_group``. The pause is for gloo: its worker
+    threads drop the tensors of a finished collective a moment after the caller's ``wait``
+    returns, and dropping a tensor that Python also knew needs the interpreter lock. A script
+    that exits within that moment (a last ``all_reduce``, a checkpoint gather, then ``exit``)
+    can abort one rank with ``terminate called without an active exception`` after all its
+    work is done; ``destroy_process_group`` alone does not stop those threads while the
+    model or the hook still hold the group. Does nothing when no group is initialised.
+
+    Args:
+        settle_s: seconds to pause between the barrier and the teardown, ``>= 0``.
+    """
+    settle_s = check_real("settle_s", settle_s, low=0.0)
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    time.sleep(settle_s)  # releases the interpreter lock to the worker threads
+    dist.destroy_process_group()
