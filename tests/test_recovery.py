@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddp_helpers import batch, mlp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip.ddp
+from ddp_helpers import batch, mlp
 from gradzip.comm import run_processes
 
 SPEC = "powersgd:rank=2"

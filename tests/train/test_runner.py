@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -158,6 +161,24 @@ def test_sim_and_procs_launchers_agree(tmp_path: Path, extra: dict) -> None:
     assert sim["final_test_loss"] == pytest.approx(procs["final_test_loss"], rel=1e-5)
     assert sim["launcher"] == "sim" and procs["launcher"] == "procs"
     assert (tmp_path / "procs" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_gradzip_train_under_torchrun_matches_the_simulator(tmp_path: Path) -> None:
+    """Each torchrun process is one worker; rank 0 writes the summary the simulator would."""
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "gradzip", "train", "--task", "digits", "--epochs", "1", "--limit-train",
+           "200", "--compressor", "topk:ratio=0.1", "--out", str(out), "--threads", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    sim = run(tiny(tmp_path, "sim", launcher="sim", compressor="topk:ratio=0.1"))
+    assert summary["launcher"] == "procs" and summary["workers"] == 2
+    for key in ("final_accuracy", "bytes_sent_per_worker", "dense_bytes_per_worker", "steps"):
+        assert summary[key] == sim[key], key
+    assert summary["final_test_loss"] == pytest.approx(sim["final_test_loss"], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from gradzip._validate import check_bool, check_choice, check_int, check_real
+from gradzip.comm.torch_dist import shutdown_process_group
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.ops.random import stable_hash
@@ -396,10 +397,14 @@ def _run_torchrun(cfg: RunConfig, progress: bool, started: float) -> dict[str, A
         rank = dist.get_rank()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(stable_hash(cfg.seed, "process", rank))
-            return _run_local(cfg, rank, progress, started)
-    finally:
+            summary = _run_local(cfg, rank, progress, started)
+    except BaseException:
         if created:
             dist.destroy_process_group()
+        raise
+    if created:
+        shutdown_process_group()  # together, so no rank aborts while gloo tears down
+    return summary
 
 
 def run(cfg: RunConfig, *, progress: bool = False) -> dict[str, Any]:
