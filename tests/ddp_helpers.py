@@ -46,6 +46,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tup
             result = fn(rank, world, *args)
         finally:
             dist.destroy_process_group()
+            time.sleep(0.05)  # gloo's threads release their last tensors before exit
         torch.save(result, f"{folder}/result-{rank}.pt")
     except BaseException:
         Path(f"{folder}/error-{rank}.txt").write_text(traceback.format_exc())

@@ -281,7 +281,7 @@ def test_switch_keeps_residuals_and_each_levels_warm_start() -> None:
     PowerSGD(matrix_rank=4).reduce([job], {"q": {"w": q4}}, SimulatedGroup(4), StepContext(6, (0, 1, 2, 3), 4))
     out = engine.reduce(grads)
     assert torch.equal(out["w"], job.averaged)
-    assert torch.equal(engine.residuals["w"], grads["w"] + residual - job.decoded)
+    assert torch.equal(engine.residuals["w"], grads["w"] + residual - job.own_decoded())
     engine.reduce(powersgd_grads(7))  # the interval's last step, still at rank 4
     state = engine.compressor_state
     assert state["steady"]["q"]["w"] is q1  # rank 1's warm start untouched while rank 4 runs

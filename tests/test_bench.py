@@ -85,7 +85,8 @@ def test_replayed_worker_computes_what_the_simulator_computes(spec: str) -> None
     assert exchange.consistent and len(exchange.entries) == len(recorded[0])
     for full, one in zip(jobs, mine, strict=True):
         torch.testing.assert_close(one.averaged, full.averaged, rtol=0, atol=1e-6)
-        torch.testing.assert_close(one.decoded, full.decoded[:1], rtol=0, atol=1e-6)
+        torch.testing.assert_close(one.own_decoded(), full.own_decoded()[:1], rtol=0, atol=1e-6)
+        torch.testing.assert_close(one.leftover(), full.leftover()[:1], rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -66,13 +66,16 @@ def test_true_positions_equals_flatnonzero(n: int, density: float, seed: int) ->
 def test_threshold_split_matches_its_definition(small_chunks: None, n: int, lam: float, seed: int) -> None:
     x = _rows(seed, 3, n, heavy=seed % 2 == 0)
     x[1, ::89] = float("nan")  # never selected: |NaN| >= lam is false
-    values, indices, kept = select.threshold_split(x, lam)
+    x[2, 5::97] = -0.0
+    values, indices, rest = select.threshold_split(x, lam)
     for row in range(3):
         mask = x[row].abs() >= lam
         assert torch.equal(indices[row], torch.nonzero(mask).squeeze(1))
         assert torch.equal(values[row], x[row][mask])
-        assert torch.equal(kept[row], torch.where(mask, x[row], torch.zeros(())))
-        assert torch.equal(kept[row].signbit(), (x[row].signbit() & mask))  # zeros are +0.0
+        # What stays behind: x where not selected (NaN included), +0.0 where selected.
+        expected = torch.where(mask, torch.zeros(()), x[row])
+        torch.testing.assert_close(rest[row], expected, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(rest[row].signbit(), x[row].signbit() & ~mask)
 
 
 @pytest.mark.parametrize("heavy", [False, True])

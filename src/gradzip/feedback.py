@@ -4,7 +4,9 @@ Invariant, per worker and per tensor: ``compensated == decoded + residual`` wher
 what that worker's own message decodes to. The residual is computed as
 ``compensated - decoded`` in fp32, so the identity holds to the last bit wherever the decoder
 reproduces entries exactly (sparsifiers send entries unchanged) and to float rounding
-otherwise (low rank, quantisation).
+otherwise (low rank, quantisation). A sparsifier may hand the residual over directly
+(``Job.residual``: the compensated tensor with the sent entries zeroed, which equals
+``compensated - decoded`` bit for bit) and skip building the dense decoded message.
 
 References:
     Seide et al., "1-bit SGD", 2014; Stich et al., "Sparsified SGD with Memory", NeurIPS 2018;

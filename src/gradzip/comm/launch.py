@@ -54,6 +54,9 @@ def _entry(
         finally:
             if dist.is_initialized():  # ``fn`` may have shut the group down itself
                 dist.destroy_process_group()
+            # Let gloo's worker threads release the last collective's tensors before this
+            # process may exit (see ``shutdown_process_group``).
+            time.sleep(0.05)
         # Plain bytes: tensors put on a queue directly travel as shared-memory handles that
         # die with this process, which may exit before the parent reads them.
         buffer = io.BytesIO()

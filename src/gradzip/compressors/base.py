@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
+from gradzip.feedback import residual_after
 from gradzip.ops.flat import flatten_workers, split_flat
 
 __all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "sparse_pays"]
@@ -33,12 +34,31 @@ class Job:
             they sent, identical on every worker.
         decoded: filled by ``reduce``: ``[L, *shape]``, what each local worker's own message
             decodes to (error feedback keeps ``tensor - decoded``).
+        residual: filled by ``reduce`` *instead of* ``decoded`` when the compressor has
+            ``tensor - decoded`` more cheaply (a sparsifier: ``tensor`` with the sent entries
+            zeroed, one pass, no dense ``decoded`` built). Use :meth:`own_decoded` and
+            :meth:`leftover`, which work with either.
     """
 
     name: str
     tensor: torch.Tensor
     averaged: torch.Tensor | None = None
     decoded: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+
+    def own_decoded(self) -> torch.Tensor:
+        """``[L, *shape]``: what each local worker's own message decodes to."""
+        if self.decoded is not None:
+            return self.decoded
+        assert self.residual is not None, f"reduce left neither decoded nor residual: {self.name}"
+        return self.tensor - self.residual
+
+    def leftover(self) -> torch.Tensor:
+        """``[L, *shape]``: what error feedback keeps, ``tensor - decoded`` (fp32)."""
+        if self.residual is not None:
+            return self.residual
+        assert self.decoded is not None, f"reduce left neither decoded nor residual: {self.name}"
+        return residual_after(self.tensor, self.decoded)
 
     @property
     def shape(self) -> torch.Size:

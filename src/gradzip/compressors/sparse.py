@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from gradzip.comm.base import Collective
@@ -51,6 +52,13 @@ def scatter_decode(values: torch.Tensor, indices: torch.Tensor, numel: int) -> t
     return out
 
 
+def _per_entry(per_job: Sequence[int], widths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``per_job[j]`` repeated ``widths[j]`` times, as one int64 tensor (NumPy's ``repeat``:
+    ``torch.repeat_interleave`` with a tensor of repeats is slow on the CPU)."""
+    out = np.repeat(np.asarray(per_job, dtype=np.int64), np.asarray(widths, dtype=np.int64))
+    return torch.from_numpy(out).to(device)
+
+
 def _message(
     values: Sequence[torch.Tensor], indices: Sequence[torch.Tensor], width: int, workers: int,
     device: torch.device,
@@ -93,7 +101,8 @@ def gather_sparse(
         extra_payload: bytes of metadata per worker counted on top of values and indices
             (e.g. sizes sent beforehand are counted by that exchange, not here).
         decoded: per job, what each local worker's message decodes to (``[L, *shape]``),
-            when the caller already has it; otherwise it is rebuilt from the values.
+            when the caller already has it; otherwise it is rebuilt from the values, unless
+            the job already holds its ``residual``.
 
     Raises:
         ValueError: a received index lies outside its tensor (a corrupt message).
@@ -118,7 +127,7 @@ def gather_sparse(
         parts.append(_as_words(idx, numels[j]))
         if decoded is not None and decoded[j] is not None:
             job.decoded = decoded[j].reshape(job.tensor.shape)
-        else:
+        elif job.residual is None:  # a job with its residual needs no dense decoded message
             rebuild.append(j)
             own_val.append(val)
             own_idx.append(idx + offsets[j] if offsets[j] else idx)
@@ -137,15 +146,11 @@ def gather_sparse(
         received_idx.append(_from_words(gathered[:, offset + width : offset + width + words], numel))
         offset += width + words
     idx_all = torch.cat(received_idx, dim=1)  # [W, sum(widths)], each job's own positions
-    limits = torch.tensor(numels, device=device).repeat_interleave(
-        torch.tensor(list(widths), device=device)
-    )
+    limits = _per_entry(numels, widths, device)
     if idx_all.numel() and bool(((idx_all < 0) | (idx_all >= limits)).any()):
         for j, numel in enumerate(numels):  # name the first bad range
             scatter_decode(received_val[j], received_idx[j], numel)
-    shifts = torch.tensor(offsets[:-1], device=device).repeat_interleave(
-        torch.tensor(list(widths), device=device)
-    )
+    shifts = _per_entry(offsets[:-1], widths, device)
     total = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
     flat_idx, flat_val = idx_all + shifts, torch.cat(received_val, dim=1)
     # One worker's row at a time, in rank order: a row never holds an index twice (padding

@@ -113,7 +113,7 @@ class HardThreshold(Compressor):
         if state["lam"] < 0:
             state["lam"] = self._calibrate(jobs, comm)
         lam = state["lam"]
-        # One pass per tensor finds the entries and builds what each message decodes to.
+        # One pass per tensor finds the entries and writes what stays behind (the residual).
         selected = [threshold_split(j.tensor.reshape(comm.local_workers, -1), lam) for j in jobs]
         counts = torch.tensor(
             [[sel[0][w].numel() for sel in selected] for w in range(comm.local_workers)],
@@ -134,13 +134,14 @@ class HardThreshold(Compressor):
         ]
         chosen = set(sparse_ids)
         dense_reduce([j for t, j in enumerate(jobs) if t not in chosen], comm)
+        for t in sparse_ids:
+            jobs[t].residual = selected[t][2].reshape(jobs[t].tensor.shape)
         gather_sparse(
             [jobs[t] for t in sparse_ids],
             [selected[t][0] for t in sparse_ids],
             [selected[t][1] for t in sparse_ids],
             [widest[t] for t in sparse_ids],
             comm,
-            decoded=[selected[t][2] for t in sparse_ids],
         )
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:

@@ -102,63 +102,62 @@ def _at_least_numpy(row: np.ndarray, cut: float, nan_too: bool) -> np.ndarray:
     return found[0] if len(found) == 1 else np.concatenate(found)
 
 
-def _at_least(
-    row: torch.Tensor, cut: float, nan_too: bool = False, kept: torch.Tensor | None = None
-) -> torch.Tensor:
+def _at_least(row: torch.Tensor, cut: float, nan_too: bool = False) -> torch.Tensor:
     """Indices (int64, ascending) of the entries of 1-D ``row`` with ``|row| >= cut`` (and NaN
     entries too with ``nan_too``); see :func:`_scan`."""
-    return _scan(row, cut, nan_too, kept)[0]
+    return _scan(row, cut, nan_too)[0]
 
 
 def _scan(
-    row: torch.Tensor, cut: float, nan_too: bool = False, kept: torch.Tensor | None = None
+    row: torch.Tensor, cut: float, nan_too: bool = False, rest: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, values)`` of the entries of 1-D ``row`` with ``|row| >= cut`` (and NaN
     entries too with ``nan_too``); indices int64 and ascending.
 
-    With ``kept`` (a tensor like ``row``), also writes ``row`` where selected and ``0``
-    elsewhere into it.
+    With ``rest`` (a tensor like ``row``), also writes what is *not* selected into it: ``0``
+    where selected, ``row`` elsewhere.
     """
     n = row.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=row.device), row[:0]
     fast = row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64)
     if fast and cut > 0 and math.isfinite(cut):
-        return _shrink_scan(row, cut, nan_too, kept)
+        return _shrink_scan(row, cut, nan_too, rest)
     if fast:
         found = _at_least_numpy(row.detach().numpy(), cut, nan_too)
         idx = torch.from_numpy(found.astype(np.int64, copy=False))
     else:
         idx = _at_least_torch(row, cut, nan_too)
     values = row.index_select(0, idx)
-    if kept is not None:
-        kept.zero_().index_copy_(0, idx, values)
+    if rest is not None:
+        rest.copy_(row).index_fill_(0, idx, 0.0)
     return idx, values
 
 
 def _shrink_scan(
-    row: torch.Tensor, cut: float, nan_too: bool, kept: torch.Tensor | None
+    row: torch.Tensor, cut: float, nan_too: bool, rest: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_scan` on the CPU for a positive cut, one chunk at a time.
 
     ``hardshrink`` with the largest float below the cut writes, in one vectorised pass, ``x``
-    where ``|x| >= cut`` and 0 elsewhere: the kept tensor itself (or a scratch chunk). Its
+    where ``|x| >= cut`` and 0 elsewhere into a scratch chunk that stays in cache. Its
     nonzero entries (found by NumPy, whose bool kernels beat ATen's several times on CPU)
-    are the selection, and their values are read from the chunk while it is in cache. NaN
-    passes ``hardshrink``; it stays selected only with ``nan_too``.
+    are the selection, their values are read from the scratch, and ``rest`` is ``x`` minus
+    the scratch: main memory sees one read of ``x`` and one write of ``rest``, as a copy
+    would. NaN passes ``hardshrink``; it stays selected only with ``nan_too``.
     """
     n = row.numel()
     size = min(n, _CHUNK)
     kind = np.float32 if row.dtype == torch.float32 else np.float64
     below = float(np.nextafter(kind(cut), kind(0)))  # |x| > below  <=>  |x| >= cut, exactly
-    scratch = torch.empty(size, dtype=row.dtype) if kept is None else None
+    scratch = torch.empty(size, dtype=row.dtype)
     mask = np.empty(size, dtype=np.bool_)
     found, taken = [], []
     for start in range(0, n, size):
-        part = row[start : start + size]
+        part = row[start : start + size].detach()
         m = part.numel()
-        out = scratch[:m] if scratch is not None else kept[start : start + m]  # type: ignore[index]
-        torch.ops.aten.hardshrink.out(part.detach(), below, out=out)
+        out = scratch[:m]
+        torch.ops.aten.hardshrink.out(part, below, out=out)
         chunk = out.numpy()
         np.not_equal(chunk, 0, out=mask[:m])
         idx = _true_positions(mask[:m])
@@ -168,6 +167,8 @@ def _shrink_scan(
             if bad.any():
                 chunk[idx[bad]] = 0
                 idx, values = idx[~bad], values[~bad]
+        if rest is not None:
+            torch.sub(part, out, out=rest[start : start + m])
         found.append(idx + start if start else idx)
         taken.append(values)
     if len(found) > 1:
@@ -263,23 +264,24 @@ def threshold_select(x: torch.Tensor, lam: float) -> tuple[list[torch.Tensor], l
 def threshold_split(
     x: torch.Tensor, lam: float
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    """:func:`threshold_select`, plus the dense tensor of what is kept, in the same pass.
+    """:func:`threshold_select`, plus, in the same pass, what each row leaves behind.
 
     Args:
         x: ``[L, n]`` values.
         lam: the threshold (>= 0).
 
     Returns:
-        ``(values, indices, kept)``: as :func:`threshold_select`, and ``kept[L, n]`` holding
-        ``x`` where ``|x| >= lam`` and ``0`` elsewhere (what the row's message decodes to).
+        ``(values, indices, rest)``: as :func:`threshold_select`, and ``rest[L, n]`` holding
+        ``0`` where ``|x| >= lam`` and ``x`` elsewhere: exactly ``x`` minus what the row's
+        message decodes to, the error-feedback residual.
     """
-    kept = torch.empty_like(x)
+    rest = torch.empty_like(x)
     values, indices = [], []
-    for row, out in zip(x, kept, strict=True):
-        idx, val = _scan(row, lam, kept=out)
+    for row, out in zip(x, rest, strict=True):
+        idx, val = _scan(row, lam, rest=out)
         indices.append(idx)
         values.append(val)
-    return values, indices, kept
+    return values, indices, rest
 
 
 def randk_indices(numel: int, k: int, *keys: object, device: torch.device | str = "cpu") -> torch.Tensor:
