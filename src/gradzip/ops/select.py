@@ -139,36 +139,48 @@ def _shrink_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_scan` on the CPU for a positive cut, one chunk at a time.
 
-    ``hardshrink`` with the largest float below the cut writes, in one vectorised pass, ``x``
-    where ``|x| >= cut`` and 0 elsewhere into a scratch chunk that stays in cache. Its
-    nonzero entries (found by NumPy, whose bool kernels beat ATen's several times on CPU)
-    are the selection, their values are read from the scratch, and ``rest`` is ``x`` minus
-    the scratch: main memory sees one read of ``x`` and one write of ``rest``, as a copy
-    would. NaN passes ``hardshrink``; it stays selected only with ``nan_too``.
+    Both ways compare against ``below``, the largest float under the cut, so that
+    ``|x| > below`` is exactly ``|x| >= cut``; NumPy finds the selected positions (its bool
+    kernels beat ATen's several times on CPU), and values are read while the chunk is in cache.
+
+    * Without ``rest``: ``hardshrink`` writes ``x`` where selected and 0 elsewhere into a
+      scratch chunk that stays in cache; its nonzero entries are the selection.
+    * With ``rest``: ``clamp`` to ``[-below, below]`` writes the chunk of ``rest`` itself,
+      equal to ``x`` exactly where ``x`` is not selected, so the entries where it differs from
+      ``x`` are the selection, and zeroing them finishes ``rest``. Main memory sees one read
+      of ``x`` and one write of ``rest``, as a copy would.
+
+    NaN counts as selected by both tests; it stays selected only with ``nan_too`` (otherwise
+    it stays in ``rest``).
     """
     n = row.numel()
     size = min(n, _CHUNK)
     kind = np.float32 if row.dtype == torch.float32 else np.float64
-    below = float(np.nextafter(kind(cut), kind(0)))  # |x| > below  <=>  |x| >= cut, exactly
-    scratch = torch.empty(size, dtype=row.dtype)
+    below = float(np.nextafter(kind(cut), kind(0)))
+    scratch = torch.empty(size, dtype=row.dtype) if rest is None else None
     mask = np.empty(size, dtype=np.bool_)
     found, taken = [], []
     for start in range(0, n, size):
         part = row[start : start + size].detach()
         m = part.numel()
-        out = scratch[:m]
-        torch.ops.aten.hardshrink.out(part, below, out=out)
-        chunk = out.numpy()
-        np.not_equal(chunk, 0, out=mask[:m])
+        if rest is None:
+            out = scratch[:m]  # type: ignore[index]
+            torch.ops.aten.hardshrink.out(part, below, out=out)
+            source = out.numpy()
+            np.not_equal(source, 0, out=mask[:m])
+        else:
+            out = rest[start : start + m]
+            torch.clamp(part, -below, below, out=out)
+            source = part.numpy()
+            np.not_equal(out.numpy(), source, out=mask[:m])
         idx = _true_positions(mask[:m])
-        values = chunk[idx]
+        values = source[idx]
         if not nan_too:
             bad = np.isnan(values)
             if bad.any():
-                chunk[idx[bad]] = 0
                 idx, values = idx[~bad], values[~bad]
         if rest is not None:
-            torch.sub(part, out, out=rest[start : start + m])
+            out.numpy()[idx] = 0
         found.append(idx + start if start else idx)
         taken.append(values)
     if len(found) > 1:
