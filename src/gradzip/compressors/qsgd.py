@@ -87,6 +87,21 @@ class QSGD(Compressor):
         values = level * (norms / self.levels).unsqueeze(2)
         return values.reshape(rows, -1)[:, :numel]
 
+    def _decode_sum(self, norms: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
+        """The sum over rows of :meth:`_decode`, without a float tensor per row: the sum of
+        ``codes * norm / levels`` accumulated row by row in rank order (the same on every
+        worker), minus the sum of the norms (each code carries an offset of ``levels``)."""
+        rows = codes.shape[0]
+        buckets, size = self._layout(numel)
+        codes = torch.nn.functional.pad(codes, (0, buckets * size - numel))
+        codes = codes.reshape(rows, buckets, size)
+        steps = (norms / self.levels).unsqueeze(2)  # [R, buckets, 1]
+        total = torch.zeros(buckets, size, dtype=torch.float32, device=codes.device)
+        for row in range(rows):
+            total.addcmul_(codes[row], steps[row])
+        total.sub_(norms.sum(dim=0).unsqueeze(1))
+        return total.reshape(-1)[:numel]
+
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
@@ -113,5 +128,5 @@ class QSGD(Compressor):
                 raise ValueError(
                     f"message codes must lie in [0, {2 * self.levels}], got {int(codes.max())}"
                 )
-            total = self._decode(norms, codes, job.numel).sum(dim=0)
-            job.averaged = (total / comm.world_size).reshape(job.shape)
+            total = self._decode_sum(norms, codes, job.numel)
+            job.averaged = total.div_(comm.world_size).reshape(job.shape)

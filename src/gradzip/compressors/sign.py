@@ -55,5 +55,10 @@ class Sign(Compressor):
             nbytes = packed_size(job.numel, 1)
             bits = unpack_bits(gathered[:, offset + 4 : offset + 4 + nbytes], 1, job.numel)
             offset += 4 + nbytes
-            values = (bits.to(torch.float32) * 2 - 1) * scale
-            job.averaged = (values.sum(dim=0) / comm.world_size).reshape(job.shape)
+            # sum_w scale_w (2 b_w - 1), accumulated worker by worker in rank order (the same
+            # on every worker) without a float tensor per worker.
+            total = torch.zeros(job.numel, dtype=torch.float32, device=bits.device)
+            for w in range(bits.shape[0]):
+                total.addcmul_(bits[w], 2 * scale[w])
+            total.sub_(scale.sum())
+            job.averaged = total.div_(comm.world_size).reshape(job.shape)
