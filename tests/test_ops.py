@@ -33,6 +33,21 @@ def test_pack_unpack_round_trip(bits: int, n: int, seed: int) -> None:
     assert torch.equal(unpack_bits(packed, bits, n), codes)
 
 
+@FAST
+@given(bits=st.integers(1, 8), n=st.integers(0, 100), seed=st.integers(0, 2**31 - 1))
+def test_pack_layout_is_bit_j_of_code_i_at_position_i_bits_plus_j(bits: int, n: int, seed: int) -> None:
+    """The wire layout, bit by bit: what other implementations must produce to interoperate."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n,), generator=gen, dtype=torch.int64)
+    expected = [0] * packed_size(n, bits)
+    for i, code in enumerate(codes.tolist()):
+        for j in range(bits):
+            if code >> j & 1:
+                pos = i * bits + j
+                expected[pos // 8] |= 1 << (pos % 8)
+    assert pack_bits(codes.to(torch.uint8), bits).tolist() == expected
+
+
 def test_unpack_rejects_truncated_message() -> None:
     packed = pack_bits(torch.ones(1, 16, dtype=torch.uint8), 3)
     try:
