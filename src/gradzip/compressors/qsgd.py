@@ -23,8 +23,8 @@ class QSGD(Compressor):
     """Quantise each entry to ``norm * sign * l / levels`` with ``l`` in ``0..levels``, rounding
     up or down at random so the result is unbiased; one fp32 norm per bucket.
 
-    Codes ``sign * l + levels`` take ``ceil(log2(2 * levels + 1))`` bits each and are packed
-    densely. Per-worker randomness comes from generators seeded by ``(seed, step, name, rank)``.
+    Codes ``sign * l + levels`` take ``ceil(log2(2 * levels + 1))`` bits each; the codes of
+    all tensors reduced in one call are packed densely as one stream, after their norms. Per-worker randomness comes from generators seeded by ``(seed, step, name, rank)``.
     Messages are all-gathered (quantised values cannot be summed without decoding).
 
     Args:
@@ -57,9 +57,11 @@ class QSGD(Compressor):
         size = numel if self.bucket_size == 0 else min(self.bucket_size, numel)
         return -(-numel // size), size
 
-    def message_bytes(self, numel: int) -> int:
-        buckets, _ = self._layout(numel)
-        return 4 * buckets + packed_size(numel, self.bits)
+    def message_bytes(self, *numels: int) -> int:
+        """Bytes of one worker's message for tensors of these sizes reduced in one call: every
+        tensor's norms, then all codes packed as one stream."""
+        norms = sum(4 * self._layout(n)[0] for n in numels)
+        return norms + packed_size(sum(numels), self.bits)
 
     def _encode(self, x: torch.Tensor, job: Job, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[L, n]`` -> (norms [L, buckets] fp32, codes [L, n] uint8)."""
@@ -108,25 +110,30 @@ class QSGD(Compressor):
         if not jobs:
             return
         workers = comm.local_workers
-        parts = []
+        norm_parts, code_parts = [], []
         for job in jobs:
             flat = job.tensor.reshape(workers, -1)
             norms, codes = self._encode(flat, job, ctx)
             job.decoded = self._decode(norms, codes, job.numel).reshape(job.tensor.shape)
-            parts.append(norms.contiguous().view(torch.uint8))
-            parts.append(pack_bits(codes, self.bits))
-        gathered = comm.all_gather(torch.cat(parts, dim=1))  # [W, bytes] uint8
+            norm_parts.append(norms.contiguous().view(torch.uint8))
+            code_parts.append(codes)
+        # One message per call: every tensor's norms, then all codes as one packed stream.
+        total = sum(job.numel for job in jobs)
+        packed = pack_bits(torch.cat(code_parts, dim=1), self.bits)
+        gathered = comm.all_gather(torch.cat([*norm_parts, packed], dim=1))  # [W, bytes] uint8
         offset = 0
+        all_norms = []
         for job in jobs:
             buckets, _ = self._layout(job.numel)
-            norms = reinterpret(gathered[:, offset : offset + 4 * buckets], torch.float32)
+            all_norms.append(reinterpret(gathered[:, offset : offset + 4 * buckets], torch.float32))
             offset += 4 * buckets
-            nbytes = packed_size(job.numel, self.bits)
-            codes = unpack_bits(gathered[:, offset : offset + nbytes], self.bits, job.numel)
-            offset += nbytes
-            if int(codes.max()) > 2 * self.levels:
-                raise ValueError(
-                    f"message codes must lie in [0, {2 * self.levels}], got {int(codes.max())}"
-                )
-            total = self._decode_sum(norms, codes, job.numel)
-            job.averaged = total.div_(comm.world_size).reshape(job.shape)
+        codes = unpack_bits(gathered[:, offset:], self.bits, total)
+        if int(codes.max()) > 2 * self.levels:
+            raise ValueError(
+                f"message codes must lie in [0, {2 * self.levels}], got {int(codes.max())}"
+            )
+        start = 0
+        for job, norms in zip(jobs, all_norms, strict=True):
+            mine = codes[:, start : start + job.numel]
+            start += job.numel
+            job.averaged = self._decode_sum(norms, mine, job.numel).div_(comm.world_size).reshape(job.shape)

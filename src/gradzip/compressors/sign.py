@@ -18,7 +18,8 @@ __all__ = ["Sign"]
 
 @dataclass(frozen=True)
 class Sign(Compressor):
-    """Send ``mean(|g|) * sign(g)``: the sign bits packed 8 to a byte and one fp32 scale.
+    """Send ``mean(|g|) * sign(g)``: one fp32 scale per tensor and the sign bits packed 8 to a
+    byte (all tensors of one call in one stream).
 
     Zero entries are sent as positive (one bit cannot say zero); error feedback corrects that.
     Messages are all-gathered.
@@ -31,8 +32,10 @@ class Sign(Compressor):
     spec_name: ClassVar[str] = "sign"
 
     @staticmethod
-    def message_bytes(numel: int) -> int:
-        return 4 + packed_size(numel, 1)
+    def message_bytes(*numels: int) -> int:
+        """Bytes of one worker's message for tensors of these sizes reduced in one call: one
+        fp32 scale per tensor, then all sign bits packed as one stream."""
+        return 4 * len(numels) + packed_size(sum(numels), 1)
 
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
@@ -40,25 +43,28 @@ class Sign(Compressor):
         if not jobs:
             return
         workers = comm.local_workers
-        parts = []
+        scales, signs = [], []
         for job in jobs:
             flat = job.tensor.reshape(workers, -1)
             scale = flat.abs().mean(dim=1, keepdim=True)  # [L, 1]
             bits = (flat >= 0).to(torch.uint8)
             job.decoded = ((bits.to(torch.float32) * 2 - 1) * scale).reshape(job.tensor.shape)
-            parts.append(scale.contiguous().view(torch.uint8))
-            parts.append(pack_bits(bits, 1))
-        gathered = comm.all_gather(torch.cat(parts, dim=1))
-        offset = 0
-        for job in jobs:
-            scale = reinterpret(gathered[:, offset : offset + 4], torch.float32)  # [W, 1]
-            nbytes = packed_size(job.numel, 1)
-            bits = unpack_bits(gathered[:, offset + 4 : offset + 4 + nbytes], 1, job.numel)
-            offset += 4 + nbytes
+            scales.append(scale)
+            signs.append(bits)
+        # One message per call: every tensor's scale, then all sign bits as one packed stream.
+        total = sum(job.numel for job in jobs)
+        head = torch.cat(scales, dim=1).contiguous().view(torch.uint8)  # [L, 4 T]
+        gathered = comm.all_gather(torch.cat([head, pack_bits(torch.cat(signs, dim=1), 1)], dim=1))
+        all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
+        bits = unpack_bits(gathered[:, head.shape[1] :], 1, total)  # [W, total]
+        start = 0
+        for t, job in enumerate(jobs):
+            mine, scale = bits[:, start : start + job.numel], all_scales[:, t]
+            start += job.numel
             # sum_w scale_w (2 b_w - 1), accumulated worker by worker in rank order (the same
             # on every worker) without a float tensor per worker.
-            total = torch.zeros(job.numel, dtype=torch.float32, device=bits.device)
-            for w in range(bits.shape[0]):
-                total.addcmul_(bits[w], 2 * scale[w])
-            total.sub_(scale.sum())
-            job.averaged = total.div_(comm.world_size).reshape(job.shape)
+            acc = torch.zeros(job.numel, dtype=torch.float32, device=bits.device)
+            for w in range(mine.shape[0]):
+                acc.addcmul_(mine[w], 2 * scale[w])
+            acc.sub_(scale.sum())
+            job.averaged = acc.div_(comm.world_size).reshape(job.shape)
