@@ -137,6 +137,22 @@ def test_one_bad_gradient_skips_the_step_and_keeps_state(spec: str) -> None:
         assert torch.equal(res, hit.residuals[name])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_huge_finite_gradients_are_not_mistaken_for_overflow(dtype: torch.dtype) -> None:
+    """The finiteness check sums each tensor first; a sum that overflows although every entry
+    is finite must fall through to the exact test, not skip the step."""
+    big = torch.finfo(dtype).max / 4  # a tensor's sum overflows, two workers' sum does not
+    engine = gradzip.Engine({"w": torch.Size([64])}, "topk:ratio=0.25",
+                            collective=gradzip.SimulatedGroup(2))
+    grads = torch.full((2, 64), big, dtype=dtype)
+    grads[1, ::2] = -big
+    out = engine.reduce({"w": grads})["w"]
+    assert engine.stats["skipped_steps"] == 0 and bool(torch.isfinite(out).all())
+    grads[0, 5] = float("nan")
+    engine.reduce({"w": grads})
+    assert engine.stats["skipped_steps"] == 1
+
+
 def test_nonfinite_policies_zero_and_raise() -> None:
     bad = make_grads(4, 0)
     bad["conv.bias"][0, 0] = float("nan")
