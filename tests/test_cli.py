@@ -180,6 +180,15 @@ def test_train_logreg_generated(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_accuracy"] > 0.6  # a nearly separable problem, one epoch
+    assert summary["config"]["dense_1d"] is False
+    code, _, err = run_cli(capsys, "train", "--task", "logreg", "--dense-1d",
+                           "--compressor", "threshold:budget=0.05", "--out", str(tmp_path / "d"),
+                           *QUICK)
+    assert code == 0, err
+    dense = json.loads((tmp_path / "d" / "summary.json").read_text())
+    assert dense["config"]["dense_1d"] is True
+    # The bias travels uncompressed: more bytes than with everything thresholded.
+    assert dense["bytes_sent_per_worker"] > summary["bytes_sent_per_worker"]
 
 
 def test_train_logreg_libsvm(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

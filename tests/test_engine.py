@@ -14,6 +14,7 @@ import gradzip
 from conformance import SHAPES, make_grads
 from gradzip.comm import run_processes, shutdown_process_group
 from gradzip.compressors.sparse import _as_words, _from_words, index_bytes, scatter_decode
+from gradzip.engine import _first_mismatch
 
 
 def sim_engine(spec: str = "topk:ratio=0.05", **kwargs: object) -> gradzip.Engine:
@@ -109,6 +110,45 @@ def test_state_dict_refused_inside_a_step() -> None:
     engine.reduce({"scale": grads["scale"]}, finish_step=False)
     with pytest.raises(RuntimeError, match="between steps"):
         engine.state_dict()
+
+
+# -- tensors sent dense -----------------------------------------------------------------------
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "threshold:budget=0.02", "powersgd:rank=2",
+                                  "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.5,interval=2)"])
+def test_dense_1d_sends_vectors_exactly_and_keeps_no_state_for_them(spec: str) -> None:
+    engine = sim_engine(spec, dense_1d=True)
+    vectors = {n for n, s in SHAPES.items() if len(s) < 2}
+    assert vectors and engine.dense_names == vectors
+    for step in range(3):
+        grads = make_grads(4, step)
+        out = engine.reduce(grads)
+        for name in vectors:
+            torch.testing.assert_close(out[name], grads[name].mean(0), rtol=0, atol=1e-6)
+    assert not vectors & set(engine.residuals)
+    assert set(engine.residuals) == set(SHAPES) - vectors
+    # The compressor never sees them: its state is what a model without them would have.
+    without = {n: s for n, s in SHAPES.items() if n not in vectors}
+    fresh = gradzip.Engine(without, spec, collective=gradzip.SimulatedGroup(4))
+    assert _first_mismatch(fresh.compressor_state, engine.compressor_state, "state") is None
+    if spec in ("topk:ratio=0.05", "threshold:budget=0.02"):
+        # Sparsified vectors cost less than their exact all-reduce does with dense_1d.
+        plain, one = sim_engine(spec), sim_engine(spec, dense_1d=True)
+        plain.reduce(make_grads(4, 0))
+        one.reduce(make_grads(4, 0))
+        assert one.stats["payload_bytes"][0] > plain.stats["payload_bytes"][0]
+
+
+def test_dense_1d_is_part_of_the_checkpoint_and_validated() -> None:
+    engine = sim_engine("topk:ratio=0.05", dense_1d=True)
+    engine.reduce(make_grads(4, 0))
+    state = engine.state_dict()
+    assert state["dense_1d"] is True
+    again = sim_engine("topk:ratio=0.05", dense_1d=True)
+    again.load_state_dict(state)
+    with pytest.raises(ValueError, match="`dense_1d` of the checkpoint must be False, got True"):
+        sim_engine("topk:ratio=0.05").load_state_dict(state)
+    with pytest.raises(TypeError, match="`dense_1d`"):
+        sim_engine("topk:ratio=0.05", dense_1d=1)
 
 
 # -- non-finite gradients ---------------------------------------------------------------------

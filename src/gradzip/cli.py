@@ -121,6 +121,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="do not multiply the learning rate by the number of workers")
     o.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
                    help="force error feedback on/off (default: the compressor's)")
+    o.add_argument("--dense-1d", action="store_true",
+                   help="send biases and normalisation weights (tensors of < 2 dimensions) "
+                        "uncompressed")
     o.add_argument("--bptt", type=int, default=35, help="lm: truncated-BPTT length")
     o.add_argument("--text-level", choices=("word", "char"), default="word", help="lm tokens")
 
@@ -129,7 +132,7 @@ _RUN_FIELDS = (
     "task", "workers", "compressor", "out", "launcher", "seed", "epochs", "data", "model",
     "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "accordion_batch", "eta", "interval_epochs",
     "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
-    "gamma", "clip", "scale_lr", "error_feedback", "bptt", "text_level",
+    "gamma", "clip", "scale_lr", "error_feedback", "dense_1d", "bptt", "text_level",
 )
 
 

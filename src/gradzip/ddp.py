@@ -60,7 +60,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradzip._validate import check_choice
+from gradzip._validate import check_bool, check_choice
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.spec import compressor_from_spec
@@ -130,6 +130,8 @@ class GradzipHookState:
         process_group: the group DDP reduces over; ``None`` is the world group.
         grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop, so residuals
             follow its loss scale (see :class:`~gradzip.Engine`).
+        dense_1d: send biases and other tensors of fewer than two dimensions uncompressed
+            (see :class:`~gradzip.Engine`).
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
@@ -145,6 +147,7 @@ class GradzipHookState:
         nonfinite: str = "skip",
         process_group: dist.ProcessGroup | None = None,
         grad_scaler: Any = None,
+        dense_1d: bool = False,
     ) -> None:
         pairs = _named_parameters(named_params)
         self.compressor = compressor_from_spec(compressor)
@@ -163,6 +166,7 @@ class GradzipHookState:
         self.error_feedback = error_feedback
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
+        self.dense_1d = check_bool("dense_1d", dense_1d)
         self.process_group = process_group
         self.params: dict[str, torch.Tensor] = dict(pairs)
         # Identity of the parameter objects (DDP hands back the very same objects).
@@ -189,6 +193,7 @@ class GradzipHookState:
                 nonfinite=self.nonfinite,
                 optimizer=self.optimizer,
                 grad_scaler=self.grad_scaler,
+                dense_1d=self.dense_1d,
             )
             self._engine = engine
             if self._pending is not None:
@@ -360,6 +365,7 @@ def make_hook(
     nonfinite: str = "skip",
     process_group: dist.ProcessGroup | None = None,
     grad_scaler: Any = None,
+    dense_1d: bool = False,
 ) -> tuple[GradzipHookState, Any]:
     """The ``(state, hook)`` pair that ``ddp_model.register_comm_hook(state, hook)`` and
     Lightning's ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)`` take.
@@ -368,7 +374,7 @@ def make_hook(
         model_or_named_params: the module DDP wraps (or the DDP model, or its
             ``(name, parameter)`` pairs).
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"powersgd:rank=2"``.
-        optimizer, error_feedback, nonfinite, process_group, grad_scaler: see
+        optimizer, error_feedback, nonfinite, process_group, grad_scaler, dense_1d: see
             :class:`GradzipHookState`.
 
     Returns:
@@ -380,7 +386,7 @@ def make_hook(
     state = GradzipHookState(
         _named_parameters(model_or_named_params), compressor, optimizer=optimizer,
         error_feedback=error_feedback, nonfinite=nonfinite, process_group=process_group,
-        grad_scaler=grad_scaler,
+        grad_scaler=grad_scaler, dense_1d=dense_1d,
     )
     return state, gradzip_hook
 
@@ -394,13 +400,15 @@ def register(
     nonfinite: str = "skip",
     process_group: dist.ProcessGroup | None = None,
     grad_scaler: Any = None,
+    dense_1d: bool = False,
 ) -> GradzipHookState:
     """Register gradzip as ``ddp_model``'s communication hook (before the first backward).
 
     Args:
         ddp_model: a :class:`~torch.nn.parallel.DistributedDataParallel` model.
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
-        optimizer, error_feedback, nonfinite, grad_scaler: see :class:`GradzipHookState`.
+        optimizer, error_feedback, nonfinite, grad_scaler, dense_1d: see
+            :class:`GradzipHookState`.
         process_group: defaults to the group ``ddp_model`` reduces over.
 
     Returns:
@@ -420,6 +428,7 @@ def register(
     state, hook = make_hook(
         ddp_model.module, compressor, optimizer=optimizer, error_feedback=error_feedback,
         nonfinite=nonfinite, process_group=process_group, grad_scaler=grad_scaler,
+        dense_1d=dense_1d,
     )
     ddp_model.register_comm_hook(state, hook)
     log.debug("registered gradzip %s on %d parameters", state.compressor.spec(), len(state.params))

@@ -12,7 +12,7 @@ from torch import nn
 from gradzip._validate import check_bool, check_choice
 from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.comm.torch_dist import default_collective
-from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
@@ -80,6 +80,10 @@ class Engine:
             Residuals are kept at the loss scale they were made at; when the scaler changes
             its scale they are multiplied by the ratio (a power of two: exact), so error
             feedback re-adds what was not sent at the right magnitude.
+        dense_1d: send tensors of fewer than two dimensions (biases, normalisation weights)
+            uncompressed: one exact all-reduce per call, no error feedback, never seen by the
+            compressor, as PyTorch's PowerSGD hook and the Accordion reference code do. They
+            are few entries in a large model, and compressing them hard costs accuracy.
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
@@ -99,6 +103,7 @@ class Engine:
         nonfinite: str = "skip",
         optimizer: torch.optim.Optimizer | None = None,
         grad_scaler: Any = None,
+        dense_1d: bool = False,
     ) -> None:
         self.params: dict[str, torch.Tensor] = {}
         if isinstance(params, nn.Module):
@@ -122,6 +127,7 @@ class Engine:
             error_feedback = bool(getattr(self.compressor, "biased", True))
         self.error_feedback = check_bool("error_feedback", error_feedback)
         self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        self.dense_1d = check_bool("dense_1d", dense_1d)
         if collective is not None and not isinstance(collective, Collective):
             raise TypeError(
                 f"`collective` must be a gradzip Collective, got {type(collective).__name__}"
@@ -140,16 +146,20 @@ class Engine:
         self.comm = collective if collective is not None else default_collective()
         self.shapes: dict[str, torch.Size] = {n: torch.Size(s) for n, s in shapes.items()}
         self._order = {n: i for i, n in enumerate(self.shapes)}
+        self.dense_names = frozenset(n for n, s in self.shapes.items() if dense_1d and len(s) < 2)
         self.step = 0
         self.skipped_steps = 0
         self.dense_payload = [0] * self.comm.local_workers
         self.dense_wire = [0] * self.comm.local_workers
         self.residuals: dict[str, torch.Tensor] = {}
-        self.compressor_state = self.compressor.init_state(self.shapes)
+        self.compressor_state = self.compressor.init_state(self._compressed_shapes())
         self._snapshot: tuple[Any, ...] | None = None
         self._poisoned = False
         self._verified = self.comm.simulated or self.comm.world_size == 1
         self.handshake_bytes = 0
+
+    def _compressed_shapes(self) -> dict[str, torch.Size]:
+        return {n: s for n, s in self.shapes.items() if n not in self.dense_names}
 
     # -- context ---------------------------------------------------------------------------
     @property
@@ -192,6 +202,7 @@ class Engine:
             "compressor": self.compressor.spec(),
             "error_feedback": str(self.error_feedback),
             "nonfinite": self.nonfinite,
+            "dense_1d": str(self.dense_1d),
             "parameters": ";".join(f"{n}:{tuple(s)}" for n, s in sorted(self.shapes.items())),
         }
 
@@ -295,12 +306,17 @@ class Engine:
         self, names: list[str], grads: list[torch.Tensor], named_grads: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         workers, world = self.comm.local_workers, self.comm.world_size
-        jobs = [
-            Job(name, compensate(g, self.residuals.get(name) if self.error_feedback else None))
-            for name, g in zip(names, grads, strict=True)
-        ]
-        self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
-        dense_bytes = 4 * sum(j.numel for j in jobs)
+        jobs, dense = [], []
+        for name, g in zip(names, grads, strict=True):
+            if name in self.dense_names:
+                dense.append(Job(name, g.to(torch.float32)))
+            else:
+                residual = self.residuals.get(name) if self.error_feedback else None
+                jobs.append(Job(name, compensate(g, residual)))
+        dense_reduce(dense, self.comm)
+        if jobs:
+            self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
+        dense_bytes = 4 * sum(j.numel for j in jobs + dense)
         for w in range(workers):
             self.dense_payload[w] += dense_bytes
             self.dense_wire[w] += allreduce_wire_bytes(dense_bytes, world)
@@ -309,8 +325,9 @@ class Engine:
             assert job.averaged is not None, job.name
             if self.error_feedback:
                 self.residuals[job.name] = job.leftover()
-            out[job.name] = job.averaged.to(named_grads[job.name].dtype)
-        return out
+        for job in jobs + dense:
+            out[job.name] = job.averaged.to(named_grads[job.name].dtype)  # type: ignore[union-attr]
+        return {n: out[n] for n in names}
 
     def _handle_nonfinite(
         self, names: list[str], named_grads: Mapping[str, torch.Tensor]
@@ -388,6 +405,7 @@ class Engine:
             "format_version": FORMAT_VERSION,
             "compressor": self.compressor.spec(),
             "error_feedback": self.error_feedback,
+            "dense_1d": self.dense_1d,
             "world_size": self.comm.world_size,
             "ranks": list(self.comm.local_ranks),
             "step": self.step,
@@ -419,6 +437,10 @@ class Engine:
             "world_size": self.comm.world_size,
             "ranks": list(self.comm.local_ranks),
         }
+        if state.get("dense_1d", False) != self.dense_1d:  # absent from older checkpoints
+            raise ValueError(
+                f"`dense_1d` of the checkpoint must be {self.dense_1d!r}, got {state.get('dense_1d')!r}"
+            )
         for key, want in checks.items():
             if state.get(key) != want:
                 raise ValueError(f"`{key}` of the checkpoint must be {want!r}, got {state.get(key)!r}")
@@ -429,8 +451,11 @@ class Engine:
                     f"residual {name!r} must match a parameter of shape {tuple(expected)}, "
                     f"got {tuple(res.shape)}"
                 )
+            if name in self.dense_names:
+                raise ValueError(f"residual {name!r} must be absent: it is sent dense (`dense_1d`)")
         mismatch = _first_mismatch(
-            self.compressor.init_state(self.shapes), state["compressor_state"], "compressor_state"
+            self.compressor.init_state(self._compressed_shapes()), state["compressor_state"],
+            "compressor_state"
         )
         if mismatch:
             raise ValueError(f"checkpoint does not match this engine: {mismatch}")

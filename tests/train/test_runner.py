@@ -147,6 +147,8 @@ PARITY = [
                   "interval_epochs": 0.5, "epochs": 2}, id="accordion"),
     pytest.param({"compressor": "none", "accordion_batch": (32, 64), "interval_epochs": 0.5,
                   "epochs": 2}, id="accordion-batch"),
+    pytest.param({"compressor": "topk:ratio=0.1", "dense_1d": True, "error_feedback": False},
+                 id="topk-dense-1d-no-feedback"),
 ]
 
 

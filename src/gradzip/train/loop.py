@@ -63,7 +63,8 @@ class SimStepper:
         self.world = cfg.workers
         self.local_ranks = list(range(self.world))
         self.engine = Engine(model, compressor, error_feedback=cfg.error_feedback,
-                             collective=SimulatedGroup(self.world), optimizer=optimizer)
+                             collective=SimulatedGroup(self.world), optimizer=optimizer,
+                             dense_1d=cfg.dense_1d)
         self.params = dict(self.engine.params)
         self.buffers = list(model.buffers())
         self.averaged: dict[str, Tensor] = {}
@@ -135,7 +136,9 @@ class DDPStepper:
         ids = [device.index] if device.type == "cuda" else None
         # Buffers (BatchNorm statistics) follow rank 0 at every forward: DDP's default.
         self.ddp = DistributedDataParallel(model, device_ids=ids)
-        self.hook = require_ddp().register(self.ddp, compressor, optimizer=optimizer)
+        self.hook = require_ddp().register(self.ddp, compressor, optimizer=optimizer,
+                                           error_feedback=cfg.error_feedback,
+                                           dense_1d=cfg.dense_1d)
 
     def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
         for p in self.model.parameters():

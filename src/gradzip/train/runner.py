@@ -76,6 +76,8 @@ class RunConfig:
         clip: max norm of the averaged gradient (0: no clipping).
         scale_lr: linear scaling of the LR with the number of workers.
         error_feedback: force error feedback on or off (default: the compressor's).
+        dense_1d: send tensors of fewer than two dimensions (biases, normalisation weights)
+            uncompressed (see :class:`~gradzip.Engine`).
         bptt: LM truncated-BPTT window.
         text_level: LM tokens: ``word`` or ``char``.
         limit_train: keep only this many training examples (LM: tokens), for quick runs.
@@ -111,6 +113,7 @@ class RunConfig:
     clip: float | None = None
     scale_lr: bool = True
     error_feedback: bool | None = None
+    dense_1d: bool = False
     bptt: int = 35
     text_level: str = "word"
     limit_train: int | None = None
@@ -244,6 +247,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     check_bool("scale_lr", cfg.scale_lr)
     if cfg.error_feedback is not None:
         check_bool("error_feedback", cfg.error_feedback)
+    check_bool("dense_1d", cfg.dense_1d)
     if cfg.nesterov and cfg.momentum == 0:
         raise ValueError("`nesterov` must be off when `momentum` is 0, got nesterov=True")
     check_choice("launcher", cfg.launcher, LAUNCHERS)
