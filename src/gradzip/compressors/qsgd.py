@@ -24,7 +24,8 @@ class QSGD(Compressor):
     up or down at random so the result is unbiased; one fp32 norm per bucket.
 
     Codes ``sign * l + levels`` take ``ceil(log2(2 * levels + 1))`` bits each; the codes of
-    all tensors reduced in one call are packed densely as one stream, after their norms. Per-worker randomness comes from generators seeded by ``(seed, step, name, rank)``.
+    all tensors reduced in one call are packed densely as one stream, after their norms.
+    Per-worker randomness comes from generators seeded by ``(seed, step, name, rank)``.
     Messages are all-gathered (quantised values cannot be summed without decoding).
 
     Args:

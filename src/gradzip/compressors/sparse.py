@@ -83,7 +83,6 @@ def gather_sparse(
     widths: Sequence[int],
     comm: Collective,
     extra_payload: int = 0,
-    decoded: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """All-gather every job's sparse message in one buffer and decode the average.
 
@@ -100,9 +99,10 @@ def gather_sparse(
         comm: the collective.
         extra_payload: bytes of metadata per worker counted on top of values and indices
             (e.g. sizes sent beforehand are counted by that exchange, not here).
-        decoded: per job, what each local worker's message decodes to (``[L, *shape]``),
-            when the caller already has it; otherwise it is rebuilt from the values, unless
-            the job already holds its ``residual``.
+
+    A job that arrives without its ``residual`` gets one here: its tensor with the sent
+    entries zeroed (sparsifiers send entries unchanged, so that is exactly what error feedback
+    keeps), from the unpadded indices.
 
     Raises:
         ValueError: a received index lies outside its tensor (a corrupt message).
@@ -117,27 +117,17 @@ def gather_sparse(
         offsets.append(offsets[-1] + n)
     parts: list[torch.Tensor] = []
     payload = [extra_payload] * workers
-    rebuild: list[int] = []  # jobs whose own decoded message is built here
-    own_val, own_idx = [], []
     for j, job in enumerate(jobs):
         val, idx, counts = _message(values[j], indices[j], widths[j], workers, device)
         for w in range(workers):
             payload[w] += counts[w] * (4 + index_bytes(numels[j]))
         parts.append(val)
         parts.append(_as_words(idx, numels[j]))
-        if decoded is not None and decoded[j] is not None:
-            job.decoded = decoded[j].reshape(job.tensor.shape)
-        elif job.residual is None:  # a job with its residual needs no dense decoded message
-            rebuild.append(j)
-            own_val.append(val)
-            own_idx.append(idx + offsets[j] if offsets[j] else idx)
-    if rebuild:
-        local = torch.zeros(workers, offsets[-1], dtype=torch.float32, device=device)
-        # scatter_add, not scatter: padding entries point at index 0 and must add nothing.
-        local.scatter_add_(1, torch.cat(own_idx, dim=1), torch.cat(own_val, dim=1))
-        for j in rebuild:
-            part = local[:, offsets[j] : offsets[j + 1]]
-            jobs[j].decoded = part.reshape(jobs[j].tensor.shape)
+        if job.residual is None:
+            rest = job.tensor.reshape(workers, -1).clone()
+            for w in range(workers):
+                rest[w].index_fill_(0, indices[j][w].to(device), 0.0)
+            job.residual = rest.reshape(job.tensor.shape)
     gathered = comm.all_gather(torch.cat(parts, dim=1), payload=payload)
     received_val, received_idx, offset = [], [], 0
     for j, numel in enumerate(numels):

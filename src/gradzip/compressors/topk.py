@@ -53,10 +53,7 @@ class TopK(Compressor):
         values, indices, widths = [], [], []
         for job in sparse:
             k = self.k_for(job.numel)
-            flat = job.tensor.reshape(comm.local_workers, -1)
-            val, idx = topk_abs(flat, k)
-            # What stays behind, in one copy (no dense decoded message, no subtraction).
-            job.residual = flat.clone().scatter_(1, idx, 0.0).reshape(job.tensor.shape)
+            val, idx = topk_abs(job.tensor.reshape(comm.local_workers, -1), k)
             values.append(list(val))
             indices.append(list(idx))
             widths.append(k)
