@@ -1,0 +1,466 @@
+"""Seconds per training step over an emulated link: DDP hooks side by side, against the floor.
+
+Builds the same network as ``benchmarks/netem.py`` (one namespace per worker, a bridge in a
+hub namespace, every link capped with ``tc tbf`` in both directions; see that file for what it
+touches and how it cleans up: this script uses its :class:`netem.Lab`), then runs
+``benchmarks/netem_steps_worker.py`` once in every worker namespace. The workers time every
+configuration in interleaved rounds (native DDP, PyTorch's ``fp16_compress_hook`` and
+``powerSGD_hook``, gradzip ``none``/``fp16``/``powersgd:rank=4`` in each hook mode ``register``
+offers, and the same model with no DDP at all), and this script prints ms per step, ratios to
+native DDP and to the no-DDP floor, and the verdicts of the step-time targets.
+
+The link rate: ``--bandwidth-mbit auto`` (the default) first times the model's compute alone
+in the namespaces (the ``floor`` configuration, every rank at once), then caps the link so
+that a dense step's ring all-reduce takes ``--comm-compute`` times that compute at line rate.
+The run then measures the ratio it got: ``gradzip none`` in synchronous mode (communication
+in series with compute) minus the floor, over the floor; and a dense all-reduce alone.
+
+It needs root, like ``netem.py``; ``--dry-run`` prints the commands as any user.
+
+Example (2 workers; about 9 minutes on 2 cores):
+    sudo python benchmarks/netem_steps.py --out benchmarks/results/netem_steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # netem.py and the worker sit beside this file
+    sys.path.insert(0, str(HERE))
+
+import netem  # noqa: E402
+import netem_steps_worker as worker  # noqa: E402
+
+log = logging.getLogger("netem_steps")
+WORKER = HERE / "netem_steps_worker.py"
+#: Bytes a shaped link carries per byte of TCP payload at MTU 1500 (1448 payload bytes with
+#: timestamps in a 1514-byte frame): ``tbf`` counts whole frames.
+WIRE_OVERHEAD = 1514 / 1448
+#: The issue's targets: (label, configuration, reference, bound, kind). ``at_most``: the
+#: median per-round ratio config/reference must be <= bound; ``speedup``: reference/config
+#: must be >= bound.
+TARGETS = (
+    ("gradzip none within 5% of native DDP", "gradzip-none", "ddp", 1.05, "at_most"),
+    ("gradzip fp16 within 5% of fp16_compress_hook", "gradzip-fp16", "torch-fp16", 1.05,
+     "at_most"),
+    ("gradzip PowerSGD rank 4 at least 1.5x faster than native DDP", "gradzip-powersgd-r4",
+     "ddp", 1.5, "speedup"),
+    ("gradzip PowerSGD rank 4 within 1.25x of the no-DDP floor", "gradzip-powersgd-r4",
+     "floor", 1.25, "at_most"),
+)
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def ring_wire_bytes(grad_bytes: float, world: int) -> float:
+    """Bytes each worker sends in a ring all-reduce of ``grad_bytes``: ``2 (W-1)/W`` of it."""
+    return 2 * (world - 1) / world * grad_bytes
+
+
+def round_significant(x: float, digits: int = 2) -> float:
+    """``x`` rounded to ``digits`` significant figures (a rate that reads well in a table)."""
+    if x <= 0 or not math.isfinite(x):
+        raise ValueError(f"`x` must be a positive finite number, got {x!r}")
+    return round(x, digits - 1 - math.floor(math.log10(x)))
+
+
+def choose_bandwidth(grad_bytes: float, world: int, compute_seconds: float,
+                     comm_compute: float = 1.0) -> float:
+    """The link rate (Mbit/s) at which a dense step's communication takes ``comm_compute``
+    times ``compute_seconds`` at line rate (frame overhead included), to 2 significant figures.
+
+    Raises:
+        ValueError: a non-positive argument, or a rate outside (0, 100000] Mbit/s.
+    """
+    for name, value in (("grad_bytes", grad_bytes), ("compute_seconds", compute_seconds),
+                        ("comm_compute", comm_compute)):
+        if not value > 0:
+            raise ValueError(f"`{name}` must be > 0, got {value!r}")
+    if world < 2:
+        raise ValueError(f"`world` must be >= 2, got {world!r}")
+    bits = ring_wire_bytes(grad_bytes, world) * WIRE_OVERHEAD * 8
+    rate = round_significant(bits / (compute_seconds * comm_compute) / 1e6)
+    if not 0 < rate <= 100_000:
+        raise ValueError(f"the chosen rate must be in (0, 100000] Mbit/s, got {rate:g}")
+    return rate
+
+
+def slowest_rank(ranks: Sequence[dict[str, Any]], key: str = "seconds") -> dict[str, list[float]]:
+    """Per configuration, per round, the slowest rank's value (a step ends for everyone at
+    its last collective)."""
+    configs = ranks[0][key]
+    return {c: [max(r[key][c][i] for r in ranks) for i in range(len(ranks[0][key][c]))]
+            for c in configs}
+
+
+def rank_mean(ranks: Sequence[dict[str, Any]], key: str) -> dict[str, list[float]]:
+    """Per configuration, per round, the mean over ranks (CPU time)."""
+    configs = ranks[0][key]
+    return {c: [statistics.mean(r[key][c][i] for r in ranks)
+                for i in range(len(ranks[0][key][c]))] for c in configs}
+
+
+def paired_ratio(values: Sequence[float], base: Sequence[float]) -> float:
+    """Median over rounds of ``values[r] / base[r]`` (both timed in round ``r``)."""
+    if len(values) != len(base) or not values:
+        raise ValueError(f"`values` and `base` must be equally long and non-empty, got "
+                         f"{len(values)} and {len(base)}")
+    return statistics.median(v / b for v, b in zip(values, base, strict=True))
+
+
+def dense_serial_config(configs: Sequence[str], sync_keyword: dict[str, Any] | None) -> str | None:
+    """The configuration whose step is compute + dense communication in series: gradzip
+    ``none`` in synchronous mode (``gradzip-none`` itself while ``register`` has no mode
+    keyword, i.e. before the asynchronous hook); ``None`` when it was not timed."""
+    if "gradzip-none" + worker.SYNC_SUFFIX in configs:
+        return "gradzip-none" + worker.SYNC_SUFFIX
+    if sync_keyword is None and "gradzip-none" in configs:
+        return "gradzip-none"
+    return None
+
+
+def comm_compute_ratio(times: dict[str, list[float]], dense: str | None) -> dict[str, Any]:
+    """Measured communication : compute of a dense step: per round ``(dense - floor) / floor``,
+    median over rounds; ``None`` entries when ``dense`` or ``floor`` was not timed."""
+    if dense is None or dense not in times or "floor" not in times:
+        return {"dense_config": dense, "comm_seconds": None, "ratio": None}
+    comm = [d - f for d, f in zip(times[dense], times["floor"], strict=True)]
+    return {"dense_config": dense, "comm_seconds": statistics.median(comm),
+            "ratio": paired_ratio(comm, times["floor"])}
+
+
+def summarise(record: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Rows of the table (one per configuration) and the per-round slowest-rank seconds."""
+    ranks = record["ranks"]
+    times, cpu = slowest_rank(ranks), rank_mean(ranks, "cpu_seconds")
+    rows = []
+    for c in record["configs"]:
+        hook = ranks[0]["hook_bytes_per_step"].get(c, {})
+        rows.append({
+            "config": c,
+            "buckets": ranks[0]["buckets"].get(c),
+            "ms_per_step": 1e3 * statistics.median(times[c]),
+            "vs_ddp": paired_ratio(times[c], times["ddp"]) if "ddp" in times else None,
+            "vs_floor": paired_ratio(times[c], times["floor"]) if "floor" in times else None,
+            "cpu_ms_per_step": 1e3 * statistics.median(cpu[c]),
+            "kernel_tx_bytes_per_step": statistics.mean(
+                r["kernel_tx_bytes_per_step"][c] for r in ranks),
+            "hook_wire_bytes_per_step": hook.get("wire_bytes"),
+        })
+    return rows, times
+
+
+def verdicts(times: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """One entry per target and gradzip hook mode timed: the median per-round ratio and
+    whether it meets the target (``met`` is ``None`` when a configuration is missing)."""
+    out = []
+    for label, config, ref, bound, kind in TARGETS:
+        for suffix in ("", worker.SYNC_SUFFIX):
+            name = config + suffix
+            if suffix and name not in times:
+                continue
+            entry: dict[str, Any] = {"target": label, "config": name, "reference": ref,
+                                     "bound": bound, "ratio": None, "met": None}
+            if name in times and ref in times:
+                if kind == "speedup":
+                    entry["ratio"] = paired_ratio(times[ref], times[name])
+                    entry["met"] = entry["ratio"] >= bound
+                else:
+                    entry["ratio"] = paired_ratio(times[name], times[ref])
+                    entry["met"] = entry["ratio"] <= bound
+            out.append(entry)
+    return out
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    """``"met: gradzip none within 5% of native DDP (gradzip-none: 1.031x ddp)"``."""
+    if v["met"] is None:
+        return f"not measured: {v['target']} ({v['config']} or {v['reference']} not timed)"
+    what = (f"{v['reference']} / {v['config']} = {v['ratio']:.3f}x" if "faster" in v["target"]
+            else f"{v['config']} / {v['reference']} = {v['ratio']:.3f}x")
+    return f"{'met' if v['met'] else 'MISSED'}: {v['target']} ({what}, bound {v['bound']:g})"
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    """ms/step, ratios and bytes per configuration."""
+    head = ["configuration", "buckets", "ms / step", "vs native DDP", "vs no-DDP floor",
+            "CPU ms / step", "kB sent / worker / step"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+
+    def ratio(x: float | None) -> str:
+        return f"{x:.3f}" if x is not None else "-"
+
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["config"], str(r["buckets"] if r["buckets"] is not None else "-"),
+            f"{r['ms_per_step']:.1f}", ratio(r["vs_ddp"]), ratio(r["vs_floor"]),
+            f"{r['cpu_ms_per_step']:.1f}", f"{r['kernel_tx_bytes_per_step'] / 1e3:,.0f}"]) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def worker_argv(args: argparse.Namespace, configs: Sequence[str], rounds: int,
+                result: str) -> list[str]:
+    """``netem_steps_worker.py`` arguments (every rank gets the same)."""
+    return [sys.executable, str(WORKER), "--result", result, "--configs", *configs,
+            "--gradzip-modes", *args.gradzip_modes, "--rounds", str(rounds),
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--width", str(args.width), "--batch-size", str(args.batch_size),
+            "--bucket-cap-mb", f"{args.bucket_cap_mb:g}",
+            "--torch-powersgd-bucket-cap-mb", f"{args.torch_powersgd_bucket_cap_mb:g}",
+            "--comm-probes", str(args.comm_probes),
+            "--collective-timeout", f"{args.collective_timeout:g}", "--progress"]
+
+
+def run_workers(lab: netem.Lab, args: argparse.Namespace, configs: Sequence[str], rounds: int,
+                port: int, tmp: Path, tag: str) -> dict[str, Any]:
+    """One worker per namespace; returns rank 0's record.
+
+    Raises:
+        netem.LabError: a worker failed or the run timed out (with the ranks' log tails).
+    """
+    result = tmp / f"{tag}.json"
+    procs = [netem._spawn(netem.netns_exec(ns, worker_argv(args, configs, rounds, str(result))),
+                          netem.worker_env(lab.addresses[0], port, rank, lab.workers),
+                          tmp / f"{tag}-rank{rank}.log")
+             for rank, ns in enumerate(lab.names)]
+    problem = netem.wait_all(procs, args.run_timeout)
+    if problem is not None or not result.exists():
+        tails = "\n".join(f"--- rank {r} ---\n{(tmp / f'{tag}-rank{r}.log').read_text()[-1500:]}"
+                          for r in range(lab.workers))
+        raise netem.LabError(f"{tag} run: {problem or 'no result'}\n{tails}")
+    return json.loads(result.read_text())
+
+
+def benchmark(args: argparse.Namespace, lab: netem.Lab, tmp: Path) -> dict[str, Any]:
+    """Probe (when the rate is ``auto``), shape, check goodput, time; returns the JSON document."""
+    meta: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v)
+                                     for k, v in vars(args).items()},
+                            "machine": netem.machine_info(), "loadavg_start": os.getloadavg()}
+    if args.bandwidth_mbit == "auto":
+        log.info("probing compute alone (%d rounds of the floor, link unshaped)", args.probe_rounds)
+        probe = run_workers(lab, args, ["floor"], args.probe_rounds, 29501, tmp, "probe")
+        compute = statistics.median(slowest_rank(probe["ranks"])["floor"])
+        rate = choose_bandwidth(probe["grad_bytes"], lab.workers, compute, args.comm_compute)
+        meta["bandwidth_choice"] = {
+            "compute_seconds": compute, "grad_bytes": probe["grad_bytes"],
+            "ring_wire_bytes": ring_wire_bytes(probe["grad_bytes"], lab.workers),
+            "wire_overhead": WIRE_OVERHEAD, "comm_compute": args.comm_compute}
+        log.info("compute %.1f ms/step, %.2f MB of gradient: link at %g Mbit/s",
+                 1e3 * compute, probe["grad_bytes"] / 1e6, rate)
+    else:
+        rate = float(args.bandwidth_mbit)
+    meta["bandwidth_mbit"] = rate
+    lab.shape(rate, args.delay_ms)
+    meta["goodput"] = netem.measure_goodput(lab, rate, tmp)
+    log.info("%g Mbit/s: measured goodput %.1f Mbit/s", rate, meta["goodput"]["mbit_per_s"])
+    started = time.perf_counter()
+    record = run_workers(lab, args, args.configs, args.rounds, 29502, tmp, "steps")
+    meta["wall_seconds"] = time.perf_counter() - started
+    meta["loadavg_end"] = os.getloadavg()
+    rows, times = summarise(record)
+    ranks = record["ranks"]
+    dense = dense_serial_config(record["configs"], record["sync_keyword"])
+    line_rate = ring_wire_bytes(record["grad_bytes"], record["world"]) * WIRE_OVERHEAD * 8 / (rate * 1e6)
+    floor = statistics.median(times["floor"]) if "floor" in times else None
+    allreduce = statistics.median(max(r["allreduce_seconds"][i] for r in ranks)
+                                  for i in range(len(ranks[0]["allreduce_seconds"])))
+    meta["comm_compute"] = {
+        **comm_compute_ratio(times, dense),
+        "compute_seconds": floor,
+        "allreduce_alone_seconds": allreduce,
+        "allreduce_alone_ratio": allreduce / floor if floor else None,
+        "line_rate_seconds": line_rate,
+        "line_rate_ratio": line_rate / floor if floor else None,
+    }
+    meta.update(params=record["params"], grad_bytes=record["grad_bytes"],
+                sync_keyword=record["sync_keyword"], world=record["world"])
+    return {"meta": meta, "rows": rows, "verdicts": verdicts(times), "record": record}
+
+
+def report(doc: dict[str, Any]) -> str:
+    """The text printed and written beside the JSON: setup lines, table, verdicts."""
+    m, cc = doc["meta"], doc["meta"]["comm_compute"]
+
+    def ratio(x: float | None) -> str:
+        return f"{x:.2f} : 1" if x is not None else "-"
+
+    load = f"{m['loadavg_start'][0]:.2f} at the start, {m['loadavg_end'][0]:.2f} at the end"
+    sync = m["sync_keyword"] or "none (the hook has one mode)"
+    lines = [
+        f"link: {m['bandwidth_mbit']:g} Mbit/s each way, measured goodput "
+        f"{m['goodput']['mbit_per_s']:.0f} Mbit/s; {m['world']} workers; model "
+        f"{m['params'] / 1e6:.2f} M parameters ({m['grad_bytes'] / 1e6:.1f} MB of fp32 gradient)",
+        f"comm : compute of a dense step: {ratio(cc['ratio'])} measured ({cc['dense_config']} "
+        f"minus the floor, over the floor); {ratio(cc['allreduce_alone_ratio'])} for a dense "
+        f"all-reduce alone; {ratio(cc['line_rate_ratio'])} at line rate",
+        f"load average: {load}; gradzip synchronous-mode keyword: {sync}",
+        "",
+        markdown_table(doc["rows"]),
+        "",
+        *(verdict_line(v) for v in doc["verdicts"]),
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _bandwidth(text: str) -> str | float:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a number, got {text!r}") from None
+    if not 0 < value <= 100_000:
+        raise argparse.ArgumentTypeError(f"must be in (0, 100000], got {text!r}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--bandwidth-mbit", type=_bandwidth, default="auto",
+                   help="link cap in Mbit/s each way, or 'auto': chosen from a compute probe "
+                        "so that a dense step's communication takes --comm-compute x compute")
+    p.add_argument("--comm-compute", type=float, default=1.0)
+    p.add_argument("--delay-ms", type=float, default=0.0)
+    p.add_argument("--configs", nargs="+", default=list(worker.CONFIGS), choices=worker.CONFIGS)
+    p.add_argument("--gradzip-modes", nargs="+", default=["default", "sync"],
+                   choices=["default", "sync"],
+                   help="gradzip hook modes to time; 'sync' only where register() has a "
+                        "keyword for it")
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--steps", type=int, default=3, help="steps per configuration per round")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--probe-rounds", type=int, default=5)
+    p.add_argument("--comm-probes", type=int, default=5)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
+    p.add_argument("--torch-powersgd-bucket-cap-mb", type=float, default=1000.0,
+                   help="the built-in powerSGD_hook's own cap (one bucket by default: with "
+                        "several it fails on gloo)")
+    p.add_argument("--subnet", default="10.77.0.0/24")
+    p.add_argument("--collective-timeout", type=float, default=300.0)
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per worker run")
+    p.add_argument("--out", type=Path, default=HERE / "results" / "netem_steps.json")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--cleanup-stale", action="store_true",
+                   help="delete namespaces left by a killed run, then exit")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    problems = validate(args)
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
+    out = []
+    if not 2 <= args.workers <= 64:
+        out.append(f"`--workers` must be in [2, 64], got {args.workers}")
+    if not 0 <= args.delay_ms <= 1000:
+        out.append(f"`--delay-ms` must be in [0, 1000], got {args.delay_ms:g}")
+    for name in ("comm_compute", "bucket_cap_mb", "torch_powersgd_bucket_cap_mb",
+                 "collective_timeout", "run_timeout"):
+        if not getattr(args, name) > 0:
+            out.append(f"`--{name.replace('_', '-')}` must be > 0, got {getattr(args, name):g}")
+    for name in ("rounds", "steps", "probe_rounds", "comm_probes", "width", "batch_size"):
+        if getattr(args, name) < 1:
+            out.append(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 3:
+        out.append(f"`--warmup` must be >= 3 (DDP rebuilds its buckets after the first step, "
+                   f"the built-in PowerSGD compresses from the third), got {args.warmup}")
+    if len(set(args.configs)) != len(args.configs):
+        out.append(f"`--configs` must not repeat, got {args.configs}")
+    try:
+        netem.worker_addresses(args.subnet, max(args.workers, 1))
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
+
+
+def dry_run(args: argparse.Namespace) -> list[list[str]]:
+    """Every command a real run would issue, in order (workers shown for rank 0 only; with
+    ``auto``, the shaping shows 1000 Mbit/s in place of the rate the probe will choose)."""
+    cmds: list[list[str]] = []
+    lab = netem.Lab(args.workers, args.subnet, runner=netem._recorder(cmds))
+    lab.create()
+    if args.bandwidth_mbit == "auto":
+        cmds.append(netem.netns_exec(lab.names[0], worker_argv(args, ["floor"], args.probe_rounds,
+                                                               "PROBE")))
+    lab.shape(1000.0 if args.bandwidth_mbit == "auto" else args.bandwidth_mbit, args.delay_ms)
+    cmds.append(netem.netns_exec(lab.names[0], worker_argv(args, args.configs, args.rounds,
+                                                           "RESULT")))
+    lab.destroy()
+    return cmds
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.dry_run:
+        for cmd in dry_run(args):
+            print(" ".join(cmd))
+        return 0
+    try:
+        netem.check_rights()
+    except netem.RightsError as exc:
+        print(f"netem_steps.py: {exc}", file=sys.stderr)
+        return 2
+    if args.cleanup_stale:
+        lab = netem.Lab(args.workers, args.subnet)
+        for ns in netem.stale_namespaces(sorted(lab.existing()), netem._pid_alive):
+            netem.run_command(["ip", "netns", "del", ns])
+            print(f"deleted {ns}")
+        return 0
+    lab = netem.Lab(args.workers, args.subnet)
+    status = 1
+    with tempfile.TemporaryDirectory(prefix="gz-netem-steps-") as tmp, netem.signals_raise():
+        try:
+            lab.create()
+            doc = benchmark(args, lab, Path(tmp))
+            text = report(doc)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(doc, indent=1))
+            args.out.with_suffix(".md").write_text(text + "\n")
+            print(text)
+            status = 0
+        except netem.RightsError as exc:
+            print(f"netem_steps.py: {exc}", file=sys.stderr)
+            status = 2
+        except (netem.LabError, netem.Interrupted) as exc:
+            print(f"netem_steps.py: stopped: {exc}", file=sys.stderr)
+            status = 130 if isinstance(exc, netem.Interrupted) else 1
+        finally:
+            with netem.signals_blocked():
+                for proc in netem.LIVE:
+                    netem.kill_group(proc, grace=1.0)
+                errors = lab.destroy()
+            if errors:
+                print("netem_steps.py: cleanup failed for: " + "; ".join(errors), file=sys.stderr)
+                status = status or 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
