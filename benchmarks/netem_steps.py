@@ -17,7 +17,7 @@ in series with compute) minus the floor, over the floor; and a dense all-reduce 
 
 It needs root, like ``netem.py``; ``--dry-run`` prints the commands as any user.
 
-Example (2 workers; about 9 minutes on 2 cores):
+Example (2 workers, 30 rounds; about 5 minutes on 2 cores):
     sudo python benchmarks/netem_steps.py --out benchmarks/results/netem_steps.json
 """
 
