@@ -17,6 +17,9 @@ What it touches, and nothing else:
   ``--cleanup-stale`` deletes namespaces of this naming scheme whose creating process is gone
   (after ``kill -9``).
 
+Seconds per step of DDP hooks side by side over the same kind of link (native DDP, PyTorch's
+hooks, gradzip's, the no-DDP floor) are ``benchmarks/netem_steps.py``, which reuses :class:`Lab`.
+
 It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and refuses with a message otherwise.
 ``--dry-run`` prints the commands it would run, as any user.
 

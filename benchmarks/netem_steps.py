@@ -289,8 +289,19 @@ def benchmark(args: argparse.Namespace, lab: netem.Lab, tmp: Path) -> dict[str, 
         "line_rate_ratio": line_rate / floor if floor else None,
     }
     meta.update(params=record["params"], grad_bytes=record["grad_bytes"],
+                rounds=record["rounds"], steps=record["steps"],
                 sync_keyword=record["sync_keyword"], world=record["world"])
     return {"meta": meta, "rows": rows, "verdicts": verdicts(times), "record": record}
+
+
+def builtin_powersgd_note(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """A line saying how many buckets the built-in ``powerSGD_hook`` ran with, when timed."""
+    got = {r["config"]: r["buckets"] for r in rows}
+    if "torch-powersgd-r4" not in got:
+        return []
+    return [f"torch-powersgd-r4 ran on {got['torch-powersgd-r4']} bucket(s) (others: "
+            f"{got.get('ddp')}): PyTorch's powerSGD_hook chains its all-reduces in future "
+            "callbacks and fails on gloo with several buckets"]
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -310,6 +321,9 @@ def report(doc: dict[str, Any]) -> str:
         f"minus the floor, over the floor); {ratio(cc['allreduce_alone_ratio'])} for a dense "
         f"all-reduce alone; {ratio(cc['line_rate_ratio'])} at line rate",
         f"load average: {load}; gradzip synchronous-mode keyword: {sync}",
+        f"{m['rounds']} rounds of {m['steps']} steps per configuration (order rotating); a "
+        "step is the slowest rank's; ratios are medians of per-round ratios",
+        *builtin_powersgd_note(doc["rows"]),
         "",
         markdown_table(doc["rows"]),
         "",

@@ -568,3 +568,28 @@ def test_step_worker_times_every_configuration_over_real_gloo(tmp_path):
     assert 0 < hook["gradzip-powersgd-r4"]["wire_bytes"] < rec["grad_bytes"]
     rows, _ = steps.summarise(rec)
     assert {r["config"] for r in rows} == set(rec["configs"])
+
+
+def test_report_states_link_ratio_load_and_verdicts():
+    rec = _steps_record({"floor": [[0.1, 0.1]], "ddp": [[0.2, 0.2]],
+                         "torch-powersgd-r4": [[0.15, 0.15]], "gradzip-none": [[0.21, 0.2]]})
+    rec["ranks"][0]["buckets"]["torch-powersgd-r4"] = 1
+    rows, times = steps.summarise(rec)
+    cc = {**steps.comm_compute_ratio(times, "gradzip-none"), "allreduce_alone_ratio": 0.9,
+          "line_rate_ratio": 0.95}
+    meta = {"bandwidth_mbit": 780.0, "goodput": {"mbit_per_s": 747.7}, "world": 2,
+            "params": 3_915_914, "grad_bytes": 15_663_656, "comm_compute": cc,
+            "loadavg_start": (0.5, 0, 0), "loadavg_end": (1.25, 0, 0), "sync_keyword": None,
+            "rounds": 2, "steps": 3}
+    text = steps.report({"meta": meta, "rows": rows, "verdicts": steps.verdicts(times)})
+    lines = text.splitlines()
+    assert lines[0].startswith("link: 780 Mbit/s each way, measured goodput 748 Mbit/s; "
+                               "2 workers; model 3.92 M parameters (15.7 MB")
+    assert lines[1].startswith("comm : compute of a dense step: 1.05 : 1 measured "
+                               "(gradzip-none minus the floor")
+    assert "0.90 : 1 for a dense all-reduce alone; 0.95 : 1 at line rate" in lines[1]
+    assert "load average: 0.50 at the start, 1.25 at the end" in lines[2]
+    assert "torch-powersgd-r4 ran on 1 bucket(s) (others: 4)" in text
+    assert "| gradzip-none | 4 | 205.0 | 1.025 | 2.050 |" in text
+    assert "met: gradzip none within 5% of native DDP (gradzip-none / ddp = 1.025x" in text
+    assert "not measured: gradzip fp16" in text
