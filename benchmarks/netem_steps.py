@@ -17,7 +17,8 @@ in series with compute) minus the floor, over the floor; and a dense all-reduce 
 
 It needs root, like ``netem.py``; ``--dry-run`` prints the commands as any user.
 
-Example (2 workers, 30 rounds; about 5 minutes on 2 cores):
+Example (2 workers, 40 rounds of 3 steps; about 5 minutes on 2 quiet cores, 7 with the
+synchronous variants of the gradzip hook):
     sudo python benchmarks/netem_steps.py --out benchmarks/results/netem_steps.json
 """
 
@@ -360,7 +361,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    choices=["default", "sync"],
                    help="gradzip hook modes to time; 'sync' only where register() has a "
                         "keyword for it")
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--steps", type=int, default=3, help="steps per configuration per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--probe-rounds", type=int, default=5)

@@ -259,7 +259,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--gradzip-modes", nargs="+", default=["default", "sync"],
                    choices=["default", "sync"])
-    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--width", type=int, default=64)
