@@ -131,6 +131,11 @@ def _bucket_count(ddp: Any) -> int | None:
         return None
 
 
+def _hook_stats(state: Any) -> dict[str, Any]:
+    """A copy of gradzip's cumulative byte counts (empty for other hooks)."""
+    return dict(getattr(state, "stats", None) or {})
+
+
 def build_config(name: str, model: Any, args: argparse.Namespace,
                  sync: dict[str, Any] | None) -> tuple[Any, Any, Any]:
     """Wrap ``model`` for configuration ``name``.
@@ -218,7 +223,7 @@ def run(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         dist.all_reduce(flat)
         allreduce.append(time.perf_counter() - t0)
-    zero = {n: dict(runs[n][2].stats) if runs[n][2] is not None else {} for n in configs}
+    zero = {n: _hook_stats(runs[n][2]) for n in configs}
     seconds: dict[str, list[float]] = {n: [] for n in configs}
     cpu: dict[str, list[float]] = {n: [] for n in configs}
     tx: dict[str, int] = dict.fromkeys(configs, 0)
@@ -238,7 +243,7 @@ def run(args: argparse.Namespace) -> None:
     mine = {"seconds": seconds, "cpu_seconds": cpu, "allreduce_seconds": allreduce,
             "kernel_tx_bytes_per_step": {n: tx[n] / timed for n in configs},
             "hook_bytes_per_step": {
-                n: {k: (runs[n][2].stats.get(k, 0) - zero[n].get(k, 0)) / timed
+                n: {k: (_hook_stats(runs[n][2]).get(k, 0) - zero[n].get(k, 0)) / timed
                     for k in ("wire_bytes", "dense_wire_bytes", "payload_bytes")}
                 for n in configs if runs[n][2] is not None},
             "buckets": {n: _bucket_count(runs[n][0]) for n in configs if n != "floor"}}
