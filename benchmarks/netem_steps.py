@@ -174,7 +174,7 @@ def verdicts(times: dict[str, list[float]]) -> list[dict[str, Any]]:
             if suffix and name not in times:
                 continue
             entry: dict[str, Any] = {"target": label, "config": name, "reference": ref,
-                                     "bound": bound, "ratio": None, "met": None}
+                                     "kind": kind, "bound": bound, "ratio": None, "met": None}
             if name in times and ref in times:
                 if kind == "speedup":
                     entry["ratio"] = paired_ratio(times[ref], times[name])
@@ -187,10 +187,11 @@ def verdicts(times: dict[str, list[float]]) -> list[dict[str, Any]]:
 
 
 def verdict_line(v: dict[str, Any]) -> str:
-    """``"met: gradzip none within 5% of native DDP (gradzip-none: 1.031x ddp)"``."""
+    """e.g. ``"met: gradzip none within 5% of native DDP (gradzip-none / ddp = 1.031x, bound
+    1.05)"``; a speedup reads reference / configuration."""
     if v["met"] is None:
         return f"not measured: {v['target']} ({v['config']} or {v['reference']} not timed)"
-    what = (f"{v['reference']} / {v['config']} = {v['ratio']:.3f}x" if "faster" in v["target"]
+    what = (f"{v['reference']} / {v['config']} = {v['ratio']:.3f}x" if v["kind"] == "speedup"
             else f"{v['config']} / {v['reference']} = {v['ratio']:.3f}x")
     return f"{'met' if v['met'] else 'MISSED'}: {v['target']} ({what}, bound {v['bound']:g})"
 
