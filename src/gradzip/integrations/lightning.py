@@ -53,7 +53,8 @@ class GradzipDDPStrategy(DDPStrategy):
     optimizers exist (on CPU and GPU). Checkpoints written by ``trainer.save_checkpoint`` or
     ``ModelCheckpoint`` hold every rank's hook state under ``"gradzip"`` (Lightning writes the
     file from rank 0, so the states are gathered first), and ``trainer.fit(ckpt_path=...)``
-    gives each rank its own state back. Weights-only checkpoints hold none.
+    gives each rank its own state back. Weights-only checkpoints hold none. Each ``fit`` wraps
+    the model in a new DDP and so starts a new hook state, unless it resumes from a checkpoint.
 
     Every optimizer step (every ``trainer.log_every_n_steps``-th) logs rank 0's counters to
     the trainer's loggers: ``gradzip/wire_bytes``, ``gradzip/compression_rate``, ... and for an
@@ -146,7 +147,8 @@ class GradzipFabricDDPStrategy(FabricDDPStrategy):
     ``fabric.setup(model, optimizer)`` wraps the model in DDP and registers the hook (the
     optimizer, when set up together, is read for the learning rate). ``fabric.save`` adds every
     rank's hook state under ``"gradzip"`` (unless the state dict has that key already), and
-    ``fabric.load`` gives each rank its own state back.
+    ``fabric.load`` gives each rank its own state back. One model per strategy: a second
+    ``setup`` raises.
 
     Args:
         compressor: a :class:`~gradzip.Compressor` or spec string.
