@@ -19,6 +19,8 @@ from integrations_launch import torchrun, trees_equal
 
 HERE = Path(__file__).resolve()
 SPEC = "topk:ratio=0.1"
+# The Trainer test runs an Accordion, so its levels reach the logger too.
+ACCORDION = "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,interval=2)"
 STEPS_PER_EPOCH = 4  # 64 samples, 2 ranks, batch 8
 
 
@@ -66,7 +68,7 @@ def trainer_worker(out: Path) -> None:
             with torch.no_grad():
                 for p in module.parameters():
                     p.add_(1.0)
-        strategy = GradzipDDPStrategy(SPEC)
+        strategy = GradzipDDPStrategy(ACCORDION)
         trainer = L.Trainer(
             accelerator="cpu", devices=2, strategy=strategy, max_epochs=2, log_every_n_steps=1,
             enable_progress_bar=False, enable_model_summary=False, **trainer_args,
@@ -161,6 +163,10 @@ def test_trainer_strategy_compresses_logs_and_resumes_exactly(tmp_path: Path) ->
     rates = [float(r["gradzip/compression_rate"]) for r in rows if r.get("gradzip/compression_rate")]
     assert len(wire) == 2 * STEPS_PER_EPOCH and wire == sorted(wire) and wire[0] > 0
     assert all(rate > 1 for rate in rates) and len(rates) == len(wire)
+    # Accordion's levels: the share of tensors at each level, summing to one.
+    shares = [(float(r.get("gradzip/level_share/critical") or 0), float(r.get("gradzip/level_share/steady") or 0))
+              for r in rows if r.get("gradzip/wire_bytes")]
+    assert all(sum(pair) == 1.0 for pair in shares), shares
 
 
 @pytest.mark.slow
