@@ -1,9 +1,7 @@
-"""gradzip's DDP hook under Hugging Face Accelerate.
+"""gradzip under Hugging Face Accelerate: one call after ``accelerator.prepare``.
 
-Register the hook after ``accelerator.prepare`` (which wraps the model in
-DistributedDataParallel), and register its state for checkpointing. Accelerate writes custom
-state from the main process only, so register ``state.gathered()``: its checkpoint holds every
-rank's gradzip state (error-feedback residuals differ per rank) and each rank loads its own.
+``gradzip.integrations.accelerate.register`` puts gradzip's hook on the prepared DDP model and
+registers every rank's hook state for ``save_state``/``load_state``.
 
 Run (2 CPU processes; with GPUs, one per GPU)::
 
@@ -24,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import gradzip.comm
-import gradzip.ddp
+import gradzip.integrations.accelerate
 from gradzip.train.data import load_digits
 from gradzip.train.models import DigitsNet
 
@@ -54,11 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-    if accelerator.num_processes > 1:
-        state = gradzip.ddp.register(model, args.compressor, optimizer=optimizer)
-    else:  # no DDP wrapper with one process: nothing to communicate
+    if accelerator.num_processes < 2:  # no DDP wrapper with one process: nothing to communicate
         raise SystemExit("run with 2 or more processes (torchrun or accelerate launch)")
-    accelerator.register_for_checkpointing(state.gathered())
+    state = gradzip.integrations.accelerate.register(accelerator, model, args.compressor)
 
     done = 0
     if args.checkpoint_dir is not None and args.checkpoint_dir.exists():

@@ -1,0 +1,93 @@
+"""What the framework adapters share: the missing-framework error, option routing, metrics."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import gradzip.ddp
+
+__all__ = ["ENGINE_OPTIONS", "hook_metrics", "missing_framework", "split_engine_options"]
+
+# The keywords of gradzip.ddp.register that configure the hook (read from its signature, so
+# an option added there is accepted here too). `process_group` stays with the framework: the
+# hook reduces over the group the framework's DDP model was built with.
+ENGINE_OPTIONS: frozenset[str] = frozenset(
+    name
+    for name, parameter in inspect.signature(gradzip.ddp.register).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "process_group"
+)
+
+
+def missing_framework(module: str, package: str, error: ImportError) -> ImportError:
+    """The one-line error raised when ``module`` is imported without its framework.
+
+    Args:
+        module: the integration module (``"gradzip.integrations.lightning"``).
+        package: the pip package it needs (``"lightning"``).
+        error: the original import error, re-raised unchanged when it is about another
+            package (a broken install should not be reported as a missing one).
+
+    Returns:
+        The error to raise.
+    """
+    top = (error.name or "").split(".")[0]
+    if top != package.replace("-", "_"):
+        return error
+    return ImportError(
+        f"{module} needs the `{package}` package: pip install 'gradzip[integrations]'"
+    )
+
+
+def split_engine_options(
+    options: Mapping[str, Any], where: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split keyword arguments into the hook's options and the framework's own.
+
+    Args:
+        options: the keywords a user passed.
+        where: the callable's name, for error messages.
+
+    Returns:
+        ``(engine_options, other_options)``.
+
+    Raises:
+        ValueError: a keyword that would register a second communication hook.
+    """
+    engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
+    other = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
+    for key in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"):
+        if key in other:
+            raise ValueError(
+                f"`{key}` must not be given to {where}, got {other[key]!r}: gradzip registers "
+                "the communication hook itself"
+            )
+    return engine, other
+
+
+def hook_metrics(state: gradzip.ddp.GradzipHookState, prefix: str = "gradzip/") -> dict[str, float]:
+    """This rank's counters as flat numbers for a framework's loggers.
+
+    Args:
+        state: the hook state.
+        prefix: put before every name.
+
+    Returns:
+        ``steps``, ``skipped_steps``, ``payload_bytes``, ``wire_bytes``, ``dense_wire_bytes``,
+        ``compression_rate`` (once bytes were sent) and, for a compressor that reports levels
+        (an Accordion), ``level_share/<level>``: the fraction of tensors at each level.
+    """
+    stats = state.stats
+    out: dict[str, float] = {
+        key: float(stats[key])
+        for key in ("steps", "skipped_steps", "payload_bytes", "wire_bytes", "dense_wire_bytes")
+    }
+    if stats["compression_rate"] is not None:
+        out["compression_rate"] = float(stats["compression_rate"])
+    levels = stats["levels"]
+    if isinstance(levels, Mapping) and levels:
+        values = [str(v) for v in levels.values()]
+        for level in sorted(set(values)):
+            out[f"level_share/{level}"] = values.count(level) / len(values)
+    return {prefix + key: value for key, value in out.items()}
