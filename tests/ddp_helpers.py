@@ -183,13 +183,15 @@ def train_ddp(
     sizes: tuple[int, int] = (12, 4),
     hook: tuple[Any, Callable[..., Any]] | None = None,
     setup: Callable[[nn.Module, torch.optim.Optimizer, Any], None] | None = None,
+    hook_kwargs: dict[str, Any] | None = None,
     **ddp_kwargs: Any,
 ) -> dict[str, Any]:
     """Train a DDP model and check that replicas agree after each step.
 
     Plain DDP when ``spec`` and ``hook`` are None; gradzip's hook for ``spec``; any other
-    ``(state, hook)`` pair through ``hook``. ``setup(model, optimizer, hook_state)`` runs before
-    the first step (to load a checkpoint).
+    ``(state, hook)`` pair through ``hook``; ``hook_kwargs`` go to :func:`gradzip.ddp.register`
+    (``overlap=False`` for the synchronous hook). ``setup(model, optimizer, hook_state)`` runs
+    before the first step (to load a checkpoint).
 
     Returns final parameters, per-step losses, replica checks and the hook's stats and state.
     """
@@ -198,7 +200,7 @@ def train_ddp(
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     state = None
     if spec is not None:
-        state = gradzip.ddp.register(ddp, spec, optimizer=opt)
+        state = gradzip.ddp.register(ddp, spec, optimizer=opt, **(hook_kwargs or {}))
     elif hook is not None:
         ddp.register_comm_hook(*hook)
     if setup is not None:
