@@ -35,11 +35,12 @@ TINY_BUCKET_MB = 1e-5  # 10 bytes: after DDP's rebuild every parameter has its o
 
 
 # -- processes ------------------------------------------------------------------------------
-def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tuple[Any, ...]) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tuple[Any, ...],
+           backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+            backend, init_method=f"file://{folder}/store", rank=rank, world_size=world,
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         try:
@@ -54,16 +55,18 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tup
 
 
 def spawn(
-    fn: Callable[..., Any], world: int, folder: Path, *args: Any, timeout: float = 240.0
+    fn: Callable[..., Any], world: int, folder: Path, *args: Any, timeout: float = 240.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group.
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group
+    (or ``backend``'s).
 
     Returns the return values in rank order; raises ``RuntimeError`` with the workers'
     tracebacks when one fails, and ``TimeoutError`` (after killing them) when they hang.
     """
     folder.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(folder), args)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(folder), args, backend)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

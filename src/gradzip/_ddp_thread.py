@@ -84,7 +84,12 @@ class CommThread:
             self._queue.append(_Task(fn, device, future, event))
             self._unfinished += 1
             self._cond.notify_all()
-        return future
+        # A future completed by ``set_exception`` holds the exception as its *value*: C++
+        # consumers such as DDP's reducer would report "Unable to cast ... to Tensor". A
+        # callback that raises marks the chained future failed for real, with the original
+        # message. It runs when the thread completes ``future``; it neither waits nor issues
+        # anything.
+        return future.then(_value_or_raise)
 
     def drain(self) -> None:
         """Wait until every submitted task has finished (a no-op on this thread itself); on
@@ -161,6 +166,10 @@ class CommThread:
                 task.future.set_exception(exc)
             else:
                 log.exception("gradzip's DDP communication thread failed after completing a bucket")
+
+
+def _value_or_raise(future: torch.futures.Future) -> Any:
+    return future.wait()
 
 
 _THREAD = CommThread()
