@@ -250,6 +250,25 @@ def test_overlap_must_be_a_bool() -> None:
         gradzip.ddp.make_hook(nn.Linear(2, 2), "none", overlap=1)  # type: ignore[arg-type]
 
 
+def test_an_error_before_the_work_is_queued_fails_that_step(tmp_path: Path) -> None:
+    """A bucket whose parameter the state does not know (a state built from another model):
+    the error reaches DDP through the future, and the state refuses later buckets."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1, timeout=timedelta(seconds=60))
+    try:
+        model = chain(3)
+        ddp = DDP(model)
+        state, hook = gradzip.ddp.make_hook(chain(3), "none")
+        ddp.register_comm_hook(state, hook)
+        x, y = batch(0, 0)
+        with pytest.raises(RuntimeError, match="not among the 3 parameters"):
+            nn.functional.mse_loss(ddp(x), y).backward()
+        assert isinstance(state._failure, KeyError)
+        state.wait()  # nothing left in flight
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_compressor_with_1_to_16_buckets_equals_the_synchronous_hook(
     results: list[dict[str, Any]], spec: str
