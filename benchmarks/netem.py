@@ -24,6 +24,12 @@ Example (the run behind BENCHMARKS.md section 3, about 18 minutes on 2 cores):
     sudo python benchmarks/netem.py --bandwidth-mbit 1000 150 40 \
         --methods none powersgd-r1 powersgd-r4 accordion accordion:eta=0.3 topk threshold \
         --out benchmarks/results/netem.json --plot benchmarks/results/netem.png
+
+Step times side by side (a 4.2M-parameter model in 3 buckets; the no-DDP floor is each row's
+``compute_seconds``, the dense communication time ``dense_comm_seconds_model``):
+    sudo env PYTHONPATH=$PWD/src python benchmarks/netem.py --workers 2 --bandwidth-mbit 1000 \
+        --width 176 --bucket-cap-mb 4 --epochs 5 --methods native none none:sync torch-fp16 \
+        fp16 fp16:sync powersgd-r4 powersgd-r4:sync --out benchmarks/results/netem_steps.json
 """
 
 from __future__ import annotations
