@@ -27,6 +27,12 @@ Example (the run behind BENCHMARKS.md section 3, about 18 minutes on 2 cores):
     sudo python benchmarks/netem.py --bandwidth-mbit 1000 150 40 \
         --methods none powersgd-r1 powersgd-r4 accordion accordion:eta=0.3 topk threshold \
         --out benchmarks/results/netem.json --plot benchmarks/results/netem.png
+
+Step times side by side (a 4.2M-parameter model in 3 buckets; the no-DDP floor is each row's
+``compute_seconds``, the dense communication time ``dense_comm_seconds_model``):
+    sudo env PYTHONPATH=$PWD/src python benchmarks/netem.py --workers 2 --bandwidth-mbit 1000 \
+        --width 176 --bucket-cap-mb 4 --epochs 5 --methods native none none:sync torch-fp16 \
+        fp16 fp16:sync powersgd-r4 powersgd-r4:sync --out benchmarks/results/netem_steps.json
 """
 
 from __future__ import annotations
@@ -58,9 +64,14 @@ WORKER = HERE / "netem_worker.py"
 #: Names this script gives its namespaces; ``--cleanup-stale`` matches nothing else.
 NAME_RE = re.compile(r"^gzn(\d+)-(hub|w\d+)$")
 #: Benchmark methods: name -> compressor spec ("accordion" is built from --steady/--critical;
-#: a variant such as "accordion:eta=0.3,interval=11" overrides --eta/--interval for one run).
+#: a variant such as "accordion:eta=0.3,interval=11" overrides --eta/--interval for one run;
+#: ":sync" runs a gradzip method through the synchronous hook, e.g. "powersgd-r4:sync").
+#: "native" is plain DDP and "torch-fp16" DDP with PyTorch's fp16_compress_hook.
 METHODS = {
+    "native": "native",
+    "torch-fp16": "torch-fp16",
     "none": "none",
+    "fp16": "fp16",
     "powersgd-r1": "powersgd:rank=1",
     "powersgd-r4": "powersgd:rank=4",
     "accordion": "accordion",
@@ -371,17 +382,21 @@ def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> str | No
 
 
 def parse_method(method: str) -> tuple[str, dict[str, float]]:
-    """``"accordion:eta=0.3,interval=11"`` -> ``("accordion", {"eta": 0.3, "interval": 11})``.
+    """``"accordion:eta=0.3,interval=11"`` -> ``("accordion", {"eta": 0.3, "interval": 11})``;
+    ``"powersgd-r4:sync"`` -> ``("powersgd-r4", {"sync": 1})`` (the synchronous hook).
 
     Raises:
-        ValueError: an unknown method, or an override that is not ``eta`` (> 0) or
-            ``interval`` (>= 1) of an Accordion.
+        ValueError: an unknown method, or an override that is not ``sync`` (gradzip methods),
+            ``eta`` (> 0) or ``interval`` (>= 1) of an Accordion.
     """
     base, _, rest = method.partition(":")
     if base not in METHODS:
         raise ValueError(f"`--methods` entries must be among {', '.join(METHODS)}, got {method!r}")
     overrides: dict[str, float] = {}
     for item in filter(None, rest.split(",")):
+        if item == "sync" and METHODS[base] not in ("native", "torch-fp16") and "sync" not in overrides:
+            overrides["sync"] = 1
+            continue
         key, _, value = item.partition("=")
         try:
             number = float(value) if key == "eta" else int(value)
@@ -389,7 +404,8 @@ def parse_method(method: str) -> tuple[str, dict[str, float]]:
             number = -1
         if base != "accordion" or key not in ("eta", "interval") or key in overrides or number <= 0:
             raise ValueError(
-                f"`--methods` variants must look like accordion:eta=0.3,interval=11, got {method!r}")
+                "`--methods` variants must look like accordion:eta=0.3,interval=11 or "
+                f"powersgd-r4:sync, got {method!r}")
         overrides[key] = number
     return base, overrides
 
@@ -402,7 +418,10 @@ def worker_argv(args: argparse.Namespace, method: str, result: str) -> list[str]
             "--epochs", str(args.epochs), "--drop-epoch", f"{args.drop_epoch:g}",
             "--lr", f"{args.lr:g}", "--batch-size", str(args.batch_size),
             "--width", str(args.width), "--seed", str(args.seed), "--target", f"{args.target:g}",
-            "--window", str(args.window), "--collective-timeout", f"{args.run_timeout:g}"]
+            "--window", str(args.window), "--collective-timeout", f"{args.run_timeout:g}",
+            "--bucket-cap-mb", f"{args.bucket_cap_mb:g}"]
+    if overrides.get("sync"):
+        argv.append("--sync")
     if spec == "accordion":
         argv += ["--steady", args.steady, "--critical", args.critical,
                  "--eta", f"{overrides.get('eta', args.eta):g}",
@@ -612,6 +631,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--width", type=int, default=64)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="DDP's bucket size; below the model's size the hook can overlap buckets")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=0.98)
     p.add_argument("--window", type=int, default=5,

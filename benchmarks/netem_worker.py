@@ -100,6 +100,24 @@ def build_model(width: int, seed: int) -> Any:
         )
 
 
+#: ``--spec`` values that run PyTorch alone: plain DDP, and DDP with its ``fp16_compress_hook``.
+BASELINES = ("native", "torch-fp16")
+
+
+class BaselineStats:
+    """The byte counters of a PyTorch baseline, in the shape of the gradzip hook's ``stats``:
+    one ring all-reduce of every gradient per step (fp32, or fp16 for ``half``)."""
+
+    def __init__(self, n_params: int, world: int, *, half: bool) -> None:
+        self.dense = 2 * (world - 1) * 4 * n_params // world
+        self.sent = self.dense // 2 if half else self.dense
+        self.steps = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"steps": self.steps, "wire_bytes": self.sent * self.steps,
+                "dense_wire_bytes": self.dense * self.steps}
+
+
 def build_compressor(args: argparse.Namespace) -> Any:
     """The compressor of this run: a spec string, or Accordion between two levels."""
     if args.spec != "accordion":
@@ -185,8 +203,16 @@ def train(args: argparse.Namespace) -> None:
     ddp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_cap_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=args.weight_decay)
-    compressor = build_compressor(args)
-    hook = gradzip.ddp.register(ddp, compressor, optimizer=optimizer)
+    hook = baseline = None
+    if args.spec in BASELINES:  # PyTorch alone: no hook, or its fp16 hook
+        baseline = BaselineStats(n_params, world, half=args.spec == "torch-fp16")
+        if args.spec == "torch-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        hook = gradzip.ddp.register(ddp, build_compressor(args), optimizer=optimizer,
+                                    overlap=not args.sync)
     dist.barrier()
     setup_seconds = time.perf_counter() - t_start
 
@@ -215,7 +241,9 @@ def train(args: argparse.Namespace) -> None:
             optimizer.step()
             step_seconds.append(time.perf_counter() - start)
             lrs.append(lr)
-            levels = hook.stats["levels"]
+            if baseline is not None:
+                baseline.steps += 1
+            levels = hook.stats["levels"] if hook is not None else None
             if levels:
                 critical.append(sum(v == "critical" for v in levels.values()) / len(levels))
             with torch.no_grad():
@@ -239,7 +267,8 @@ def train(args: argparse.Namespace) -> None:
 
     tx_train = _tx_bytes() - tx_start
     stats: list[Any] = [None] * world
-    mine = {k: v for k, v in hook.stats.items() if k != "levels"}
+    mine = baseline.stats() if hook is None else {
+        k: v for k, v in hook.stats.items() if k != "levels"}
     mine["kernel_tx_bytes"] = tx_train
     dist.all_gather_object(stats, mine)
     extra: dict[str, Any] = {}
@@ -249,7 +278,8 @@ def train(args: argparse.Namespace) -> None:
         extra["accordion_counts"] = Accordion.counts(hook.engine.compressor_state)
     if rank == 0:
         record = {
-            "spec": hook.compressor.spec(),
+            "spec": args.spec if hook is None else hook.compressor.spec(),
+            "overlap": None if hook is None else hook.overlap,
             "world": world,
             "params": n_params,
             "param_bytes": 4 * n_params,
@@ -279,7 +309,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("train")
-    t.add_argument("--spec", required=True, help="compressor spec, or 'accordion'")
+    t.add_argument("--spec", required=True,
+                   help="compressor spec, 'accordion', or 'native' / 'torch-fp16' (PyTorch alone)")
+    t.add_argument("--sync", action="store_true",
+                   help="the synchronous gradzip hook (overlap=False) instead of the default")
     t.add_argument("--steady", default="powersgd:rank=1")
     t.add_argument("--critical", default="powersgd:rank=4")
     t.add_argument("--eta", type=float, default=0.5)

@@ -35,11 +35,12 @@ TINY_BUCKET_MB = 1e-5  # 10 bytes: after DDP's rebuild every parameter has its o
 
 
 # -- processes ------------------------------------------------------------------------------
-def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tuple[Any, ...]) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tuple[Any, ...],
+           backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"file://{folder}/store", rank=rank, world_size=world,
+            backend, init_method=f"file://{folder}/store", rank=rank, world_size=world,
             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         try:
@@ -54,16 +55,18 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, folder: str, args: tup
 
 
 def spawn(
-    fn: Callable[..., Any], world: int, folder: Path, *args: Any, timeout: float = 240.0
+    fn: Callable[..., Any], world: int, folder: Path, *args: Any, timeout: float = 240.0,
+    backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group.
+    """Run ``fn(rank, world, *args)`` in ``world`` fresh processes joined by a gloo group
+    (or ``backend``'s).
 
     Returns the return values in rank order; raises ``RuntimeError`` with the workers'
     tracebacks when one fails, and ``TimeoutError`` (after killing them) when they hang.
     """
     folder.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(folder), args)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, str(folder), args, backend)) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -183,13 +186,15 @@ def train_ddp(
     sizes: tuple[int, int] = (12, 4),
     hook: tuple[Any, Callable[..., Any]] | None = None,
     setup: Callable[[nn.Module, torch.optim.Optimizer, Any], None] | None = None,
+    hook_kwargs: dict[str, Any] | None = None,
     **ddp_kwargs: Any,
 ) -> dict[str, Any]:
     """Train a DDP model and check that replicas agree after each step.
 
     Plain DDP when ``spec`` and ``hook`` are None; gradzip's hook for ``spec``; any other
-    ``(state, hook)`` pair through ``hook``. ``setup(model, optimizer, hook_state)`` runs before
-    the first step (to load a checkpoint).
+    ``(state, hook)`` pair through ``hook``; ``hook_kwargs`` go to :func:`gradzip.ddp.register`
+    (``overlap=False`` for the synchronous hook). ``setup(model, optimizer, hook_state)`` runs
+    before the first step (to load a checkpoint).
 
     Returns final parameters, per-step losses, replica checks and the hook's stats and state.
     """
@@ -198,7 +203,7 @@ def train_ddp(
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     state = None
     if spec is not None:
-        state = gradzip.ddp.register(ddp, spec, optimizer=opt)
+        state = gradzip.ddp.register(ddp, spec, optimizer=opt, **(hook_kwargs or {}))
     elif hook is not None:
         ddp.register_comm_hook(*hook)
     if setup is not None:

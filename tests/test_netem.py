@@ -353,7 +353,23 @@ def test_accordion_variants_override_eta_and_interval_only():
     args = netem.parse_args(["--methods", "accordion:interval=44"])
     argv = netem.worker_argv(args, "accordion:interval=44", "r.json")
     parsed = worker.parse_args(argv[2:])
-    assert (parsed.spec, parsed.interval, parsed.eta) == ("accordion", 44, 0.5)
+    assert (parsed.spec, parsed.interval, parsed.eta, parsed.sync) == ("accordion", 44, 0.5, False)
+
+
+def test_baselines_the_synchronous_hook_and_bucket_size_reach_the_worker():
+    assert netem.parse_method("powersgd-r4:sync") == ("powersgd-r4", {"sync": 1})
+    assert netem.parse_method("accordion:sync,eta=0.3") == ("accordion", {"sync": 1, "eta": 0.3})
+    for bad in ("native:sync", "torch-fp16:sync", "none:sync,sync"):
+        with pytest.raises(ValueError, match="--methods"):
+            netem.parse_method(bad)
+    args = netem.parse_args(["--bucket-cap-mb", "2"])
+    parsed = worker.parse_args(netem.worker_argv(args, "fp16:sync", "r.json")[2:])
+    assert (parsed.spec, parsed.sync, parsed.bucket_cap_mb) == ("fp16", True, 2.0)
+    parsed = worker.parse_args(netem.worker_argv(args, "torch-fp16", "r.json")[2:])
+    assert (parsed.spec, parsed.sync) == ("torch-fp16", False)
+    fp16 = worker.BaselineStats(1000, 2, half=True)
+    fp16.steps = 3
+    assert fp16.stats() == {"steps": 3, "wire_bytes": 3 * 2000, "dense_wire_bytes": 3 * 4000}
 
 
 def test_goodput_probe_counts_every_byte():

@@ -3,7 +3,10 @@
 A thin adapter. DDP hands the hook one *bucket* (a flat buffer holding several parameters'
 local gradients) at a time; the hook looks the parameters up by name, lets one
 :class:`~gradzip.Engine` average them through the compressor, writes the averages back into
-the bucket's buffer and returns a completed future.
+the bucket's buffer and completes the future it returned. By default (``overlap=True``) that
+work runs on a communication thread while autograd computes the later buckets, as native DDP
+overlaps its all-reduces; ``overlap=False`` runs it inside the hook (the baseline, and the
+simplest to debug). Both give the same results bit for bit.
 
 Why it is shaped this way (each point is a failure of hooks keyed differently):
 
@@ -12,11 +15,20 @@ Why it is shaped this way (each point is a failure of hooks keyed differently):
   not name the same tensors from one iteration to the next. Keyed by name, compression works
   from the very first step, across the rebuild, and a restored state works on the first step
   after resume.
-* **Collectives are issued synchronously inside the hook**, bucket after bucket, in the same
-  order on every rank (DDP launches buckets in index order). Nothing is issued from, or waits
-  inside, a ``Future.then()`` callback: PyTorch's ``powerSGD_hook``, which chains its
-  all-reduces that way, deadlocks on gloo at its first compressed step once there are two or
-  more buckets.
+* **Collectives are issued in bucket order, from one queue**, identical on every rank (DDP
+  launches buckets in index order). Nothing is issued from, or waits inside, a
+  ``Future.then()`` callback: PyTorch's ``powerSGD_hook``, which chains its all-reduces that
+  way, deadlocks on gloo at its first compressed step once there are two or more buckets.
+  With ``overlap=True`` one thread per process runs the buckets' work in arrival order on a
+  private copy of the process group (see :mod:`gradzip._ddp_thread` for why a copy); with
+  ``overlap=False`` the hook runs it itself, on DDP's group.
+* **Errors reach every rank.** An exception in a bucket's work completes that bucket's future
+  with it, so DDP raises it at the end of the backward pass; later buckets of the same hook
+  state then fail at once without issuing collectives (the ranks' sequences no longer
+  match). A rank whose peer failed sees its own collective fail when the peer's process
+  exits, or at the process group's timeout; it never waits forever.
+* **Reading state waits for the work in flight**: ``stats``, ``state_dict()`` and
+  ``load_state_dict()`` first wait for every queued bucket.
 * **One optimizer step per backward.** The last bucket of a backward (``bucket.is_last()``)
   finishes the engine's step; micro-batches under ``ddp_model.no_sync()`` never reach the hook,
   so ``stats["steps"]`` counts optimizer steps under gradient accumulation.
@@ -60,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradzip._ddp_thread import comm_thread, private_group
 from gradzip._validate import check_bool, check_choice
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
@@ -132,6 +145,8 @@ class GradzipHookState:
             follow its loss scale (see :class:`~gradzip.Engine`).
         dense_1d: send biases and other tensors of fewer than two dimensions uncompressed
             (see :class:`~gradzip.Engine`).
+        overlap: run each bucket's work on the communication thread while autograd computes
+            later buckets (the default); ``False`` runs it inside the hook, synchronously.
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
@@ -148,6 +163,7 @@ class GradzipHookState:
         process_group: dist.ProcessGroup | None = None,
         grad_scaler: Any = None,
         dense_1d: bool = False,
+        overlap: bool = True,
     ) -> None:
         pairs = _named_parameters(named_params)
         self.compressor = compressor_from_spec(compressor)
@@ -167,12 +183,18 @@ class GradzipHookState:
         self.optimizer = optimizer
         self.grad_scaler = grad_scaler
         self.dense_1d = check_bool("dense_1d", dense_1d)
+        self.overlap = check_bool("overlap", overlap)
         self.process_group = process_group
         self.params: dict[str, torch.Tensor] = dict(pairs)
         # Identity of the parameter objects (DDP hands back the very same objects).
         self._name_of: dict[int, str] = {id(p): n for n, p in pairs}
         self._engine: Engine | None = None
         self._pending: Mapping[str, Any] | None = None
+        # Overlap mode: the first error of a bucket's work (sticky: once one bucket failed,
+        # the ranks' sequences of collectives no longer match), and whether the engine
+        # talks on the communication thread's private group yet.
+        self._failure: BaseException | None = None
+        self._private_group = False
 
     # -- the engine ------------------------------------------------------------------------
     @property
@@ -216,6 +238,65 @@ class GradzipHookState:
                 "state from the module DDP wraps"
             ) from None
 
+    # -- the work of one bucket --------------------------------------------------------------
+    def _named_grads(self, bucket: dist.GradBucket) -> dict[str, torch.Tensor]:
+        grads = bucket.gradients()  # views into bucket.buffer()
+        return {self.name_of(p): g for p, g in zip(bucket.parameters(), grads, strict=True)}
+
+    def _reduce_bucket(
+        self, engine: Engine, named: dict[str, torch.Tensor], finish_step: bool
+    ) -> None:
+        averaged = engine.reduce(named, finish_step=finish_step)
+        for name, grad in named.items():
+            grad.copy_(averaged[name])
+
+    def _submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Queue one bucket's work on the communication thread (``overlap=True``)."""
+        buffer = bucket.buffer()
+        worker = comm_thread()
+        try:
+            if self._failure is not None:
+                raise self._failed()
+            engine = self.engine
+            if not self._private_group:
+                # Every member reaches its first bucket in the same order: the one moment
+                # all of them can make the thread's group together.
+                engine.comm.group = private_group(self.process_group)  # type: ignore[attr-defined]
+                self._private_group = True
+            named = self._named_grads(bucket)
+            finish_step = bucket.is_last()
+        except BaseException as exc:  # noqa: BLE001 - reported through the future
+            self._failure = self._failure or exc
+            return worker.submit(_raiser(exc), buffer.device)
+
+        def work() -> torch.Tensor:
+            if self._failure is not None:
+                raise self._failed()
+            try:
+                self._reduce_bucket(engine, named, finish_step)
+            except BaseException as exc:
+                self._failure = exc
+                raise
+            return buffer
+
+        return worker.submit(work, buffer.device)
+
+    def _failed(self) -> RuntimeError:
+        error = RuntimeError(
+            "gradzip's DDP hook stopped after an earlier bucket failed "
+            f"({type(self._failure).__name__}: {self._failure}); the ranks' collectives no "
+            "longer match, so this hook state cannot continue"
+        )
+        error.__cause__ = self._failure
+        return error
+
+    def wait(self) -> None:
+        """Wait until the work of every bucket handed over so far has finished (``overlap``
+        mode; DDP itself waits at the end of each backward pass). ``stats``,
+        ``state_dict()`` and ``load_state_dict()`` call it first."""
+        if self.overlap:
+            comm_thread().drain()
+
     # -- observability ---------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:
@@ -223,6 +304,7 @@ class GradzipHookState:
         docstring for the byte counts), plus ``compression_rate`` (dense wire bytes / wire
         bytes, ``None`` before any byte is sent) and ``levels`` (from the compressor's
         ``current_levels(state)`` when it has one, e.g. an Accordion, else ``None``)."""
+        self.wait()
         if self._engine is None:
             keys = ("steps", "skipped_steps", "payload_bytes", "wire_bytes",
                     "dense_payload_bytes", "dense_wire_bytes", "collective_calls")
@@ -252,6 +334,7 @@ class GradzipHookState:
             RuntimeError: called inside a step, or before the process group exists with
                 nothing loaded.
         """
+        self.wait()
         if self._engine is None and self._pending is not None:
             return dict(self._pending)
         return self.engine.state_dict()
@@ -269,6 +352,7 @@ class GradzipHookState:
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"`state` must be a mapping, got {type(state).__name__}")
+        self.wait()
         if self._engine is None and not dist.is_initialized():
             self._pending = state
             return
@@ -332,19 +416,23 @@ def gradzip_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futu
         bucket: DDP's bucket of local (not yet averaged) gradients.
 
     Returns:
-        A completed future holding the bucket's buffer, now the averaged gradients.
+        A future holding the bucket's buffer, completed once that buffer holds the averaged
+        gradients: at once with ``overlap=False``, by the communication thread otherwise.
     """
-    engine = state.engine
-    grads = bucket.gradients()  # views into bucket.buffer()
-    named = {state.name_of(p): g for p, g in zip(bucket.parameters(), grads, strict=True)}
+    if state.overlap:
+        return state._submit(bucket)
     # Synchronous collectives, in bucket order, identical on every rank: see the module
     # docstring for why nothing may wait inside a Future callback.
-    averaged = engine.reduce(named, finish_step=bucket.is_last())
-    for name, grad in named.items():
-        grad.copy_(averaged[name])
+    state._reduce_bucket(state.engine, state._named_grads(bucket), bucket.is_last())
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
+
+
+def _raiser(exc: BaseException) -> Any:
+    def fail() -> torch.Tensor:
+        raise exc
+    return fail
 
 
 # DDP checks the hook's annotations against the real types; postponed (string) annotations
@@ -366,6 +454,7 @@ def make_hook(
     process_group: dist.ProcessGroup | None = None,
     grad_scaler: Any = None,
     dense_1d: bool = False,
+    overlap: bool = True,
 ) -> tuple[GradzipHookState, Any]:
     """The ``(state, hook)`` pair that ``ddp_model.register_comm_hook(state, hook)`` and
     Lightning's ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)`` take.
@@ -374,8 +463,8 @@ def make_hook(
         model_or_named_params: the module DDP wraps (or the DDP model, or its
             ``(name, parameter)`` pairs).
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"powersgd:rank=2"``.
-        optimizer, error_feedback, nonfinite, process_group, grad_scaler, dense_1d: see
-            :class:`GradzipHookState`.
+        optimizer, error_feedback, nonfinite, process_group, grad_scaler, dense_1d, overlap:
+            see :class:`GradzipHookState`.
 
     Returns:
         ``(state, gradzip_hook)``.
@@ -386,7 +475,7 @@ def make_hook(
     state = GradzipHookState(
         _named_parameters(model_or_named_params), compressor, optimizer=optimizer,
         error_feedback=error_feedback, nonfinite=nonfinite, process_group=process_group,
-        grad_scaler=grad_scaler, dense_1d=dense_1d,
+        grad_scaler=grad_scaler, dense_1d=dense_1d, overlap=overlap,
     )
     return state, gradzip_hook
 
@@ -401,13 +490,14 @@ def register(
     process_group: dist.ProcessGroup | None = None,
     grad_scaler: Any = None,
     dense_1d: bool = False,
+    overlap: bool = True,
 ) -> GradzipHookState:
     """Register gradzip as ``ddp_model``'s communication hook (before the first backward).
 
     Args:
         ddp_model: a :class:`~torch.nn.parallel.DistributedDataParallel` model.
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
-        optimizer, error_feedback, nonfinite, grad_scaler, dense_1d: see
+        optimizer, error_feedback, nonfinite, grad_scaler, dense_1d, overlap: see
             :class:`GradzipHookState`.
         process_group: defaults to the group ``ddp_model`` reduces over.
 
@@ -428,7 +518,7 @@ def register(
     state, hook = make_hook(
         ddp_model.module, compressor, optimizer=optimizer, error_feedback=error_feedback,
         nonfinite=nonfinite, process_group=process_group, grad_scaler=grad_scaler,
-        dense_1d=dense_1d,
+        dense_1d=dense_1d, overlap=overlap,
     )
     ddp_model.register_comm_hook(state, hook)
     log.debug("registered gradzip %s on %d parameters", state.compressor.spec(), len(state.params))
