@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 
+from gradzip.ops.flat import to_device
 from gradzip.ops.random import generator_for
 
 __all__ = ["index_dtype", "randk_indices", "threshold_select", "threshold_split", "topk_abs"]
@@ -313,7 +314,7 @@ def randk_indices(numel: int, k: int, *keys: object, device: torch.device | str 
     gen = generator_for(*keys)
     if k * 4 > numel or numel < 4096:
         idx = torch.randperm(numel, generator=gen)[:k]
-        return idx.sort().values.to(device)
+        return to_device(idx.sort().values, device)
     # Draws whose expected number of distinct values is k, plus a margin of several standard
     # deviations, so a redraw is rare.
     draws = int(-numel * math.log1p(-k / numel)) + 8 * math.isqrt(k) + 64
@@ -325,4 +326,4 @@ def randk_indices(numel: int, k: int, *keys: object, device: torch.device | str 
     if found.numel() > k:
         keep = torch.randperm(found.numel(), generator=gen)[:k].sort().values
         found = found.index_select(0, keep)
-    return found.to(device)
+    return to_device(found, device)
