@@ -42,6 +42,8 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
+from collections import Counter
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -124,8 +126,10 @@ def _build(config: str, args: dict[str, Any], device: torch.device) -> tuple[Any
     return ddp, optimizer
 
 
-def _time_config(config: str, args: dict[str, Any], device: torch.device, rank: int) -> list[float]:
-    """Seconds of each timed step of ``config`` on this rank."""
+def _time_config(
+    config: str, args: dict[str, Any], device: torch.device, rank: int
+) -> tuple[list[float], dict[str, Any] | None]:
+    """Seconds of each timed step of ``config`` on this rank, and its host syncs (NCCL only)."""
     model, optimizer = _build(config, args, device)
     gen = torch.Generator().manual_seed(1000 + rank)
     inputs = torch.randn(args["batch"], 3, 32, 32, generator=gen).to(device)
@@ -147,7 +151,37 @@ def _time_config(config: str, args: dict[str, Any], device: torch.device, rank: 
         step()
         sync()
         times.append(time.perf_counter() - start)
-    return times
+    return times, (_count_syncs(step, args["sync_steps"]) if args["count_syncs"] else None)
+
+
+def _site(filename: str, lineno: int) -> str:
+    for marker in ("/src/", "/site-packages/"):
+        if marker in filename:
+            filename = filename.rsplit(marker, 1)[1]
+    return f"{filename}:{lineno}"
+
+
+def _count_syncs(step: Any, steps: int) -> dict[str, Any]:
+    """Host syncs during ``steps`` more steps, by the Python line that made them.
+
+    ``torch.cuda.set_sync_debug_mode("warn")`` turns each synchronising call into a warning
+    attributed to its Python caller. Global state: it also sees the calls a DDP hook makes
+    from autograd's device thread. Only with NCCL: gloo's own staging copies of CUDA tensors
+    would be counted (and warned about from its C++ threads) too.
+    """
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    sites = Counter(_site(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message))
+    return {"per_step": sum(sites.values()) / steps, "steps": steps,
+            "sites": {k: v / steps for k, v in sites.most_common()}}
 
 
 def _worker(rank: int, setup: dict[str, Any], port: int, configs: list[str],
@@ -194,7 +228,7 @@ def _free_port() -> int:
 def _row(setup: dict[str, Any], config: str, **fields: Any) -> dict[str, Any]:
     return {"setup": setup["name"], "backend": setup["backend"], "world": setup["world"],
             "device": setup["device"], "config": config, "median_s": None, "min_s": None,
-            "steps": 0, "error": None, **fields}
+            "steps": 0, "syncs": None, "error": None, **fields}
 
 
 def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
@@ -269,25 +303,36 @@ def _finish(setup: dict[str, Any], config: str, reports: dict[int, tuple[str, An
     if errors:
         return _row(setup, config, error="\n".join(errors))
     # A step ends for everyone when the slowest rank finishes it.
-    per_step = [max(reports[r][1][i] for r in reports) for i in range(len(reports[0][1]))]
+    per_step = [max(reports[r][1][0][i] for r in reports) for i in range(len(reports[0][1][0]))]
     return _row(setup, config, median_s=statistics.median(per_step), min_s=min(per_step),
-                steps=len(per_step))
+                steps=len(per_step), syncs=reports[0][1][1])
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one line per row, ratios to native DDP (and to no DDP) in the same setup."""
     base = {r["setup"]: r["median_s"] for r in rows if r["config"] == "ddp" and r["median_s"]}
     floor = {r["setup"]: r["median_s"] for r in rows if r["config"] == "local" and r["median_s"]}
-    lines = ["| setup | backend, ranks | configuration | ms/step (median) | x native DDP | x no DDP | note |",
-             "|---|---|---|---:|---:|---:|---|"]
+    lines = ["| setup | backend, ranks | configuration | ms/step (median) | x native DDP | x no DDP "
+             "| host syncs/step | note |", "|---|---|---|---:|---:|---:|---:|---|"]
     for r in rows:
         med = r["median_s"]
         ratio = f"{med / base[r['setup']]:.2f}" if med and r["setup"] in base else ""
         over = f"{med / floor[r['setup']]:.2f}" if med and r["setup"] in floor else ""
         note = "" if r["error"] is None else r["error"].strip().splitlines()[-1][:100].replace("|", "/")
         ms = f"{med * 1e3:.1f}" if med else "-"
+        syncs = f"{r['syncs']['per_step']:g}" if r.get("syncs") else ""
         lines.append(f"| {r['setup']} | {r['backend']}, {r['world']} | `{r['config']}` | {ms} | "
-                     f"{ratio} | {over} | {note} |")
+                     f"{ratio} | {over} | {syncs} | {note} |")
+    return "\n".join(lines)
+
+
+def sync_sites(rows: list[dict[str, Any]], top: int = 6) -> str:
+    """Where each row's host syncs come from (per step, most frequent first)."""
+    lines = []
+    for r in rows:
+        if r.get("syncs") and r["syncs"]["sites"]:
+            sites = list(r["syncs"]["sites"].items())[:top]
+            lines.append(f"{r['setup']} {r['config']}: " + ", ".join(f"{k} x{v:g}" for k, v in sites))
     return "\n".join(lines)
 
 
@@ -306,13 +351,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="default resnet18 (resnet8 on cpu)")
     parser.add_argument("--width", type=int, default=None, help="default 64 (4 on cpu)")
     parser.add_argument("--bucket-cap-mb", type=float, default=10.0)
+    parser.add_argument("--sync-steps", type=int, default=10,
+                        help="extra steps in which host syncs are counted (NCCL setups; 0: off)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ns = parser.parse_args(argv)
     if ns.warmup < 3:
         parser.error(f"--warmup must be >= 3 (DDP rebuilds its buckets after step 1 and "
                      f"PyTorch's PowerSGD compresses from step 3), got {ns.warmup}")
-    if ns.steps < 1 or ns.row_timeout <= 0 or ns.budget_s <= 0:
-        parser.error("--steps, --row-timeout and --budget-s must be positive")
+    if ns.steps < 1 or ns.row_timeout <= 0 or ns.budget_s <= 0 or ns.sync_steps < 0:
+        parser.error("--steps, --row-timeout and --budget-s must be positive, --sync-steps >= 0")
     gpus = ns.gpus if ns.gpus is not None else torch.cuda.device_count()
     device = ns.device if ns.device != "auto" else ("cuda" if gpus > 0 else "cpu")
     if device == "cuda" and gpus < 1:
@@ -321,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     args = {"model": ns.model or ("resnet8" if cpu else "resnet18"),
             "width": ns.width or (4 if cpu else 64), "batch": ns.batch or (8 if cpu else 128),
             "steps": ns.steps, "warmup": ns.warmup, "bucket_cap_mb": ns.bucket_cap_mb,
-            "row_timeout": ns.row_timeout, "startup_s": ns.startup_s}
+            "row_timeout": ns.row_timeout, "startup_s": ns.startup_s,
+            "count_syncs": False, "sync_steps": ns.sync_steps}
     setups = plan(device, gpus)
     if ns.dry_run:
         print(f"would run on {device} ({gpus} GPU(s)), model {args['model']} width {args['width']}, "
@@ -339,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     for setup in setups:
         print(f"setup {setup['name']}: {setup['placement']}", flush=True)
-        rows += run_setup(setup, list(ns.configs), args, deadline,
+        counting = setup["backend"] == "nccl" and ns.sync_steps > 0
+        rows += run_setup(setup, list(ns.configs), {**args, "count_syncs": counting}, deadline,
                           lambda msg: print(msg, flush=True))
     meta = {
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
@@ -357,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args['model']} (width {args['width']}), batch {args['batch']} per rank, "
         f"{args['steps']} timed steps after {args['warmup']}; {meta['gpu_name'] or 'CPU'}, "
         f"torch {meta['torch']}\n\n{md}\n")
+    sites = sync_sites(rows)
+    if sites:
+        print("\nhost syncs per step, by call site:\n" + sites)
     print(f"\nwrote {out_dir / 'gpu_step.json'} ({meta['wall_s']:.0f} s)\n")
     print(md)
     return 0 if all(r["error"] is None for r in rows) else 1
