@@ -21,6 +21,12 @@ Setups, chosen from the GPUs present:
 * ``--device cpu``: ``gloo`` with two ranks on the CPU and a tiny model, to exercise this
   script where there is no GPU.
 
+In NCCL setups each row then runs ``--sync-steps`` more steps under
+``torch.cuda.set_sync_debug_mode("warn")`` and reports the host syncs per step, by the Python
+line that made them (the ``host syncs/step`` column; the call sites are printed before the
+table and kept in the JSON). Syncs made inside PyTorch's C++ (gloo's staging copies) are not
+seen, which is why gloo setups are not counted.
+
 Robustness: each setup's ranks run in fresh processes; each row reports when it starts and
 ends. A row that raises is recorded with its error and the next row runs; a row that exceeds
 ``--row-timeout`` (a hang) gets its processes killed, is recorded as a timeout, and the setup
@@ -179,7 +185,8 @@ def _count_syncs(step: Any, steps: int) -> dict[str, Any]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    sites = Counter(_site(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message))
+    sites = Counter(_site(w.filename, w.lineno) for w in caught
+                    if "called a synchronizing CUDA operation" in str(w.message))
     return {"per_step": sum(sites.values()) / steps, "steps": steps,
             "sites": {k: v / steps for k, v in sites.most_common()}}
 
@@ -201,6 +208,8 @@ def _worker(rank: int, setup: dict[str, Any], port: int, configs: list[str],
         dist.init_process_group(
             setup["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
             world_size=setup["world"], timeout=timedelta(seconds=args["row_timeout"]),
+            # NCCL binds its communicator to this rank's GPU (else it guesses, and warns).
+            device_id=device if setup["backend"] == "nccl" else None,
         )
         for config in configs:
             out.put(("start", rank, config, None))
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=330.0, help="no row starts after this")
     parser.add_argument("--row-timeout", type=float, default=75.0)
     parser.add_argument("--startup-s", type=float, default=60.0, help="extra time for a setup's first row")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=None, help="per rank (default 128; 8 on cpu)")
     parser.add_argument("--model", default=None, help="default resnet18 (resnet8 on cpu)")
