@@ -363,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-steps", type=int, default=10,
                         help="extra steps in which host syncs are counted (NCCL setups; 0: off)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--setups", nargs="+", default=None,
+                        help="run only these setups (names as the dry run lists them)")
     ns = parser.parse_args(argv)
     if ns.warmup < 3:
         parser.error(f"--warmup must be >= 3 (DDP rebuilds its buckets after step 1 and "
@@ -380,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
             "row_timeout": ns.row_timeout, "startup_s": ns.startup_s,
             "count_syncs": False, "sync_steps": ns.sync_steps}
     setups = plan(device, gpus)
+    if ns.setups is not None:
+        unknown = sorted(set(ns.setups) - {x["name"] for x in setups})
+        if unknown:
+            parser.error(f"--setups must name setups of this plan "
+                         f"({', '.join(x['name'] for x in setups)}), got {', '.join(unknown)}")
+        setups = [x for x in setups if x["name"] in ns.setups]
     if ns.dry_run:
         print(f"would run on {device} ({gpus} GPU(s)), model {args['model']} width {args['width']}, "
               f"batch {args['batch']} per rank, {args['warmup']} warm-up + {args['steps']} timed "

@@ -21,6 +21,7 @@ from gradzip import Engine
 from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.compressors.base import Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
+from gradzip.ops.select import _topk_narrowed, topk_abs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -124,6 +125,21 @@ def test_engine_reduce_issues_no_host_sync(spec: str, workers: int | None) -> No
         assert set(out) == set(SHAPES)
         assert all(v.device.type == "cuda" for v in out.values())
     assert engine.stats["skipped_steps"] == 0
+
+
+def test_topk_selection_issues_no_host_sync_and_keeps_the_exact_top_k() -> None:
+    # Rows large enough that the CPU would take the sampled-cut path; on CUDA torch.topk runs
+    # directly and the host never waits. Same set of entries as the narrowing path.
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 300_000, generator=gen).to("cuda")
+    k = 3_000
+    with _SyncsAreErrors():
+        values, idx = topk_abs(x, k)
+    ref_values, ref_idx = _topk_narrowed(x, k)
+    for row in range(2):
+        assert set(idx[row].tolist()) == set(ref_idx[row].tolist())
+        torch.testing.assert_close(values[row], x[row, idx[row]], rtol=0, atol=0)
+        assert float(values[row].abs().min()) >= float(x[row].abs().kthvalue(300_000 - k + 1).values)
 
 
 # (spec, tolerance relative to the largest magnitude): deterministic compressors must match

@@ -44,6 +44,9 @@ def test_dry_run_with_one_gpu_shares_it_over_gloo_and_adds_a_one_rank_nccl_setup
     assert "setup nccl-1rank: backend nccl, 1 rank(s)" in done.stdout
     assert "nccl-2gpu" not in done.stdout
     rows = _rows(done.stdout)
+    only = _run("--dry-run", "--device", "cuda", "--gpus", "1", "--setups", "nccl-1rank")
+    assert only.returncode == 0 and "gloo-1gpu" not in only.stdout
+    assert len(_rows(only.stdout)) == len(EXPECTED)
     assert len(rows) == 2 * len(EXPECTED)
     for setup in ("gloo-1gpu", "nccl-1rank"):
         for config in EXPECTED:
@@ -73,6 +76,9 @@ def test_arguments_are_checked() -> None:
     assert "--warmup must be >= 3" in done.stderr and "got 2" in done.stderr
     done = _run("--dry-run", "--configs", "gradzip:sign")
     assert done.returncode == 2 and "invalid choice" in done.stderr
+    done = _run("--dry-run", "--device", "cuda", "--gpus", "1", "--setups", "nccl-2gpu")
+    assert done.returncode == 2
+    assert "--setups must name setups of this plan (gloo-1gpu, nccl-1rank), got nccl-2gpu" in done.stderr
 
 
 def test_cpu_run_writes_every_row_and_the_table(tmp_path: Path) -> None:
