@@ -12,7 +12,7 @@ import torch
 from gradzip._validate import check_bool, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.ops.flat import flatten_workers, split_flat
+from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import orthogonalize
 from gradzip.ops.random import generator_for
 
@@ -176,7 +176,7 @@ class PowerSGD(Compressor):
                 stored = [self._fresh_q(j.name, j.shape, ctx.step) for j in groups[key]]
             device = mats[key][0].device
             batch = stored[0].unsqueeze(0) if len(stored) == 1 else torch.stack(stored)
-            qts[key] = batch.transpose(-1, -2).to(device)
+            qts[key] = to_device(batch.transpose(-1, -2), device)
         qt_local: dict[tuple[int, int, int], torch.Tensor] = {}
         ps: dict[tuple[int, int, int], torch.Tensor] = {}
         for iteration in range(self.power_iterations):

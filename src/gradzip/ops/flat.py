@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flatten_workers", "reinterpret", "split_flat"]
+__all__ = ["flatten_workers", "reinterpret", "split_flat", "to_device"]
 
 
 def flatten_workers(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -43,3 +43,27 @@ def reinterpret(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """
     count = rows.shape[0]
     return rows.reshape(-1).clone().view(dtype).reshape(count, -1)
+
+
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``x`` on ``device``, queued on the current stream without making the host wait.
+
+    A plain ``.to("cuda")`` of ordinary (pageable) host memory copies and then synchronises
+    the stream, so the host stops launching kernels until the GPU has caught up: one stall per
+    call for a host-made tensor (random-k's indices, a fresh PowerSGD ``Q``). From page-locked
+    memory with ``non_blocking=True`` the copy is only queued; PyTorch's page-locked allocator
+    keeps the staging block alive until the copy has run, so ``x`` may be dropped at once.
+
+    Args:
+        x: any tensor.
+        device: where it is needed.
+
+    Returns:
+        ``x`` itself when already there, else a copy on ``device`` (same values).
+    """
+    device = torch.device(device)
+    if x.device == device:
+        return x
+    if x.device.type == "cpu" and device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)

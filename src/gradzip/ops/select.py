@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 
+from gradzip.ops.flat import to_device
 from gradzip.ops.random import generator_for
 
 __all__ = ["index_dtype", "randk_indices", "threshold_select", "threshold_split", "topk_abs"]
@@ -205,7 +206,7 @@ def _at_least_torch(row: torch.Tensor, cut: float, nan_too: bool) -> torch.Tenso
 def topk_abs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``k`` by magnitude along the last dimension.
 
-    For large rows, a threshold estimated from a strided sample of 32K magnitudes narrows the
+    For large rows on the CPU, a threshold estimated from a strided sample of 32K magnitudes narrows the
     row to about ``1.3 k`` candidates in one chunked pass (no sort, nothing of the row's size
     allocated), and ``torch.topk`` runs on the candidates only. Every entry left out is smaller
     than every candidate, so when at least ``k`` candidates survive the result is exact; in the
@@ -223,9 +224,18 @@ def topk_abs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """
     rows, n = x.shape
     assert 1 <= k <= n, (k, n)
-    if n < 65536 or k * 8 > n:
+    # On a GPU, torch.topk's radix selection is fast at any size and never makes the host
+    # wait, while the narrowing pass below needs the cut and the candidates' count on the host
+    # (two syncs per chunk, one per call for the cuts): small rows and GPUs go straight to it.
+    if n < 65536 or k * 8 > n or x.device.type != "cpu":
         idx = torch.topk(x.abs(), k, dim=1, sorted=False).indices
         return torch.gather(x, 1, idx), idx
+    return _topk_narrowed(x, k)
+
+
+def _topk_narrowed(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_abs` through a sampled cut and a chunked pass (any device; the CPU's way)."""
+    rows, n = x.shape
     stride = max(1, n // 32768)
     sample = x[:, ::stride].abs()
     s = sample.shape[1]
@@ -313,7 +323,7 @@ def randk_indices(numel: int, k: int, *keys: object, device: torch.device | str 
     gen = generator_for(*keys)
     if k * 4 > numel or numel < 4096:
         idx = torch.randperm(numel, generator=gen)[:k]
-        return idx.sort().values.to(device)
+        return to_device(idx.sort().values, device)
     # Draws whose expected number of distinct values is k, plus a margin of several standard
     # deviations, so a redraw is rare.
     draws = int(-numel * math.log1p(-k / numel)) + 8 * math.isqrt(k) + 64
@@ -325,4 +335,4 @@ def randk_indices(numel: int, k: int, *keys: object, device: torch.device | str 
     if found.numel() > k:
         keep = torch.randperm(found.numel(), generator=gen)[:k].sort().values
         found = found.index_select(0, keep)
-    return found.to(device)
+    return to_device(found, device)

@@ -1,0 +1,198 @@
+"""CUDA behaviour: no host synchronisation in steady state, and the same results as the CPU.
+
+Skipped without a CUDA device. ``benchmarks/gpu_check.sh`` runs this file on a GPU machine.
+
+* All-reduce-only compressors (``none``, ``fp16``, ``bf16``, ``randk``, ``powersgd``) must not
+  make the host wait for the GPU once their state lives on the device: a wait stalls the
+  stream that launches kernels (in a DDP hook, once per bucket). Checked with
+  ``torch.cuda.set_sync_debug_mode("error")``, which turns every synchronising call
+  (``.item()``, ``.tolist()``, ``nonzero``, a copy to or from pageable host memory) into an
+  error, both on the compressor alone and through the :class:`~gradzip.Engine`.
+* Every compressor, the sparse ones whose CPU paths go through NumPy included, computes on CUDA
+  what it computes on the CPU from the same inputs (to float rounding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradzip import Engine
+from gradzip.comm.simulated import SimulatedGroup, SingleWorker
+from gradzip.compressors.base import Job, StepContext
+from gradzip.compressors.spec import compressor_from_spec
+from gradzip.ops.select import _topk_narrowed, topk_abs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# A conv kernel, a linear layer large enough for Top-k's sampled cut (>= 65536 entries) and
+# the threshold's folded search, a small matrix PowerSGD sends dense, and a bias.
+SHAPES = {
+    "conv.weight": torch.Size((64, 32, 3, 3)),
+    "fc.weight": torch.Size((256, 512)),
+    "head.weight": torch.Size((10, 8)),
+    "fc.bias": torch.Size((256,)),
+}
+
+ALLREDUCE_ONLY = [
+    "none",
+    "fp16",
+    "bf16",
+    "randk:ratio=0.01",
+    "randk:ratio=0.5",  # the dense (randperm) draw
+    "powersgd:rank=4",
+    "powersgd:rank=1",  # the normalisation path instead of QR
+    "powersgd:rank=2,warm_start=False",  # a fresh Q from the host every step
+]
+
+ACCORDION = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,interval=2)"
+
+
+def _grads(step: int, workers: int | None) -> dict[str, torch.Tensor]:
+    """Seeded CPU gradients (with a worker axis when ``workers`` is given)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    lead = () if workers is None else (workers,)
+    return {n: torch.randn(*lead, *s, generator=gen) for n, s in SHAPES.items()}
+
+
+def _on(grads: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    return {n: g.to(device) for n, g in grads.items()}
+
+
+def _collective(workers: int | None) -> SingleWorker | SimulatedGroup:
+    return SingleWorker() if workers is None else SimulatedGroup(workers)
+
+
+class _SyncsAreErrors:
+    """``torch.cuda.set_sync_debug_mode("error")`` for the ``with`` block."""
+
+    def __enter__(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+def test_sync_debug_mode_catches_a_host_sync() -> None:
+    # The tests below mean something only if the mode really turns a sync into an error.
+    x = torch.ones(3, device="cuda")
+    with pytest.raises(RuntimeError, match="synchroniz"), _SyncsAreErrors():
+        x.sum().item()
+    with pytest.raises(RuntimeError, match="synchroniz"), _SyncsAreErrors():
+        torch.arange(4).to("cuda")  # pageable host memory: copy, then wait
+
+
+@pytest.mark.parametrize("workers", [None, 2], ids=["single", "simulated2"])
+@pytest.mark.parametrize("spec", ALLREDUCE_ONLY)
+def test_compressor_reduce_issues_no_host_sync(spec: str, workers: int | None) -> None:
+    compressor = compressor_from_spec(spec)
+    comm = _collective(workers)
+    state = compressor.init_state(SHAPES)
+    lead = workers or 1
+    for step in range(5):
+        # Steps 0-1 move host-made state (PowerSGD's first Q) to the device; then steady state.
+        grads = _on(_grads(step, lead), "cuda")
+        ctx = StepContext(step=step, ranks=tuple(comm.local_ranks), world_size=comm.world_size)
+        jobs = [Job(n, g) for n, g in grads.items()]
+        if step >= 2:
+            with _SyncsAreErrors():
+                compressor.reduce(jobs, state, comm, ctx)
+                leftovers = [job.leftover() for job in jobs]
+                compressor.end_step(state, ctx)
+        else:
+            compressor.reduce(jobs, state, comm, ctx)
+            leftovers = [job.leftover() for job in jobs]
+            compressor.end_step(state, ctx)
+        for job, rest in zip(jobs, leftovers, strict=True):
+            assert job.averaged is not None and job.averaged.device.type == "cuda"
+            assert rest.shape == job.tensor.shape
+
+
+@pytest.mark.parametrize("workers", [None, 2], ids=["single", "simulated2"])
+@pytest.mark.parametrize("spec", ALLREDUCE_ONLY)
+def test_engine_reduce_issues_no_host_sync(spec: str, workers: int | None) -> None:
+    """Through the engine (error feedback, the non-finite agreement, state snapshots)."""
+    engine = Engine(dict(SHAPES), spec, collective=_collective(workers))
+    for step in range(5):
+        grads = _on(_grads(step, workers), "cuda")
+        if step >= 2:
+            with _SyncsAreErrors():
+                out = engine.reduce(grads)
+        else:
+            out = engine.reduce(grads)
+        assert set(out) == set(SHAPES)
+        assert all(v.device.type == "cuda" for v in out.values())
+    assert engine.stats["skipped_steps"] == 0
+
+
+def test_topk_selection_issues_no_host_sync_and_keeps_the_exact_top_k() -> None:
+    # Rows large enough that the CPU would take the sampled-cut path; on CUDA torch.topk runs
+    # directly and the host never waits. Same set of entries as the narrowing path.
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 300_000, generator=gen).to("cuda")
+    k = 3_000
+    with _SyncsAreErrors():
+        values, idx = topk_abs(x, k)
+    ref_values, ref_idx = _topk_narrowed(x, k)
+    for row in range(2):
+        assert set(idx[row].tolist()) == set(ref_idx[row].tolist())
+        torch.testing.assert_close(values[row], x[row, idx[row]], rtol=0, atol=0)
+        assert float(values[row].abs().min()) >= float(x[row].abs().kthvalue(300_000 - k + 1).values)
+
+
+# (spec, tolerance relative to the largest magnitude): deterministic compressors must match
+# at every entry; PowerSGD to the rounding of matmuls and QR, which differ between BLAS and
+# cuBLAS; ``None`` marks the stochastic quantiser, which may round an entry to the other level
+# where its noise sits within float rounding of the cut (a tiny fraction of entries). fp16 and
+# bf16 divide by the world size before the cast, and CUDA divides by a scalar as a multiply by
+# its reciprocal: one fp32 ulp apart, which can move a value to the neighbouring half-precision
+# number (a relative step of 2**-10 for fp16, 2**-7 for bf16).
+CORRECTNESS = [
+    ("none", 1e-6),
+    ("fp16", 2.0**-10),
+    ("bf16", 2.0**-7),
+    ("randk:ratio=0.05", 1e-6),
+    ("powersgd:rank=2", 1e-3),
+    ("powersgd:rank=1", 1e-3),
+    ("topk:ratio=0.01", 1e-6),
+    ("topk:ratio=0.3", 1e-6),  # dense fallback: k too large for the all-gather to pay
+    ("threshold:lam=1.5", 1e-6),
+    ("sign", 1e-5),
+    ("qsgd:levels=8", None),
+    ("qsgd:levels=4,bucket_size=512", None),
+    (ACCORDION, 1e-3),
+]
+
+
+def _close(gpu: torch.Tensor, cpu: torch.Tensor, tol: float | None, what: str) -> None:
+    scale = float(cpu.abs().max()) + 1e-12
+    diff = (gpu - cpu).abs()
+    if tol is None:
+        off = float((diff > 1e-4 * scale).float().mean())
+        assert off <= 1e-3, f"{what}: {off:.3%} of entries differ"
+    else:
+        worst = float(diff.max())
+        assert worst <= tol * scale, f"{what}: differs by {worst:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("workers", [None, 3], ids=["single", "simulated3"])
+@pytest.mark.parametrize(("spec", "tol"), CORRECTNESS, ids=[c[0] for c in CORRECTNESS])
+def test_cuda_matches_cpu(spec: str, tol: float | None, workers: int | None) -> None:
+    engines = {d: Engine(dict(SHAPES), spec, collective=_collective(workers)) for d in ("cpu", "cuda")}
+    for step in range(4):  # error feedback and warm starts carry state across steps
+        grads = _grads(step, workers)
+        out = {d: engines[d].reduce(_on(grads, d)) for d in engines}
+        for name in SHAPES:
+            cpu, gpu = out["cpu"][name], out["cuda"][name]
+            assert gpu.device.type == "cuda"
+            assert gpu.dtype == cpu.dtype and gpu.shape == cpu.shape
+            _close(gpu.cpu(), cpu, tol, f"{name} at step {step}")
+    for d in engines:
+        assert engines[d].stats["skipped_steps"] == 0
+    assert engines["cpu"].stats["payload_bytes"] == engines["cuda"].stats["payload_bytes"]
+    # The residuals (error feedback) agree too.
+    assert set(engines["cpu"].residuals) == set(engines["cuda"].residuals)
+    for name, rest in engines["cpu"].residuals.items():
+        _close(engines["cuda"].residuals[name].cpu(), rest, tol, f"residual of {name}")
