@@ -268,6 +268,10 @@ def test_compare_writes_csv_and_skips_finished_runs(
     code, _, err = run_cli(capsys, "compare", str(grid), "--out", str(out))
     assert code == 0 and err.count("skipped") == 2 and summary.read_text() == before
     code, _, err = run_cli(capsys, "compare", str(grid), "--out", str(out), "--set", "seed=1")
+    assert code == 2 and "another configuration (seed 0 there, 1 here)" in err
+    assert len(err.strip().splitlines()) == 1 and summary.read_text() == before
+    code, _, err = run_cli(capsys, "compare", str(grid), "--out", str(tmp_path / "cmp1"),
+                           "--set", "seed=1")
     assert code == 0 and err.count("done in") == 2
 
 
