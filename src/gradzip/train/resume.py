@@ -79,6 +79,8 @@ def plan_out_dir(cfg: Any, resume: bool) -> Plan:
     manifest = read_manifest(cfg.out) if resume else None
     difference = cfg.first_difference(stored, epochs=manifest is None)
     if difference:
+        if not resume and cfg.first_difference(stored, epochs=False) is None:
+            difference += "; --resume continues it to the new number of epochs"
         raise _refuse(cfg.out, difference)
     if manifest is None:
         if resume:
