@@ -244,3 +244,26 @@ def test_procs_run_resumed_equals_the_uninterrupted_run(tmp_path: Path) -> None:
         "rank-0.pt", "rank-1.pt"]
     run(RunConfig(**base, epochs=2, out=str(part)), resume=True)  # type: ignore[arg-type]
     assert_same_run(part, tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_torchrun_run_resumed_to_more_epochs_matches_the_simulator(tmp_path: Path) -> None:
+    """Under torchrun rank 0 reads the directory and every rank loads its own file."""
+    out = tmp_path / "torchrun"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "gradzip", "train", "--task", "digits", "--limit-train", "200",
+           "--milestones", "2", "--compressor", "topk:ratio=0.1", "--threads", "1",
+           "--out", str(out), "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for extra in (["--epochs", "1"], ["--epochs", "2", "--resume"]):
+        proc = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    assert read_manifest(out).processes == 2  # type: ignore[union-attr]
+    sim = tmp_path / "sim"
+    run(RunConfig(**TINY, epochs=2, compressor="topk:ratio=0.1", out=str(sim)))  # type: ignore[arg-type]
+    got, want = records(out), records(sim)
+    assert [r["epoch"] for r in got] == [1, 2]
+    for a, b in zip(got, want, strict=True):
+        assert (a["accuracy"], a["wire_bytes"], a["step"]) == (b["accuracy"], b["wire_bytes"],
+                                                               b["step"])
+        assert a["test_loss"] == pytest.approx(b["test_loss"], rel=1e-5)

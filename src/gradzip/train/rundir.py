@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,13 +39,19 @@ _MANIFEST = "latest.json"
 _RESULT_FILES = ("metrics.jsonl", "summary.json")
 
 
+def _temporary(path: Path) -> Path:
+    """A fresh name beside ``path`` (same file system, so ``os.replace`` is atomic); created
+    with ``open(..., "x")`` so it gets the usual permissions, unlike ``mkstemp``'s 0600."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same directory and
     ``os.replace``: a reader (or a crash) sees the old file or the new one, never a part."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = _temporary(path)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        with open(tmp, "x", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
@@ -61,9 +67,9 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to ``path`` atomically (temporary file, then ``os.replace``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = _temporary(path)
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with open(tmp, "xb") as fh:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
