@@ -249,7 +249,9 @@ def cmd_train(args: argparse.Namespace) -> int:
           f" ({comp:.1f}x less than dense); {summary['wall_seconds']:.1f} s"
           if comp else f"final {metric} {shown}; {summary['wall_seconds']:.1f} s")
     print(f"wrote {os.path.join(cfg.out, 'metrics.jsonl')} and "
-          f"{os.path.join(cfg.out, 'summary.json')}")
+          f"{os.path.join(cfg.out, 'summary.json')}"
+          + (f"; tensorboard --logdir {os.path.join(cfg.out, 'tensorboard')}"
+             if cfg.tensorboard else ""))
     return 0
 
 

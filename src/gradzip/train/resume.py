@@ -119,12 +119,13 @@ def _check_metrics_prefix(path: Path, length: int) -> None:
                          f"checkpoint covers, got {size} bytes; it cannot be resumed")
 
 
-def agree(stepper: Any, error: str | None) -> None:
+def agree(stepper: Any, error: str | None, what: str = "load its part of the checkpoint") -> None:
     """Raise on every process when any process failed (a collective in a process group).
 
     Args:
         stepper: the loop's stepper (its ``all_sum`` spans every process).
         error: this process's failure, or None.
+        what: what the others failed to do, for the message.
 
     Raises:
         ValueError: this process's error, or a note that another process failed.
@@ -133,7 +134,7 @@ def agree(stepper: Any, error: str | None) -> None:
     if error is not None:
         raise ValueError(error)
     if float(failed[0]) > 0:
-        raise ValueError("another worker could not load its part of the checkpoint")
+        raise ValueError(f"another worker could not {what}")
 
 
 def open_out_dir(cfg: Any, plan: Plan) -> MetricsWriter:
@@ -184,7 +185,8 @@ class Checkpointer:
                         rank_file(self.cfg.out, directory, self.rank))
         except OSError as exc:
             error = f"writing the checkpoint failed: {exc}"
-        agree(loop.stepper, error)  # every file is complete before the manifest names them
+        # Every file is complete before the manifest names them.
+        agree(loop.stepper, error, "write its part of the checkpoint")
         if self.rank == 0:
             assert self.writer is not None
             commit_checkpoint(self.cfg.out, Manifest(

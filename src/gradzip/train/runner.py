@@ -466,7 +466,7 @@ def _torchrun_plan(cfg: RunConfig, resume: bool) -> Plan:
     if dist.get_rank() == 0:
         try:
             box[0] = plan_out_dir(cfg, resume)
-        except ValueError as exc:
+        except (ValueError, TypeError, OSError) as exc:  # raised on every rank, not one
             box[0] = str(exc)
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
