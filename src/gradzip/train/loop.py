@@ -414,6 +414,10 @@ class TrainLoop:
         if self.batch_controller is not None:
             self.batch_controller.load_state_dict(state["batch_controller"])
         loop = dict(state["loop"])
+        want = {*self.done, "decisions", "decision_count"}
+        if set(loop) != want:
+            raise ValueError(f"the checkpoint's `loop` must have keys {sorted(want)}, "
+                             f"got {sorted(loop)}")
         self.decisions = list(loop.pop("decisions"))
         self._decision_count = int(loop.pop("decision_count"))
         self.done = loop
@@ -442,7 +446,8 @@ class TrainLoop:
         """
         if self.stepper is None:
             raise RuntimeError("TrainLoop.setup() must run before run()")
-        cfg, task, spe, stepper, done = self.cfg, self.task, self.steps_per_epoch, self.stepper, self.done
+        cfg, task, spe, stepper = self.cfg, self.task, self.steps_per_epoch, self.stepper
+        done = self.done
         if self._rng is not None:
             torch.set_rng_state(self._rng["cpu"])
             if "cuda" in self._rng and self.device.type == "cuda":
