@@ -161,6 +161,16 @@ class Manifest:
                 "directory": self.directory, "processes": self.processes,
                 "metrics_bytes": self.metrics_bytes, "config": self.config}
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Manifest:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            KeyError, TypeError, ValueError: a missing or malformed field.
+        """
+        return cls(int(data["epoch"]), int(data["step"]), str(data["directory"]),
+                   int(data["processes"]), int(data["metrics_bytes"]), dict(data["config"]))
+
 
 def read_manifest(out: str | os.PathLike[str]) -> Manifest | None:
     """The committed checkpoint of ``out``, or None when there is none.
@@ -176,8 +186,7 @@ def read_manifest(out: str | os.PathLike[str]) -> Manifest | None:
         raise ValueError(f"`out` holds a checkpoint of another format ({path}); it cannot be "
                          "resumed by this version")
     try:
-        return Manifest(int(data["epoch"]), int(data["step"]), str(data["directory"]),
-                        int(data["processes"]), int(data["metrics_bytes"]), dict(data["config"]))
+        return Manifest.from_dict(data)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"`out` holds a damaged checkpoint manifest {path}: {exc}") from None
 

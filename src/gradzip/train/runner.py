@@ -404,8 +404,7 @@ def _run_local(cfg: RunConfig, rank: int, processes: int, progress: bool, starte
     data = task.load(cfg)
     loop = TrainLoop(cfg, task, data, rank=rank, progress=progress and rank == 0)
     loop.setup(build_compressor)
-    plan = Plan(None if manifest is None else Manifest(**{
-        k: v for k, v in manifest.items() if k != "format_version"}))
+    plan = Plan(None if manifest is None else Manifest.from_dict(manifest))
     error = None
     if plan.manifest is not None:
         try:
