@@ -51,6 +51,8 @@ def _to(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (tuple, list)):
         return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
     return batch
 
 
@@ -116,7 +118,8 @@ class SimStepper:
         return self.engine.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.engine.load_state_dict(state)
+        # Checkpoints are read onto the CPU; residuals and warm starts live with the model.
+        self.engine.load_state_dict(_to(state, self.device))
 
     def all_sum(self, x: Tensor) -> Tensor:
         return x
@@ -412,7 +415,7 @@ class TrainLoop:
                 raise ValueError(f"the checkpoint's `{part}` does not fit this run: "
                                  f"{' '.join(str(exc).split())}") from None
         if self.batch_controller is not None:
-            self.batch_controller.load_state_dict(state["batch_controller"])
+            self.batch_controller.load_state_dict(_to(state["batch_controller"], self.device))
         loop = dict(state["loop"])
         want = {*self.done, "decisions", "decision_count"}
         if set(loop) != want:
@@ -449,9 +452,9 @@ class TrainLoop:
         cfg, task, spe, stepper = self.cfg, self.task, self.steps_per_epoch, self.stepper
         done = self.done
         if self._rng is not None:
-            torch.set_rng_state(self._rng["cpu"])
+            torch.set_rng_state(self._rng["cpu"].cpu())
             if "cuda" in self._rng and self.device.type == "cuda":
-                torch.cuda.set_rng_state(self._rng["cuda"], self.device)
+                torch.cuda.set_rng_state(self._rng["cuda"].cpu(), self.device)
         bar = progress_bar((cfg.epochs - done["epoch"]) * spe, self.progress,
                            f"{cfg.task} {cfg.compressor}")
         history = done["history"]
