@@ -141,6 +141,30 @@ def test_train_digits_writes_metrics_and_summary(
     assert err == ""  # no progress bar when stderr is not a terminal
 
 
+def test_a_refused_train_leaves_the_finished_run_in_out_untouched(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    args = ["train", "--task", "digits", "--epochs", "1", "--workers", "2", "--limit-train",
+            "200", "--milestones", "5", "--out", str(out)]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 0, err
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    for extra, message in (
+        (["--batch-size", "10000"], "batch_size 16 there, 10000 here"),
+        (["--compressor", "topk:ratio=0.1", "--resume"], "compressor 'none' there"),
+        (["--epochs", "2"], "epochs 1 there, 2 here"),
+        (["--checkpoint-every", "-1"], "`checkpoint_every` must be >= 0"),
+    ):
+        code, _, err = run_cli(capsys, *args, *extra)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+        assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == files
+    code, stdout, err = run_cli(capsys, *args[:4], "2", *args[5:], "--resume")
+    assert code == 0, err
+    epochs = [r["epoch"] for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "epoch"]
+    assert epochs == [1, 2] and ", 2 epochs," in stdout
+
+
 def test_train_cifar10_on_a_tiny_fake_release(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, fake_cifar: Path
 ) -> None:
@@ -268,6 +292,10 @@ def test_compare_writes_csv_and_skips_finished_runs(
     code, _, err = run_cli(capsys, "compare", str(grid), "--out", str(out))
     assert code == 0 and err.count("skipped") == 2 and summary.read_text() == before
     code, _, err = run_cli(capsys, "compare", str(grid), "--out", str(out), "--set", "seed=1")
+    assert code == 2 and "another configuration (seed 0 there, 1 here)" in err
+    assert len(err.strip().splitlines()) == 1 and summary.read_text() == before
+    code, _, err = run_cli(capsys, "compare", str(grid), "--out", str(tmp_path / "cmp1"),
+                           "--set", "seed=1")
     assert code == 0 and err.count("done in") == 2
 
 

@@ -46,6 +46,11 @@ examples:
 
 Options left out take the task's defaults (see `gradzip list`). The learning rate is per
 worker and scaled by the number of workers after a linear warm-up.
+
+A run is checked whole before DIR is written to; DIR holding another configuration's results
+is refused. A checkpoint is saved every --checkpoint-every epochs; after an interruption, the
+same command with --resume continues from it (also with more --epochs):
+  gradzip train --task digits --compressor topk:ratio=0.01 --out runs/topk --resume
 """
 
 COMPARE_EPILOG = """\
@@ -59,7 +64,8 @@ examples:
   gradzip compare cifar10-accordion --set data=~/.cache/cifar10 --set epochs=30
 
 Finished runs (summary.json present with the same configuration) are skipped on a re-run;
---force re-runs them.
+--force re-runs them. Interrupted runs continue from their checkpoints. A run directory holding
+another configuration's results is refused before any run starts.
 """
 
 LIST_EPILOG = """\
@@ -94,6 +100,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-dir", default=None, help="cache of decoded CIFAR arrays")
     g.add_argument("--threads", type=int, default=None,
                    help="torch threads of a simulated run (default: the task's)")
+    g.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
+                   help="save a checkpoint to DIR/checkpoint every N epochs and after the last "
+                        "(default 1; 0: never)")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard event files to DIR/tensorboard (needs the "
+                        "tensorboard package)")
     a = p.add_argument_group("accordion")
     a.add_argument("--accordion", default=None, metavar="SPEC",
                    help="gentle level for critical regimes (--compressor is the aggressive one), "
@@ -131,6 +143,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 _RUN_FIELDS = (
     "task", "workers", "compressor", "out", "launcher", "seed", "epochs", "data", "model",
     "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "accordion_batch", "eta", "interval_epochs",
+    "checkpoint_every", "tensorboard",
     "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
     "gamma", "clip", "scale_lr", "error_feedback", "dense_1d", "bptt", "text_level",
 )
@@ -160,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "DIR/summary.json.",
                            epilog=TRAIN_EPILOG, formatter_class=_FMT)
     _add_run_options(train)
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in DIR from its last checkpoint (also to more "
+                            "--epochs); without a checkpoint, start from the beginning")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     cmp = sub.add_parser("compare", help="run a grid of runs from a TOML file or preset",
                          description="Run a grid; print a table, write results.csv and "
@@ -170,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a run option for every run (repeatable)")
     cmp.add_argument("--force", action="store_true", help="re-run finished runs")
+    cmp.add_argument("--tensorboard", action="store_true",
+                     help="write OUT/tensorboard/<run>/ event files (one folder per run, so "
+                          "`tensorboard --logdir OUT/tensorboard` overlays them)")
     cmp.add_argument("--quiet", action="store_true", help="no progress output")
     lst = sub.add_parser("list", help="compressors, tasks, models and presets",
                          description="List compressors (with parameters and defaults), tasks, "
@@ -206,7 +225,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gradzip.train.runner import RunConfig, run
 
     cfg = RunConfig.from_dict({f: getattr(args, f) for f in _RUN_FIELDS})
-    summary = run(cfg, progress=_progress(args.quiet))
+    summary = run(cfg, progress=_progress(args.quiet), resume=args.resume)
     if summary is None:  # pragma: no cover - a torchrun rank other than 0 could return None
         return 0
     if os.environ.get("RANK", "0") != "0":
@@ -230,7 +249,9 @@ def cmd_train(args: argparse.Namespace) -> int:
           f" ({comp:.1f}x less than dense); {summary['wall_seconds']:.1f} s"
           if comp else f"final {metric} {shown}; {summary['wall_seconds']:.1f} s")
     print(f"wrote {os.path.join(cfg.out, 'metrics.jsonl')} and "
-          f"{os.path.join(cfg.out, 'summary.json')}")
+          f"{os.path.join(cfg.out, 'summary.json')}"
+          + (f"; tensorboard --logdir {os.path.join(cfg.out, 'tensorboard')}"
+             if cfg.tensorboard else ""))
     return 0
 
 
@@ -241,11 +262,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     grid = load_grid(args.config, overrides=overrides, out=args.out)
     quiet = args.quiet
     rows = run_grid(grid, force=args.force, progress=_progress(quiet),
-                    stream=None if quiet else sys.stderr)
+                    stream=None if quiet else sys.stderr, tensorboard=args.tensorboard)
     print(f"{grid.name}: {len(rows)} runs")
     print(format_table(rows))
     files = rows[0]["_files"]
     print(f"csv: {files['csv']}")
+    if files.get("tensorboard"):
+        print(f"tensorboard: tensorboard --logdir {files['tensorboard']}")
     print(f"plot: {files['plot']}" if files["plot"] else "plot: (matplotlib not installed)")
     return 0
 

@@ -80,7 +80,7 @@ def test_every_preset_parses_and_resolves(tmp_path: Path) -> None:
             resolve_config(item.config)  # every option valid (data: any existing path)
 
 
-def test_run_grid_skips_finished_runs_and_reruns_changed_ones(tmp_path: Path) -> None:
+def test_run_grid_skips_finished_runs_and_refuses_changed_ones(tmp_path: Path, snapshot) -> None:
     src = write(tmp_path, "[base]\n" + TINY_BASE + '[[runs]]\ncompressor = "none"\n'
                 '[[runs]]\ncompressor = "topk:ratio=0.1"\n')
     out = str(tmp_path / "out")
@@ -100,12 +100,16 @@ def test_run_grid_skips_finished_runs_and_reruns_changed_ones(tmp_path: Path) ->
     assert [r["final"] for r in again] == [r["final"] for r in rows]
 
     log = io.StringIO()
-    run_grid(load_grid(src, out=out, overrides={"lr": 0.01}), stream=log)
-    assert log.getvalue().count("done in") == 2  # another configuration: run again
-
-    log = io.StringIO()
-    run_grid(load_grid(src, out=out, overrides={"lr": 0.01}), stream=log, force=True)
+    run_grid(load_grid(src, out=out), stream=log, force=True)
     assert log.getvalue().count("done in") == 2
+
+    # Another configuration in the same directories: refused before any run, nothing changed.
+    before = snapshot(Path(out))
+    for force in (False, True):
+        with pytest.raises(ValueError, match=r"run 'none'.*another configuration \(lr 0.025 "
+                                             r"there, 0.01 here\)"):
+            run_grid(load_grid(src, out=out, overrides={"lr": 0.01}), stream=None, force=force)
+    assert snapshot(Path(out)) == before
 
 
 def test_an_unfinished_run_is_rerun(tmp_path: Path) -> None:

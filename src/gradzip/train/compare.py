@@ -14,18 +14,22 @@ A grid file::
     compressor = "topk:ratio=0.01"
 
 Each run writes to ``OUT/<label>`` (grid values appended to the label). A run whose
-``summary.json`` exists with the same result-determining configuration is skipped, so an
-interrupted grid resumes where it stopped. ``OUT/results.csv`` and ``OUT/compare.png`` are
-rewritten at the end.
+``summary.json`` exists with the same result-determining configuration is skipped, and an
+interrupted run continues from its checkpoint, so an interrupted grid resumes where it
+stopped. A run directory holding another configuration's results stops the grid before any
+run starts. ``OUT/results.csv`` and ``OUT/compare.png`` are rewritten (atomically) at the end;
+with ``tensorboard``, ``OUT/tensorboard/<label>/`` holds each run's event files.
 """
 
 from __future__ import annotations
 
 import csv
 import importlib.resources
+import io
 import itertools
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -33,8 +37,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from gradzip.train.events import EVENTS_DIR, require_tensorboard, write_events
 from gradzip.train.metrics import format_bytes, read_metrics, read_summary
 from gradzip.train.plots import plot_runs
+from gradzip.train.resume import plan_out_dir
+from gradzip.train.rundir import atomic_write_text
 from gradzip.train.runner import RunConfig, resolve_config, run
 
 __all__ = ["Grid", "GridRun", "format_table", "list_presets", "load_grid", "run_grid"]
@@ -181,44 +188,72 @@ def _finished(cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def run_grid(grid: Grid, *, force: bool = False, progress: bool = False,
-             stream: TextIO | None = sys.stderr) -> list[dict[str, Any]]:
+             stream: TextIO | None = sys.stderr, tensorboard: bool = False,
+             ) -> list[dict[str, Any]]:
     """Run (or reuse) every run of ``grid``; write ``results.csv`` and ``compare.png``.
+
+    Every run and its directory are checked before the first run starts: a directory holding
+    another configuration's results refuses the whole grid, touching nothing. A finished run
+    of the same configuration is reused; an interrupted one continues from its checkpoint.
 
     Args:
         grid: from :func:`load_grid`.
-        force: re-run finished runs too.
+        force: re-run finished runs too (from the beginning).
         progress: progress bars inside each run.
         stream: where one status line per run goes (None: silent).
+        tensorboard: also write ``OUT/tensorboard/<run>/`` event files from each run's records
+            (one folder per run, so TensorBoard overlays them).
 
     Returns:
-        One row per run (see :func:`format_table`), in grid order, with ``csv`` and ``plot``
-        paths under the keys of the first row's ``_files``.
+        One row per run (see :func:`format_table`), in grid order, with ``csv``, ``plot`` and
+        ``tensorboard`` paths under the keys of the first row's ``_files``.
+
+    Raises:
+        ValueError, TypeError: an invalid run, or a directory holding another configuration's
+            results (the run and the first difference named).
     """
     resolved = [GridRun(r.label, resolve_config(r.config)) for r in grid.runs]  # fail early
+    if tensorboard:
+        require_tensorboard()
+    for item in resolved:
+        try:
+            plan_out_dir(item.config, resume=not force)
+        except ValueError as exc:
+            raise ValueError(f"run {item.label!r}: {exc}") from None
     rows = []
     for i, item in enumerate(resolved, 1):
         summary = None if force else _finished(item.config)
         status = "skipped (finished)"
         if summary is None:
             start = time.perf_counter()
-            summary = run(replace(item.config), progress=progress)
+            summary = run(replace(item.config), progress=progress, resume=not force)
             status = f"done in {time.perf_counter() - start:.1f} s"
         if stream is not None:
             print(f"[{i}/{len(resolved)}] {item.label}: {status}", file=stream, flush=True)
         rows.append(_row(item, summary))
     root = Path(grid.out)
     root.mkdir(parents=True, exist_ok=True)
-    csv_path = root / "results.csv"
-    with csv_path.open("w", newline="", encoding="utf-8") as fh:
-        fields = [k for k in rows[0] if not k.startswith("_")]
-        writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
+    buffer = io.StringIO(newline="")
+    fields = [k for k in rows[0] if not k.startswith("_")]
+    writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    csv_path = atomic_write_text(root / "results.csv", buffer.getvalue())
     metric = rows[0]["metric"]
-    plot = plot_runs([(r["label"], read_metrics(r["out"])) for r in rows], root / "compare.png",
+    tmp_plot = root / ".compare.tmp.png"
+    plot = plot_runs([(r["label"], read_metrics(r["out"])) for r in rows], tmp_plot,
                      metric=metric, title=grid.name)
+    if plot is not None:
+        os.replace(tmp_plot, root / "compare.png")
+        plot = root / "compare.png"
+    events = None
+    if tensorboard:
+        events = root / EVENTS_DIR
+        for r in rows:
+            write_events(read_metrics(r["out"], kind=None), events / Path(r["out"]).name)
     for r in rows:
-        r["_files"] = {"csv": str(csv_path), "plot": str(plot) if plot else None}
+        r["_files"] = {"csv": str(csv_path), "plot": str(plot) if plot else None,
+                       "tensorboard": str(events) if events else None}
     return rows
 
 

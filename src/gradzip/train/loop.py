@@ -51,6 +51,8 @@ def _to(batch: Any, device: torch.device) -> Any:
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (tuple, list)):
         return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
     return batch
 
 
@@ -111,6 +113,14 @@ class SimStepper:
     def compressor_state(self) -> Any:
         return self.engine.compressor_state
 
+    def state_dict(self) -> dict[str, Any]:
+        """Every simulated worker's gradzip state (one engine holds them all)."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Checkpoints are read onto the CPU; residuals and warm starts live with the model.
+        self.engine.load_state_dict(_to(state, self.device))
+
     def all_sum(self, x: Tensor) -> Tensor:
         return x
 
@@ -167,6 +177,13 @@ class DDPStepper:
         engine = getattr(self.hook, "engine", None)
         return getattr(engine, "compressor_state", None)
 
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's gradzip state (residuals are per rank)."""
+        return self.hook.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.hook.load_state_dict(state)
+
     def _reduce(self, x: Tensor, op: Any) -> Tensor:
         y = x.to(self.device)
         self.dist.all_reduce(y, op=op)
@@ -213,6 +230,14 @@ class TrainLoop:
         self.batch_controller = self._batch_controller()
         self.decisions: list[dict[str, Any]] = []
         self._decision_count = 0
+        # Where training stands after the last completed epoch (all of it plain data, so a
+        # checkpoint can hold it and a resumed run continue exactly).
+        self.done: dict[str, Any] = {
+            "epoch": 0, "step": 0, "lr": cfg.lr, "seconds": 0.0, "history": [],
+            "prev": {"wire_bytes": 0, "payload_bytes": 0, "dense_payload_bytes": 0},
+            "density_mark": [0, 0], "marks": {},
+        }
+        self._rng: dict[str, Any] | None = None
 
     # -- helpers ----------------------------------------------------------------------
     def _batch_controller(self) -> Any:
@@ -350,27 +375,94 @@ class TrainLoop:
             out["batch_decisions.json"] = self.batch_controller.decisions
         return out
 
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This process's whole training state after the last completed epoch: model,
+        optimizer, gradzip state of its workers, controllers, random generators, records."""
+        assert self.stepper is not None, "setup() first"
+        rng: dict[str, Any] = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        ctl = self.batch_controller
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "gradzip": self.stepper.state_dict(),
+            "batch_controller": ctl.state_dict() if ctl is not None else None,
+            "rng": rng,
+            "loop": {**self.done, "decisions": self.decisions,
+                     "decision_count": self._decision_count},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` output (after :meth:`setup`).
+
+        Raises:
+            ValueError: a part that does not fit this run (the part named).
+        """
+        assert self.stepper is not None, "setup() first"
+        for key in ("model", "optimizer", "gradzip", "batch_controller", "rng", "loop"):
+            if key not in state:
+                raise ValueError(f"the checkpoint must hold `{key}`, got keys {sorted(state)}")
+        if (state["batch_controller"] is None) != (self.batch_controller is None):
+            raise ValueError("the checkpoint's `batch_controller` must match `accordion_batch`")
+        for part, load in (("model", self.model.load_state_dict),
+                           ("optimizer", self.optimizer.load_state_dict),
+                           ("gradzip", self.stepper.load_state_dict)):
+            try:
+                load(state[part])
+            except (KeyError, RuntimeError, TypeError, ValueError) as exc:
+                raise ValueError(f"the checkpoint's `{part}` does not fit this run: "
+                                 f"{' '.join(str(exc).split())}") from None
+        if self.batch_controller is not None:
+            self.batch_controller.load_state_dict(_to(state["batch_controller"], self.device))
+        loop = dict(state["loop"])
+        want = {*self.done, "decisions", "decision_count"}
+        if set(loop) != want:
+            raise ValueError(f"the checkpoint's `loop` must have keys {sorted(want)}, "
+                             f"got {sorted(loop)}")
+        self.decisions = list(loop.pop("decisions"))
+        self._decision_count = int(loop.pop("decision_count"))
+        self.done = loop
+        self._rng = state["rng"]  # restored when training continues
+
     # -- the loop ---------------------------------------------------------------------
-    def run(self, build_compressor: Callable[[Any, int], Compressor],
-            writer: MetricsWriter | None) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
-        """Train every epoch.
+    def setup(self, build_compressor: Callable[[Any, int], Compressor]) -> None:
+        """Build the compressor and the stepper (DDP and its hook, or the simulated engine)."""
+        self.compressor = build_compressor(self.cfg, self.steps_per_epoch)
+        stepper_cls = SimStepper if self.cfg.launcher == "sim" else DDPStepper
+        self.stepper = stepper_cls(self.model, self.task, self.compressor, self.cfg,
+                                   self.optimizer, self.device)
+
+    def run(self, writer: MetricsWriter | None,
+            checkpoint: Callable[[TrainLoop], None] | None = None,
+            ) -> tuple[list[dict[str, Any]], dict[str, Any], float]:
+        """Train the epochs not done yet (all of them, unless a checkpoint was loaded).
+
+        Args:
+            writer: where records go (rank 0), or None.
+            checkpoint: called after each epoch's record is written; decides itself whether
+                to save (every process calls it: saving may be a collective).
 
         Returns:
             (epoch records, cumulative counters (max over workers), training seconds).
         """
-        cfg, task, spe = self.cfg, self.task, self.steps_per_epoch
-        self.compressor = build_compressor(cfg, spe)
-        stepper_cls = SimStepper if cfg.launcher == "sim" else DDPStepper
-        self.stepper = stepper = stepper_cls(self.model, task, self.compressor, cfg,
-                                             self.optimizer, self.device)
-        bar = progress_bar(cfg.epochs * spe, self.progress, f"{cfg.task} {cfg.compressor}")
-        history: list[dict[str, Any]] = []
-        started = time.perf_counter()
-        prev = {"wire_bytes": 0, "payload_bytes": 0, "dense_payload_bytes": 0}
-        density_mark, marks, step, lr = (0, 0), {}, 0, cfg.lr  # type: ignore[var-annotated]
+        if self.stepper is None:
+            raise RuntimeError("TrainLoop.setup() must run before run()")
+        cfg, task, spe, stepper = self.cfg, self.task, self.steps_per_epoch, self.stepper
+        done = self.done
+        if self._rng is not None:
+            torch.set_rng_state(self._rng["cpu"].cpu())
+            if "cuda" in self._rng and self.device.type == "cuda":
+                torch.cuda.set_rng_state(self._rng["cuda"].cpu(), self.device)
+        bar = progress_bar((cfg.epochs - done["epoch"]) * spe, self.progress,
+                           f"{cfg.task} {cfg.compressor}")
+        history = done["history"]
+        started = time.perf_counter() - done["seconds"]
+        step, lr = done["step"], done["lr"]
         self._track_decisions()
         self.model.train()
-        for epoch in range(cfg.epochs):
+        for epoch in range(done["epoch"], cfg.epochs):
             epoch_start = time.perf_counter()
             shards = [task.batches(self.data, cfg, cfg.workers, r, epoch)
                       for r in stepper.local_ranks]
@@ -402,6 +494,7 @@ class TrainLoop:
             reduced = stepper.all_sum(torch.cat([sums.double(),
                                                  torch.tensor([loss_sum], dtype=torch.float64)]))
             counts = self._bytes()
+            prev = done["prev"]
             rec: dict[str, Any] = {
                 "kind": "epoch", "epoch": epoch + 1, "step": step, "lr": lr,
                 "train_loss": float(reduced[-1]) / (max(used, 1) * cfg.workers),
@@ -416,17 +509,20 @@ class TrainLoop:
                 "rounds": stepper.stats["steps"],
                 "skipped_steps": stepper.stats["skipped_steps"],
             }
-            density, density_mark = self._density(density_mark)
+            density, mark = self._density(tuple(done["density_mark"]))  # type: ignore[arg-type]
             if density is not None:
                 rec["density"] = density
-            rec.update(self._control_fields(marks))
+            rec.update(self._control_fields(done["marks"]))
             now = time.perf_counter()
             rec["eval_seconds"] = now - eval_start
             rec["epoch_seconds"], rec["seconds"] = now - epoch_start, now - started
-            prev = counts
             history.append(rec)
+            done.update(epoch=epoch + 1, step=step, lr=lr, seconds=now - started, prev=counts,
+                        density_mark=list(mark))
             if writer is not None:
                 writer.write(rec)
+            if checkpoint is not None:
+                checkpoint(self)
             bar.set_postfix({task.metric[:4]: f"{rec[task.metric]:.4g}",
                              "loss": f"{rec['train_loss']:.3g}"}, refresh=False)
         bar.close()

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradzip.train.rundir import atomic_write_text
+
 __all__ = [
     "MetricsWriter", "format_bytes", "progress_bar", "read_metrics", "read_summary", "versions",
 ]
@@ -59,33 +61,66 @@ def _plain(value: Any) -> Any:
 class MetricsWriter:
     """Appends records to ``DIR/metrics.jsonl`` and writes ``DIR/summary.json`` at the end.
 
-    A new writer truncates an existing ``metrics.jsonl`` (a run starts from scratch) and
-    removes a stale ``summary.json``, so a directory never pairs new metrics with an old summary.
+    The runner creates a writer only once the run is known to be valid and ``DIR`` to be its
+    own (a refused run touches nothing). A new writer removes a stale ``summary.json`` (so a
+    directory never pairs new metrics with an old summary) and replaces ``metrics.jsonl``
+    atomically: by an empty file, or, when resuming, by the first ``keep_bytes`` bytes of the
+    existing one (the records the checkpoint covers). Records are then appended and flushed.
 
     Args:
         out_dir: the run's output directory (created if missing).
+        keep_bytes: resume: the length of ``metrics.jsonl`` to keep; None starts it empty.
+        sinks: objects with ``write(record)`` and ``close()`` that receive every record too
+            (the TensorBoard mirror).
+
+    Raises:
+        ValueError: ``keep_bytes`` is longer than the existing file, or cuts a record.
     """
 
-    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, out_dir: str | os.PathLike[str], *, keep_bytes: int | None = None,
+                 sinks: list[Any] | None = None) -> None:
         self.out_dir = Path(out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.summary_path = self.out_dir / "summary.json"
+        kept = ""
+        if keep_bytes:
+            kept = self._prefix(keep_bytes)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         self.summary_path.unlink(missing_ok=True)
-        self._fh = self.metrics_path.open("w", encoding="utf-8")
+        atomic_write_text(self.metrics_path, kept)
+        self._fh = self.metrics_path.open("ab")
+        self.sinks = list(sinks or [])
+
+    def _prefix(self, keep_bytes: int) -> str:
+        """The first ``keep_bytes`` bytes of the metrics file, checked to be whole records."""
+        try:
+            with self.metrics_path.open("rb") as fh:
+                data = fh.read(keep_bytes)
+        except OSError as exc:
+            raise ValueError(f"`out` metrics.jsonl cannot be read back to resume: {exc}") from None
+        if len(data) != keep_bytes or not data.endswith(b"\n"):
+            raise ValueError(
+                f"`out` metrics.jsonl must hold the {keep_bytes} bytes of records the checkpoint "
+                f"covers, got {len(data)} bytes ending mid-record; it cannot be resumed"
+            )
+        return data.decode("utf-8")
+
+    @property
+    def position(self) -> int:
+        """The length of ``metrics.jsonl`` so far (every record written is flushed)."""
+        return self._fh.tell()
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (flushed, so a crashed run keeps its history)."""
-        self._fh.write(json.dumps(_plain(record), sort_keys=False) + "\n")
+        plain = _plain(record)
+        self._fh.write((json.dumps(plain, sort_keys=False) + "\n").encode("utf-8"))
         self._fh.flush()
+        for sink in self.sinks:
+            sink.write(plain)
 
     def write_json(self, name: str, obj: Any) -> Path:
         """Write ``obj`` as ``DIR/name`` (atomically)."""
-        path = self.out_dir / name
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(_plain(obj), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        return atomic_write_text(self.out_dir / name, json.dumps(_plain(obj), indent=2) + "\n")
 
     def finish(self, summary: dict[str, Any]) -> Path:
         """Close the metrics file and write ``summary.json`` last (its presence marks a
@@ -96,6 +131,8 @@ class MetricsWriter:
     def close(self) -> None:
         if not self._fh.closed:
             self._fh.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(out_dir: str | os.PathLike[str], kind: str | None = "epoch") -> list[dict[str, Any]]:

@@ -32,8 +32,11 @@ from gradzip.comm.torch_dist import shutdown_process_group
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.ops.random import stable_hash
+from gradzip.train.events import require_tensorboard
 from gradzip.train.loop import TrainLoop
-from gradzip.train.metrics import MetricsWriter, versions
+from gradzip.train.metrics import versions
+from gradzip.train.resume import Checkpointer, Plan, agree, open_out_dir, plan_out_dir
+from gradzip.train.rundir import Manifest, check_out_dir, load_rank_file
 from gradzip.train.tasks import get_task, parse_model_spec
 
 __all__ = ["LAUNCHERS", "RunConfig", "build_compressor", "resolve_config", "run", "under_torchrun"]
@@ -43,7 +46,7 @@ log = logging.getLogger(__name__)
 LAUNCHERS = ("auto", "sim", "procs")
 DEVICES = ("cpu", "cuda")
 #: Fields that do not change what is computed (ignored when deciding whether a run is done).
-NON_RESULT_FIELDS = ("out", "cache_dir", "timeout", "threads")
+NON_RESULT_FIELDS = ("out", "cache_dir", "timeout", "threads", "checkpoint_every", "tensorboard")
 
 
 @dataclasses.dataclass
@@ -87,6 +90,9 @@ class RunConfig:
         timeout: seconds before a spawned multi-process run is abandoned.
         threads: torch threads of a simulated run (default: the task's; spawned processes
             share the cores).
+        checkpoint_every: save a checkpoint every N epochs and after the last (0: never);
+            ``run(..., resume=True)`` continues from it.
+        tensorboard: also write TensorBoard event files under ``out/tensorboard``.
     """
 
     task: str = "digits"
@@ -122,6 +128,8 @@ class RunConfig:
     device: str = "cpu"
     timeout: float = 7 * 24 * 3600.0
     threads: int | None = None
+    checkpoint_every: int = 1
+    tensorboard: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (tuples as lists)."""
@@ -152,6 +160,37 @@ class RunConfig:
     def result_key(self) -> dict[str, Any]:
         """The fields that determine the results (what a re-run must match to be skipped)."""
         return {k: v for k, v in self.to_dict().items() if k not in NON_RESULT_FIELDS}
+
+    def first_difference(self, stored: dict[str, Any], *, epochs: bool = True) -> str | None:
+        """The first result-determining field where ``stored`` (another run's configuration,
+        as plain data) differs from this one, as ``"name X there, Y here"``; None if none.
+
+        Args:
+            stored: ``to_dict()`` of the other run (fields it lacks take their defaults).
+            epochs: compare the number of epochs too (a resumed run may change it).
+        """
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        mine = self.result_key()
+        for key in stored:
+            if key not in defaults:
+                return f"option {key!r} there, unknown here"
+        for key, value in mine.items():
+            if key == "epochs" and not epochs:
+                continue
+            theirs = stored.get(key, defaults[key])
+            if isinstance(theirs, tuple):
+                theirs = list(theirs)
+            if theirs != value:
+                return f"{key} {theirs!r} there, {value!r} here"
+        return None
+
+    def schedule_change(self, before: RunConfig, epochs_done: int) -> str | None:
+        """How the learning-rate milestones of the first ``epochs_done`` epochs differ between
+        ``before`` and this configuration (fractional milestones move with ``epochs``); None
+        when they agree."""
+        old = [m for m in milestone_epochs(before) if m < epochs_done]
+        new = [m for m in milestone_epochs(self) if m < epochs_done]
+        return None if old == new else f"milestones at epochs {old} become {new}"
 
 
 def _milestones(value: Any) -> tuple[float, ...]:
@@ -229,6 +268,11 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     check_int("seed", cfg.seed, minimum=0)
     check_int("bptt", cfg.bptt, minimum=1)
     check_int("log_every", cfg.log_every, minimum=0)
+    check_int("checkpoint_every", cfg.checkpoint_every, minimum=0)
+    check_bool("tensorboard", cfg.tensorboard)
+    if cfg.tensorboard:
+        require_tensorboard()
+    check_out_dir(cfg.out)
     if cfg.threads is not None:
         check_int("threads", cfg.threads, minimum=1)
     if cfg.limit_train is not None:
@@ -349,14 +393,29 @@ def summarize(cfg: RunConfig, metric: str, history: list[dict[str, Any]],
 
 
 # -- launchers ---------------------------------------------------------------------------
-def _run_local(cfg: RunConfig, rank: int, progress: bool, started: float) -> dict[str, Any]:
-    """Train as worker ``rank`` (sim: all workers); rank 0 writes the files."""
+def _run_local(cfg: RunConfig, rank: int, processes: int, progress: bool, started: float,
+               manifest: dict[str, Any] | None) -> dict[str, Any]:
+    """Train as process ``rank`` of ``processes`` (sim: the one process of all workers).
+
+    Everything that can refuse the run (data, batch size, model, compressor, this process's
+    checkpoint) happens before rank 0 first writes to ``cfg.out``.
+    """
     task = get_task(cfg.task)
     data = task.load(cfg)
-    writer = MetricsWriter(cfg.out) if rank == 0 else None
+    loop = TrainLoop(cfg, task, data, rank=rank, progress=progress and rank == 0)
+    loop.setup(build_compressor)
+    plan = Plan(None if manifest is None else Manifest.from_dict(manifest))
+    error = None
+    if plan.manifest is not None:
+        try:
+            loop.load_state_dict(load_rank_file(cfg.out, plan.manifest, rank))
+        except ValueError as exc:
+            error = f"--resume: {exc}"
+    agree(loop.stepper, error)  # every process loaded its part, or none goes on
+    writer = open_out_dir(cfg, plan) if rank == 0 else None
     try:
-        loop = TrainLoop(cfg, task, data, rank=rank, progress=progress and rank == 0)
-        history, stats, train_seconds = loop.run(build_compressor, writer)
+        history, stats, train_seconds = loop.run(
+            writer, Checkpointer(cfg, rank, processes, writer))
         summary = summarize(cfg, task.metric, history, stats, time.perf_counter() - started,
                             train_seconds)
         summary.update(loop.summary_fields())
@@ -370,25 +429,52 @@ def _run_local(cfg: RunConfig, rank: int, progress: bool, started: float) -> dic
             writer.close()
 
 
-def _preflight(cfg: RunConfig) -> None:
-    """Load the data and build the model and compressor once in the parent, so configuration
-    errors surface as one-line errors here rather than as tracebacks from every process."""
+def _preflight(cfg: RunConfig, plan: Plan) -> None:
+    """Load the data, build the model and compressor, and read every process's checkpoint
+    once in the parent, so configuration errors surface as one-line errors here rather than
+    as tracebacks from every process."""
     task = get_task(cfg.task)
     data = task.load(cfg)
     spe = task.steps_per_epoch(data, cfg, cfg.workers)
-    task.build_model(cfg, data)
+    model = task.build_model(cfg, data)
     build_compressor(cfg, spe)
+    if plan.manifest is None:
+        return
+    for rank in range(cfg.workers):
+        state = load_rank_file(cfg.out, plan.manifest, rank)
+        try:
+            model.load_state_dict(state["model"])
+        except (KeyError, RuntimeError) as exc:
+            raise ValueError(f"--resume: rank {rank}'s checkpoint does not fit the model: "
+                             f"{' '.join(str(exc).split())}") from None
 
 
 def _proc_main(rank: int, world: int, cfg_dict: dict[str, Any], progress: bool,
-               started: float) -> dict[str, Any]:
+               started: float, manifest: dict[str, Any] | None) -> dict[str, Any]:
     """Entry point of a spawned worker process (the process group already exists)."""
     torch.set_num_threads(cfg_dict.get("threads") or max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(stable_hash(cfg_dict["seed"], "process", rank))
-    return _run_local(RunConfig.from_dict(cfg_dict), rank, progress, started)
+    return _run_local(RunConfig.from_dict(cfg_dict), rank, world, progress, started, manifest)
 
 
-def _run_torchrun(cfg: RunConfig, progress: bool, started: float) -> dict[str, Any]:
+def _torchrun_plan(cfg: RunConfig, resume: bool) -> Plan:
+    """Rank 0 reads the directory (other machines may not share it) and tells every rank."""
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = plan_out_dir(cfg, resume)
+        except (ValueError, TypeError, OSError) as exc:  # raised on every rank, not one
+            box[0] = str(exc)
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise ValueError(box[0])
+    return box[0]
+
+
+def _run_torchrun(cfg: RunConfig, progress: bool, started: float,
+                  resume: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     backend = "nccl" if cfg.device == "cuda" else "gloo"
@@ -399,9 +485,14 @@ def _run_torchrun(cfg: RunConfig, progress: bool, started: float) -> dict[str, A
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
     try:
         rank = dist.get_rank()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(stable_hash(cfg.seed, "process", rank))
-            summary = _run_local(cfg, rank, progress, started)
+        plan = _torchrun_plan(cfg, resume)
+        if plan.finished is not None:
+            summary = plan.finished
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(stable_hash(cfg.seed, "process", rank))
+                summary = _run_local(cfg, rank, cfg.workers, progress, started,
+                                     plan.manifest_dict)
     except BaseException:
         if created:
             dist.destroy_process_group()
@@ -411,23 +502,42 @@ def _run_torchrun(cfg: RunConfig, progress: bool, started: float) -> dict[str, A
     return summary
 
 
-def run(cfg: RunConfig, *, progress: bool = False) -> dict[str, Any]:
+def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False) -> dict[str, Any]:
     """Train one run and write ``metrics.jsonl`` and ``summary.json`` to ``cfg.out``.
+
+    A run is checked whole (configuration, data, batch size against the data, model,
+    compressor, the output directory, the checkpoint) before anything in ``cfg.out`` is
+    written: a refused run changes nothing there.
 
     Args:
         cfg: the run (task defaults fill its ``None`` fields).
         progress: show a progress bar (rank 0 only).
+        resume: continue the run in ``cfg.out`` from its last checkpoint (model, optimizer,
+            every worker's gradzip state, controllers, random generators, records), possibly
+            to more epochs; the records equal an uninterrupted run's. Without a checkpoint
+            the run starts from the beginning.
 
     Returns:
         The summary (as written to ``summary.json``; under torchrun, every rank returns its
         own copy and only rank 0 writes it).
 
     Raises:
-        ValueError, TypeError: an invalid configuration.
+        ValueError, TypeError: an invalid configuration, or ``cfg.out`` holding another
+            configuration's results (the first difference named).
         RuntimeError: a worker process failed.
     """
     started = time.perf_counter()
     cfg = resolve_config(cfg)
+    check_bool("resume", resume)
+    if cfg.launcher != "sim":
+        from gradzip.train.loop import require_ddp
+
+        require_ddp()
+    if under_torchrun():
+        return _run_torchrun(cfg, progress, started, resume)
+    plan = plan_out_dir(cfg, resume)
+    if plan.finished is not None:
+        return plan.finished
     if cfg.launcher == "sim":
         threads = torch.get_num_threads()
         try:
@@ -435,23 +545,18 @@ def run(cfg: RunConfig, *, progress: bool = False) -> dict[str, Any]:
                 torch.set_num_threads(cfg.threads)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(stable_hash(cfg.seed, "process", 0))
-                return _run_local(cfg, 0, progress, started)
+                return _run_local(cfg, 0, 1, progress, started, plan.manifest_dict)
         finally:
             torch.set_num_threads(threads)
-    from gradzip.train.loop import require_ddp
-
-    require_ddp()
-    if under_torchrun():
-        return _run_torchrun(cfg, progress, started)
     if cfg.device == "cuda" and torch.cuda.device_count() < cfg.workers:
         raise ValueError(
             f"`workers` must be <= the {torch.cuda.device_count()} GPUs with device='cuda' "
             f"and launcher='procs', got {cfg.workers}"
         )
-    _preflight(cfg)
+    _preflight(cfg, plan)
     from gradzip.comm.launch import run_processes
 
     backend = "nccl" if cfg.device == "cuda" else "gloo"
     results = run_processes(_proc_main, cfg.workers, cfg.to_dict(), progress, started,
-                            backend=backend, timeout=cfg.timeout)
+                            plan.manifest_dict, backend=backend, timeout=cfg.timeout)
     return results[0]
