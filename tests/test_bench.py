@@ -1,21 +1,40 @@
-"""Smoke versions of ``gradzip bench``: they run and print well-formed rows (no timing checks)."""
+"""Smoke versions of ``gradzip bench`` and of the benchmark scripts behind BENCHMARKS.md: they
+run and print well-formed rows, and the scripts' verdicts apply their targets (no timing checks)."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 import subprocess
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from gradzip import bench
-from gradzip.benchmarks_impl import micro
+from gradzip.bench import micro, replay, table
 from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    """A script of ``benchmarks/`` as a module (the directory is no package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+micro_script = _load("micro")
+hooks_script = _load("hooks")
 
 MICRO_KEYS = {
     "compressor": str, "numel": int, "compress_seconds": float, "decode_seconds": float,
@@ -46,15 +65,108 @@ def test_micro_json_rows_cover_every_compressor(capsys: pytest.CaptureFixture[st
     assert by_name["powersgd"]["layout"] == "1x[64, 64, 3, 3]"
 
 
-def test_micro_table_and_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench.main(["micro", "--numel", "1048576", "--repeat", "1", "--threads", "1",
-                       "--heap", "default", "--compressors", "topk:ratio=0.01", "powersgd:rank=4"])
+def test_micro_table_has_no_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench.main(["micro", "--numel", "70000", "--repeat", "1", "--threads", "1",
+                       "--heap", "default", "--compressors", "topk:ratio=0.01", "none"])
+    assert code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("<!-- torch " + torch.__version__)
+    assert lines[1].startswith("| compressor") and len(lines) == 5  # comment, header, rule, 2 rows
+    assert lines[3].startswith("| topk:ratio=0.01") and lines[4].startswith("|            none")
+
+
+def test_micro_script_prints_table_and_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
+    code = micro_script.run(["--numel", "1048576", "--repeat", "1", "--threads", "1",
+                             "--heap", "default", "--compressors", "topk:ratio=0.01",
+                             "powersgd:rank=4"])
     assert code == 0
     out = capsys.readouterr().out
     assert "| compressor" in out and "torch " + torch.__version__ in out
     verdicts = [line for line in out.splitlines() if line.startswith("- ")]
     assert len(verdicts) == 2
+    assert verdicts[0].startswith("- topk compress >= 3x faster than torch.topk at 1048576: ")
+    assert verdicts[1].startswith("- powersgd compress no slower than the built-in's math at ")
     assert all(("met" in v or "MISSED" in v) for v in verdicts)
+
+
+def test_micro_script_json_prints_rows_only(capsys: pytest.CaptureFixture[str]) -> None:
+    code = micro_script.run(["--json", "--numel", "1048576", "--repeat", "1", "--threads", "1",
+                             "--heap", "default", "--compressors", "threshold:lam=2.5758"])
+    assert code == 0
+    (row,) = _json_rows(capsys.readouterr().out)
+    assert row["compressor"] == "threshold:lam=2.5758" and row["numel"] == 1048576
+
+
+def _micro_row(spec: str, numel: int, compress: float, baseline: float | None,
+               select: float | None = None) -> bench.MicroRow:
+    return bench.MicroRow(
+        compressor=spec, numel=numel, layout=f"[{numel}]", compress_seconds=compress,
+        decode_seconds=1.0, clone_seconds=1.0, baseline_seconds=baseline, baseline="b",
+        baseline_decode_seconds=None, select_seconds=select, density=None, workers=4,
+        threads=1, repeat=1, heap="warm",
+    )
+
+
+def test_micro_verdicts_apply_the_targets() -> None:
+    rows = [
+        _micro_row("threshold:lam=2.5758", 1_000_000, compress=2.0, baseline=None),
+        _micro_row("threshold:lam=2.5758", 2_000_000, compress=2.01, baseline=None),
+        _micro_row("topk:ratio=0.01", 1_000_000, compress=1.0, baseline=3.0, select=0.5),
+        _micro_row("topk:ratio=0.01", 2_000_000, compress=1.0, baseline=2.99),
+        _micro_row("powersgd:rank=4", 1_000_000, compress=1.0, baseline=1.0),
+        _micro_row("powersgd:rank=4", 2_000_000, compress=1.01, baseline=1.0),
+        _micro_row("topk:ratio=0.01", 999_999, compress=1.0, baseline=0.5),  # below 1M: none
+        _micro_row("none", 1_000_000, compress=9.0, baseline=None),  # no target
+    ]
+    assert micro_script.micro_verdicts(rows) == [
+        "threshold compress <= 2x clone at 1000000: met (2.00x)",
+        "threshold compress <= 2x clone at 2000000: MISSED (2.01x)",
+        "topk compress >= 3x faster than torch.topk at 1000000: met (3.00x; select op alone 6.00x)",
+        "topk compress >= 3x faster than torch.topk at 2000000: MISSED (2.99x)",
+        "powersgd compress no slower than the built-in's math at 1000000: met "
+        "(built-in / gradzip = 1.00)",
+        "powersgd compress no slower than the built-in's math at 2000000: MISSED "
+        "(built-in / gradzip = 0.99)",
+    ]
+
+
+def _hook_row(config: str, workers: int, ratio: float, cpu_ratio: float) -> bench.HookRow:
+    return bench.HookRow(
+        config=config, workers=workers, seconds_per_step=ratio, ratio_to_nohook=ratio,
+        cpu_seconds_per_step=cpu_ratio, cpu_ratio_to_nohook=cpu_ratio, model="m", parameters=1,
+        batch_per_worker=1, threads_per_worker=1, steps_per_round=1, rounds=1,
+    )
+
+
+def test_hook_verdicts_apply_the_targets() -> None:
+    rows = [
+        _hook_row("nohook", 2, 1.0, 1.0), _hook_row("gradzip:none", 2, 1.05, 1.5),
+        _hook_row("gradzip:powersgd:rank=4", 2, 1.2, 1.0),
+        _hook_row("builtin-powersgd:rank=4", 2, 1.2, 2.0),
+        _hook_row("nohook", 4, 1.0, 1.0), _hook_row("gradzip:none", 4, 1.06, 1.0),
+        _hook_row("gradzip:powersgd:rank=4", 4, 1.3, 1.0),
+        _hook_row("builtin-powersgd:rank=4", 4, 1.2, 1.0),
+    ]
+    assert hooks_script.hook_verdicts(rows) == [
+        "gradzip none within 5% of no hook, 2 workers: met (1.050x; CPU time 1.500x)",
+        "gradzip powersgd no slower than the built-in hook, 2 workers: met "
+        "(gradzip / built-in = 1.000; CPU time 0.500)",
+        "gradzip none within 5% of no hook, 4 workers: MISSED (1.060x; CPU time 1.000x)",
+        "gradzip powersgd no slower than the built-in hook, 4 workers: MISSED "
+        "(gradzip / built-in = 1.083; CPU time 1.000)",
+    ]
+    assert hooks_script.hook_verdicts(rows[:2]) == [  # no PowerSGD pair: one line
+        "gradzip none within 5% of no hook, 2 workers: met (1.050x; CPU time 1.500x)"]
+
+
+def test_hooks_table_shows_milliseconds() -> None:
+    rows = [_hook_row("nohook", 2, 0.5, 0.25), _hook_row("gradzip:none", 2, 0.75, 0.125)]
+    lines = table.hooks_table(rows, bench.environment(1)).splitlines()
+    assert lines[0].startswith("<!-- torch ") and "m (1 parameters)" in lines[0]
+    assert lines[1].split("|")[1:-1] == [" workers ", " configuration ", " ms/step ",
+                                         " vs no hook ", " CPU ms/step ", " CPU vs no hook "]
+    assert [c.strip() for c in lines[4].split("|")[1:-1]] == [
+        "2", "gradzip:none", "750", "0.75", "125", "0.125"]
 
 
 def test_micro_warm_heap_in_its_own_process() -> None:
@@ -72,15 +184,15 @@ def test_replayed_worker_computes_what_the_simulator_computes(spec: str) -> None
     """The timed pass (one worker, other workers' messages replayed) does the real work."""
     data = torch.randn(4, 40_000, generator=torch.Generator().manual_seed(0))
     compressor = compressor_from_spec(spec)
-    jobs, _ = micro._jobs(spec, data)
+    jobs, _ = micro.jobs_for(spec, data)
     state = compressor.init_state({j.name: j.shape for j in jobs})
     compressor.reduce(jobs, copy.deepcopy(state), SimulatedGroup(4),
                       StepContext(0, (0, 1, 2, 3), 4))
-    recorded = micro.record_messages(
+    recorded = replay.record_messages(
         compressor, state, lambda w: [Job(j.name, j.tensor[w : w + 1]) for j in jobs], 4
     )
     mine = [Job(j.name, j.tensor[:1]) for j in jobs]
-    exchange = micro._Exchange(4, 0, recorded)
+    exchange = replay.RecordedGroup(4, 0, recorded)
     compressor.reduce(mine, copy.copy(state), exchange, StepContext(0, (0,), 4))
     assert exchange.consistent and len(exchange.entries) == len(recorded[0])
     for full, one in zip(jobs, mine, strict=True):
@@ -102,7 +214,7 @@ def test_hooks_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
         assert row["workers"] == 2 and row["seconds_per_step"] > 0
         assert row["rounds"] == 2 and row["threads_per_worker"] == 1
     assert rows[0]["ratio_to_nohook"] == 1.0
-    lines = bench.hook_verdicts([bench.HookRow(**r) for r in rows])
+    lines = hooks_script.hook_verdicts([bench.HookRow(**r) for r in rows])
     assert len(lines) == 2 and all(("met" in v or "MISSED" in v) for v in lines)
 
 
@@ -118,4 +230,7 @@ def test_hooks_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
 def test_invalid_arguments_exit_2(argv: list[str], message: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(argv) == 2
+    assert message in capsys.readouterr().err
+    script = micro_script if argv[0] == "micro" else hooks_script
+    assert script.run(argv[1:]) == 2
     assert message in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Timing and reporting helpers shared by the benchmarks."""
+"""What every benchmark shares: a fixed allocator regime, a median timer, the machine's description."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["HEAP_MODES", "Heap", "environment", "format_table", "median_seconds"]
+__all__ = ["HEAP_MODES", "Heap", "environment", "median_seconds"]
 
 log = logging.getLogger(__name__)
 
@@ -97,31 +97,3 @@ def environment(threads: int) -> dict[str, Any]:
         "load_average": load,
         "machine": platform.machine(),
     }
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
-def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
-    """Rows as a Markdown table.
-
-    Args:
-        rows: dicts holding the columns' keys.
-        columns: ``(key, header)`` pairs, in display order.
-
-    Returns:
-        The table, one line per row, without a trailing newline.
-    """
-    cells = [[_cell(row.get(key)) for key, _ in columns] for row in rows]
-    headers = [header for _, header in columns]
-    widths = [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers)]
-    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"]
-    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in cells:
-        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) + " |")
-    return "\n".join(lines)

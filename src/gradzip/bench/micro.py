@@ -5,7 +5,7 @@ What is timed, for one worker of a group of ``W`` (default 4):
 1. A *recording* step collects what each of ``W`` workers (``W`` different gradients) hands to
    every collective call: each worker runs ``compressor.reduce`` alone (one worker's memory at
    a time), seeing the others' messages of the previous pass, until the messages settle (see
-   :func:`record_messages`).
+   :func:`~gradzip.bench.replay.record_messages`).
 2. Each timed pass runs ``compressor.reduce`` for worker 0 alone, in a group of ``W`` whose
    collectives take the recorded messages of the other workers: an all-reduce adds the ``W``
    messages in this process (the arithmetic a CPU backend does; nothing travels), an
@@ -26,7 +26,6 @@ arithmetic of PyTorch's built-in ``powerSGD_hook`` for PowerSGD (per matrix ``P 
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import math
 import statistics
@@ -38,16 +37,14 @@ from typing import Any
 import torch
 
 from gradzip._validate import check_int
-from gradzip.benchmarks_impl.common import Heap
-from gradzip.comm.base import Collective
+from gradzip.bench.common import Heap
+from gradzip.bench.replay import RecordedGroup, record_messages
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.ops import select
 from gradzip.ops.random import generator_for
 
-__all__ = [
-    "DEFAULT_NUMELS", "MICRO_SPECS", "MicroRow", "powersgd_layout", "record_messages", "run_micro",
-]
+__all__ = ["DEFAULT_NUMELS", "MICRO_SPECS", "MicroRow", "jobs_for", "powersgd_layout", "run_micro"]
 
 log = logging.getLogger(__name__)
 
@@ -117,103 +114,17 @@ def powersgd_layout(numel: int) -> list[tuple[int, tuple[int, ...]]]:
     return layout
 
 
-class _Exchange(Collective):
-    """Worker ``rank`` of a group of ``world`` whose other workers' messages were recorded.
-
-    An all-reduce adds the ``world`` messages in rank order in this process (as
-    :class:`~gradzip.SimulatedGroup` does), an all-gather stacks them. Messages this worker
-    sends are kept in :attr:`sent`, entry times of each call in :attr:`entries`. Where no
-    recorded message of the right shape exists (an earlier recording pass), this worker's own
-    message stands in and :attr:`consistent` turns false.
-    """
-
-    def __init__(self, world: int, rank: int, others: Sequence[Sequence[torch.Tensor]] | None
-                 ) -> None:
-        super().__init__(world_size=world, local_workers=1, first_rank=rank)
-        self.others = others
-        self.sent: list[torch.Tensor] = []
-        self.entries: list[float] = []
-        self.consistent = True
-
-    def _rows(self, x: torch.Tensor) -> list[torch.Tensor]:
-        self.entries.append(time.perf_counter())
-        call = len(self.sent)
-        self.sent.append(x)
-        rows = []
-        for w in range(self.world_size):
-            theirs = None
-            if w != self.first_rank and self.others is not None and call < len(self.others[w]):
-                theirs = self.others[w][call]
-            if w == self.first_rank:
-                theirs = x
-            elif theirs is None or theirs.shape != x.shape or theirs.dtype != x.dtype:
-                self.consistent = False
-                theirs = x
-            rows.append(theirs[0])
-        return rows
-
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self._rows(x)
-        total = rows[0].clone()
-        for row in rows[1:]:
-            total += row
-        return total
-
-    def _gather(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self._rows(x))
-
-
-def _fingerprint(messages: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
-    out = []
-    for m in messages:
-        raw = m.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
-        out.append((tuple(m.shape), m.dtype, hashlib.blake2b(memoryview(raw)).hexdigest()))
-    return out
-
-
-def record_messages(
-    compressor: Compressor, state: dict[str, Any], jobs_of: Callable[[int], list[Job]],
-    world: int, max_passes: int = 8,
-) -> list[list[torch.Tensor]]:
-    """Every worker's messages, per collective call, in one step of a group of ``world``.
-
-    Each worker runs alone (one worker's memory at a time, not ``world``'s), seeing the
-    others' messages of the previous pass; a message that depends on an earlier exchange
-    (PowerSGD's ``Q``, the threshold's padded values) is right once that exchange was, so the
-    passes reach a fixed point after as many passes as there are calls, plus one to confirm.
+def jobs_for(spec: str, data: torch.Tensor) -> tuple[list[Job], str]:
+    """The jobs the benchmark hands ``spec``'s compressor: views of ``data``, never copies.
 
     Args:
-        compressor: the compressor.
-        state: its initial state (copied for every run).
-        jobs_of: fresh jobs holding worker ``w``'s gradients (``[1, *shape]``).
-        world: the group size.
-        max_passes: give up after this many passes.
+        spec: a compressor spec; PowerSGD gets ResNet-18-shaped convolutions
+            (:func:`powersgd_layout`), every other compressor one flat tensor.
+        data: ``[workers, numel]``, one row per worker.
 
     Returns:
-        ``messages[w][call]``: what worker ``w`` handed to each collective call.
-
-    Raises:
-        RuntimeError: no fixed point was reached.
+        The jobs (each ``[workers, *shape]``) and the layout as text, e.g. ``"[70000]"``.
     """
-    previous: list[list[tuple[Any, ...]]] | None = None
-    recorded: list[list[torch.Tensor]] | None = None
-    for _ in range(max_passes):
-        sent, consistent = [], True
-        for w in range(world):
-            exchange = _Exchange(world, w, recorded)
-            compressor.reduce(jobs_of(w), copy.deepcopy(state), exchange,
-                              StepContext(step=0, ranks=(w,), world_size=world))
-            sent.append(exchange.sent)
-            consistent = consistent and exchange.consistent
-        prints = [_fingerprint(m) for m in sent]
-        if consistent and prints == previous:
-            return sent
-        previous, recorded = prints, sent
-    raise RuntimeError(f"the messages of {compressor.spec()} did not settle in {max_passes} passes")
-
-
-def _jobs(spec: str, data: torch.Tensor) -> tuple[list[Job], str]:
-    """Jobs over ``data[L, n]``: one flat tensor, or conv-shaped matrices for PowerSGD."""
     workers, numel = data.shape
     if spec.startswith("powersgd"):
         jobs, parts, offset = [], [], 0
@@ -279,7 +190,7 @@ def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int, heap: Hea
     the baselines, so the ratios compare figures taken under the same machine load."""
     workers = data.shape[0]
     compressor = compressor_from_spec(spec)
-    jobs, layout = _jobs(spec, data)
+    jobs, layout = jobs_for(spec, data)
     numel = sum(j.numel for j in jobs)
     state0 = compressor.init_state({j.name: j.shape for j in jobs})
     recorded = record_messages(
@@ -295,7 +206,7 @@ def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int, heap: Hea
         return time.perf_counter() - start
 
     def step() -> tuple[float, float]:
-        exchange = _Exchange(workers, 0, recorded)
+        exchange = RecordedGroup(workers, 0, recorded)
         step_jobs = [Job(j.name, j.tensor) for j in mine]
         state = copy.copy(state0)  # compressors replace entries, never write into them
         start = time.perf_counter()
@@ -365,7 +276,7 @@ def run_micro(
         workers: the group size whose messages are decoded and averaged (>= 2).
         threads: ``torch.set_num_threads`` for the run (``None``: leave as it is).
         heap: ``"warm"`` or ``"default"`` large allocations (see
-            :class:`~gradzip.benchmarks_impl.common.Heap`; either changes this process's
+            :class:`~gradzip.bench.common.Heap`; either changes this process's
             allocator for good).
         on_row: called with each row as soon as it is measured.
 

@@ -28,10 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
 from gradzip._validate import check_int, check_real
 from gradzip.comm.launch import run_processes
 from gradzip.compressors.spec import compressor_from_spec
+from gradzip.ddp import register
+from gradzip.train.models import build_model
 
 __all__ = ["HOOK_CONFIGS", "HookRow", "run_hooks"]
 
@@ -99,18 +103,12 @@ def _check_config(config: str) -> None:
 
 def _build(config: str, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Wrap ``model`` in DDP with ``config``'s hook; returns the DDP model and its optimizer."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    import gradzip.ddp
-
     ddp = DistributedDataParallel(model, bucket_cap_mb=_BUCKET_CAP_MB)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     kind, _, rest = config.partition(":")
     if kind == "gradzip":
-        gradzip.ddp.register(ddp, rest, optimizer=optimizer)
+        register(ddp, rest, optimizer=optimizer)
     elif kind == "builtin-powersgd":
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
         state = powerSGD_hook.PowerSGDState(
             process_group=None, matrix_approximation_rank=int(rest.partition("=")[2]),
             start_powerSGD_iter=2, random_seed=0,
@@ -124,8 +122,6 @@ def _worker(
     steps: int, rounds: int, warmup: int, threads: int,
 ) -> dict[str, Any]:
     """One rank: every configuration's seconds per step in each round."""
-    from gradzip.train.models import build_model
-
     torch.set_num_threads(threads)
     runs: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
     for config in configs:
