@@ -61,11 +61,17 @@ class Engine:
         collective: where workers meet: a :class:`~gradzip.SimulatedGroup` (gradients then
             carry a leading worker axis) or a process group; default the world group, or a
             single worker when ``torch.distributed`` is not initialised.
-        nonfinite: what to do when any worker's gradient holds NaN/Inf, decided identically
-            on every worker: ``"skip"`` leaves all state as before the step and returns NaN
-            gradients, so a ``GradScaler`` (or any finite check) skips the optimizer step;
-            ``"zero"`` leaves the state and returns zeros; ``"raise"`` raises
-            ``FloatingPointError``.
+        nonfinite: what to do when any worker's gradient holds NaN/Inf, or compression
+            overflows (the gradient plus its residual, a scale, PowerSGD's factors, the
+            average or the compressor's state turn non-finite), decided identically on every
+            worker, with or without compression state. ``"skip"``: the whole step is rolled
+            back (residuals, warm starts, controllers as before it) and this call and every
+            later call of the step return NaN, so a ``GradScaler`` (or any finite check)
+            skips the optimizer step. ``"zero"``: the call is dropped (zeros returned, its
+            tensors' state as before the call) while the step's other calls stand.
+            ``"raise"``: ``FloatingPointError`` on every worker and the step is abandoned
+            (state as before it). ``stats["skipped_steps"]`` counts the steps handled by
+            ``"skip"`` or ``"zero"``.
         optimizer: read for the learning rate (adaptive compressors react to its drops).
         grad_scaler: a ``torch.amp.GradScaler`` whose scaled gradients this engine sees.
             Residuals are kept at the loss scale they were made at; when the scaler changes
