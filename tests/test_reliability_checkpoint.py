@@ -12,7 +12,7 @@ import torch
 
 import gradzip
 from conformance import SHAPES, make_grads
-from gradzip.engine import _REQUIRED
+from gradzip.checkpoint import REQUIRED_KEYS as _REQUIRED
 
 SPEC = "powersgd:rank=2"
 

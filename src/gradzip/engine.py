@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable, Mapping
-from numbers import Real
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradzip._validate import check_bool, check_choice, check_int
-from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
-from gradzip.comm.header import call_code, make_header, read_header
+from gradzip.checkpoint import validate_checkpoint
+from gradzip.comm.base import Collective, allreduce_wire_bytes
+from gradzip.comm.header import call_code, make_header, read_header, verify_configuration
 from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
-from gradzip.statecheck import all_finite, bad_workers, check_tree, first_nonfinite, nonneg_int
+from gradzip.statecheck import all_finite, bad_workers, check_tree, first_nonfinite
 
 __all__ = ["FORMAT_VERSION", "Engine"]
 
@@ -27,12 +26,6 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 NONFINITE_POLICIES = ("skip", "zero", "raise")
-# Keys every checkpoint holds (``dense_1d``, ``residual_scale`` and ``parameters`` are optional:
-# older checkpoints lack them).
-_REQUIRED = (
-    "format_version", "compressor", "error_feedback", "world_size", "ranks", "step",
-    "skipped_steps", "residuals", "compressor_state", "meter", "dense_payload", "dense_wire",
-)
 
 
 def _copy_tree(tree: Any) -> Any:
@@ -207,28 +200,10 @@ class Engine:
         }
 
     def _verify_agreement(self) -> None:
-        """Check once that every rank runs the same configuration on the same parameters.
-
-        Ranks that disagree would issue collectives of different sizes and hang or average
-        garbage; a fingerprint gathered before the first step turns that into an error naming
-        what differs. Its bytes are counted in ``stats["handshake_bytes"]``, apart from the
-        gradient traffic.
-        """
-        fields = self._fingerprint()
-        codes = [stable_hash(v) for v in fields.values()]
-        mine = torch.tensor([codes], dtype=torch.int64)
-        theirs = self.comm.all_gather(mine, metered=False)  # [W, fields]
-        self.handshake_bytes += allgather_wire_bytes(mine.numel() * 8, self.comm.world_size)
+        """Check once, before the first step, that every rank runs the same configuration on
+        the same parameters (counted in ``stats["handshake_bytes"]``)."""
+        self.handshake_bytes += verify_configuration(self.comm, self._fingerprint())
         self._verified = True
-        for col, (key, value) in enumerate(fields.items()):
-            column = theirs[:, col].tolist()
-            if len(set(column)) > 1:
-                odd = next(r for r, c in enumerate(column) if c != column[self.comm.first_rank])
-                raise ValueError(
-                    f"ranks disagree on `{key}`: rank {self.comm.first_rank} has {value!r}, "
-                    f"rank {odd} has a different value; every rank must build the engine with "
-                    f"the same compressor, options and parameters"
-                )
 
     # -- the step --------------------------------------------------------------------------
     def reduce(
@@ -527,112 +502,26 @@ class Engine:
                 rank or parameter set, a negative or fractional counter, a wrong shape or
                 dtype, or a non-finite value (the first problem is named).
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"`state` must be a mapping, got {type(state).__name__}")
-        for key in _REQUIRED:
-            if key not in state:
-                raise ValueError(f"checkpoint must hold `{key}`, but the key is missing")
-        if state["format_version"] != FORMAT_VERSION:
-            raise ValueError(
-                f"`format_version` must be {FORMAT_VERSION}, got {state['format_version']!r}"
-            )
-        checks = {
-            "compressor": self.compressor.spec(),
-            "error_feedback": self.error_feedback,
-            "dense_1d": self.dense_1d,
-            "world_size": self.comm.world_size,
-            "ranks": list(self.comm.local_ranks),
-        }
-        for key, want in checks.items():
-            got = state.get(key, False)  # `dense_1d` is absent from older checkpoints
-            if got != want or type(got) is not type(want):
-                raise ValueError(f"`{key}` of the checkpoint must be {want!r}, got {got!r}")
-        step, skipped = state["step"], state["skipped_steps"]
-        for key, value in (("step", step), ("skipped_steps", skipped)):
-            if not nonneg_int(value):
-                raise ValueError(f"`{key}` of the checkpoint must be an integer >= 0, got {value!r}")
-        if skipped > step:
-            raise ValueError(f"`skipped_steps` of the checkpoint must be <= step ({step}), got {skipped}")
-        scale = state.get("residual_scale")
-        if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, Real) or not 0 < float(scale) < math.inf
-        ):
-            raise ValueError(f"`residual_scale` of the checkpoint must be None or > 0, got {scale!r}")
-        residuals = self._checked_residuals(state["residuals"])
-        if "parameters" in state:  # absent from older checkpoints
-            self._check_parameters(state["parameters"])
-        mismatch = check_tree(
-            self.compressor.init_state(self._compressed_shapes()), state["compressor_state"],
-            "compressor_state",
+        loaded = validate_checkpoint(
+            state,
+            config={
+                "format_version": FORMAT_VERSION,
+                "compressor": self.compressor.spec(),
+                "error_feedback": self.error_feedback,
+                "dense_1d": self.dense_1d,
+                "world_size": self.comm.world_size,
+                "ranks": list(self.comm.local_ranks),
+            },
+            shapes=self.shapes,
+            dense_names=self.dense_names,
+            workers=self.comm.local_workers,
+            fresh_state=self.compressor.init_state(self._compressed_shapes()),
         )
-        if mismatch:
-            raise ValueError(f"checkpoint does not match this engine: {mismatch}")
-        workers = self.comm.local_workers
-        meter = state["meter"]
-        counters = {"dense_payload": state["dense_payload"], "dense_wire": state["dense_wire"]}
-        if isinstance(meter, Mapping):
-            counters.update({f"meter.{k}": meter.get(k) for k in ("payload", "wire")})
-        for key, value in counters.items():
-            if not isinstance(value, (list, tuple)) or len(value) != workers or not all(
-                nonneg_int(v) for v in value
-            ):
-                raise ValueError(
-                    f"`{key}` of the checkpoint must list {workers} integers >= 0, got {value!r}"
-                )
-        if not isinstance(meter, Mapping) or not nonneg_int(meter.get("calls")):
-            raise ValueError(f"`meter.calls` of the checkpoint must be an integer >= 0, got {meter!r}")
         # Everything is valid: swap it in.
-        self.step, self.skipped_steps = int(step), int(skipped)
-        self.residual_scale = None if scale is None else float(scale)
-        self.residuals = residuals
-        self.compressor_state = _copy_tree(state["compressor_state"])
-        self.comm.meter.load(dict(meter))
-        self.dense_payload = [int(v) for v in state["dense_payload"]]
-        self.dense_wire = [int(v) for v in state["dense_wire"]]
+        self.step, self.skipped_steps = loaded.step, loaded.skipped_steps
+        self.residual_scale = loaded.residual_scale
+        self.residuals = loaded.residuals
+        self.compressor_state = _copy_tree(loaded.compressor_state)
+        self.comm.meter.load(loaded.meter)
+        self.dense_payload, self.dense_wire = loaded.dense_payload, loaded.dense_wire
         self._reset_step()
-
-    def _checked_residuals(self, residuals: Any) -> dict[str, torch.Tensor]:
-        if not isinstance(residuals, Mapping):
-            raise ValueError(f"`residuals` of the checkpoint must be a dict, got {type(residuals).__name__}")
-        if residuals and not self.error_feedback:
-            raise ValueError(
-                f"`residuals` of the checkpoint must be empty without error feedback, got "
-                f"{sorted(map(str, residuals))[:3]}"
-            )
-        out = {}
-        for name, res in residuals.items():
-            expected = torch.Size((self.comm.local_workers, *self.shapes.get(name, ())))
-            if not isinstance(res, torch.Tensor) or name not in self.shapes or res.shape != expected:
-                got = tuple(res.shape) if isinstance(res, torch.Tensor) else type(res).__name__
-                raise ValueError(
-                    f"residual {name!r} must match a parameter of shape {tuple(expected)}, got {got}"
-                )
-            if name in self.dense_names:
-                raise ValueError(f"residual {name!r} must be absent: it is sent dense (`dense_1d`)")
-            if res.dtype != torch.float32:
-                raise ValueError(f"residual {name!r} must be float32, got {res.dtype}")
-            if not all_finite([res]):
-                raise ValueError(f"residual {name!r} of the checkpoint holds NaN or Inf")
-            out[name] = res.clone()
-        return out
-
-    def _check_parameters(self, saved: Any) -> None:
-        if not isinstance(saved, Mapping):
-            raise ValueError(f"`parameters` of the checkpoint must be a dict, got {type(saved).__name__}")
-        for name, shape in self.shapes.items():
-            if name not in saved:
-                raise ValueError(
-                    f"checkpoint lacks parameter {name!r} of this engine: it was saved from "
-                    f"another parameter set"
-                )
-            if list(saved[name]) != list(shape):
-                raise ValueError(
-                    f"parameter {name!r} must have shape {list(shape)} in the checkpoint, got "
-                    f"{saved[name]!r}"
-                )
-        for name in saved:
-            if name not in self.shapes:
-                raise ValueError(
-                    f"checkpoint holds parameter {name!r}, which this engine does not have: "
-                    f"it was saved from another parameter set"
-                )

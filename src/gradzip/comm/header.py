@@ -25,13 +25,14 @@ it can abort the process. The header is metered like any other message.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from gradzip.comm.base import Collective, allgather_wire_bytes
 from gradzip.ops.random import stable_hash
 
-__all__ = ["HEADER_BYTES", "call_code", "make_header", "read_header"]
+__all__ = ["HEADER_BYTES", "call_code", "make_header", "read_header", "verify_configuration"]
 
 HEADER_FIELDS = 3
 HEADER_BYTES = 8 * HEADER_FIELDS
@@ -56,3 +57,34 @@ def read_header(total: torch.Tensor, world_size: int) -> tuple[bool, bool]:
     """(every worker sent the same code, some worker's gradient is non-finite) from the sum."""
     s1, s2, bad = (int(v) for v in total.tolist())
     return world_size * s2 == s1 * s1, bad > 0
+
+
+def verify_configuration(comm: Collective, fields: Mapping[str, str]) -> int:
+    """Check that every rank holds the same value of every field (once, before the first step).
+
+    Ranks that disagree on the compressor, options or parameters would issue collectives of
+    different sizes and hang or average garbage; a hash of each field gathered from every rank
+    turns that into an error naming what differs.
+
+    Args:
+        comm: the collective.
+        fields: name -> this rank's value.
+
+    Returns:
+        The wire bytes the exchange cost this worker (not metered with the gradient traffic).
+
+    Raises:
+        ValueError: ranks disagree; the first field that differs is named.
+    """
+    mine = torch.tensor([[stable_hash(v) for v in fields.values()]], dtype=torch.int64)
+    theirs = comm.all_gather(mine, metered=False)  # [W, fields]
+    for col, (key, value) in enumerate(fields.items()):
+        column = theirs[:, col].tolist()
+        if len(set(column)) > 1:
+            odd = next(r for r, c in enumerate(column) if c != column[comm.first_rank])
+            raise ValueError(
+                f"ranks disagree on `{key}`: rank {comm.first_rank} has {value!r}, rank {odd} "
+                f"has a different value; every rank must build the engine with the same "
+                f"compressor, options and parameters"
+            )
+    return allgather_wire_bytes(mine.numel() * 8, comm.world_size)
