@@ -18,7 +18,7 @@ from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
-from gradzip.statecheck import all_finite, bad_workers, check_tree, first_nonfinite
+from gradzip.statecheck import bad_workers, check_tree, first_nonfinite
 
 __all__ = ["FORMAT_VERSION", "Engine"]
 
@@ -349,8 +349,10 @@ class Engine:
         # aggregated quantities), so testing them locally takes the same decision everywhere.
         # Residuals are per worker: compressors guarantee they are finite whenever the
         # compensated gradient and the average are (see ``Compressor.reduce``).
-        overflow = None if all_finite(averaged) else "the average"  # type: ignore[arg-type]
-        overflow = overflow or first_nonfinite(self.compressor_state, "compressor_state", before[0])
+        overflow = first_nonfinite(  # one host read for the average and the state together
+            {"average": averaged, "compressor_state": self.compressor_state}, "",
+            {"compressor_state": before[0]},
+        )
         if overflow is None:
             if self.error_feedback:
                 for job in jobs:
@@ -359,7 +361,8 @@ class Engine:
                 overflow = self._end_step(before[0])
         if overflow is not None:
             return self._on_nonfinite(
-                names, named_grads, before, finish_step, f"compression overflowed in {overflow}"
+                names, named_grads, before, finish_step,
+                f"compression overflowed in {overflow.lstrip('.')}",
             )
         return {
             job.name: job.averaged.to(named_grads[job.name].dtype)  # type: ignore[union-attr]

@@ -15,44 +15,53 @@ import torch
 
 __all__ = ["all_finite", "bad_workers", "check_tree", "first_nonfinite", "nonneg_int"]
 
-_HALF = (torch.float16, torch.bfloat16)
+def finite_rows(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
+    """``[L]`` bool, on the tensors' device: whether every entry of worker ``w``'s part of
+    every tensor (each ``[L, ...]``) is finite. No host synchronisation.
 
-
-def _sums(rows: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([
-        r.sum(dim=-1, dtype=torch.float32 if r.dtype in _HALF else None).float() for r in rows
-    ], dim=-1)
+    One ``aminmax`` pass per tensor: NaN and Inf propagate into the minimum or the maximum,
+    and, unlike a sum, they never overflow, so a huge but finite tensor is never mistaken for
+    a non-finite one and no second, elementwise pass is needed.
+    """
+    device = tensors[0].device if tensors else torch.device("cpu")
+    ok = torch.ones(workers, dtype=torch.bool, device=device)
+    for t in tensors:
+        rows = t.reshape(workers, -1)
+        if rows.shape[1] == 0:
+            continue
+        low, high = torch.aminmax(rows, dim=1)
+        ok &= torch.isfinite(low) & torch.isfinite(high)
+    return ok
 
 
 def bad_workers(tensors: Sequence[torch.Tensor], workers: int) -> list[bool]:
-    """Per local worker, whether any of ``tensors`` (each ``[L, ...]``) holds NaN or Inf.
-
-    A sum is finite whenever every entry is (NaN and Inf propagate through it), so one summing
-    pass per tensor clears the usual case, much faster than an elementwise test; a sum that is
-    not finite (a NaN or Inf entry, or finite entries whose sum overflows) is settled by the
-    exact elementwise test.
-    """
-    bad = [False] * workers
+    """Per local worker, whether any of ``tensors`` (each ``[L, ...]``) holds NaN or Inf
+    (one host read for all of them)."""
     if not tensors:
-        return bad
-    rows = [t.reshape(workers, -1) for t in tensors]
-    sums = _sums(rows)  # [L, T]
-    for w, t in torch.nonzero(~torch.isfinite(sums)).tolist():
-        if not bad[w] and not bool(torch.isfinite(rows[t][w]).all()):
-            bad[w] = True
-    return bad
+        return [False] * workers
+    return [not ok for ok in finite_rows(tensors, workers).tolist()]
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every entry of every tensor is finite (the same two-stage test)."""
+    """Whether every entry of every tensor is finite (one host read for all of them)."""
+    tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return True
-    rows = [t.reshape(-1) for t in tensors]
-    sums = _sums(rows)
-    for t in torch.nonzero(~torch.isfinite(sums)).reshape(-1).tolist():
-        if not bool(torch.isfinite(rows[t]).all()):
-            return False
-    return True
+    return bool(finite_rows([t.reshape(1, -1) for t in tensors], 1).all())
+
+
+def _leaves(tree: Any, path: str, before: Any, out: list[tuple[str, Any]]) -> None:
+    if tree is before and before is not None and not isinstance(tree, (dict, list)):
+        return
+    if isinstance(tree, dict):
+        old = before if isinstance(before, dict) else {}
+        for key, value in tree.items():
+            _leaves(value, f"{path}.{key}", old.get(key), out)
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            _leaves(value, f"{path}[{i}]", None, out)
+    elif (isinstance(tree, torch.Tensor) and tree.is_floating_point()) or isinstance(tree, float):
+        out.append((path, tree))
 
 
 def first_nonfinite(tree: Any, path: str, before: Any = None) -> str | None:
@@ -63,29 +72,19 @@ def first_nonfinite(tree: Any, path: str, before: Any = None) -> str | None:
         path: the name of ``tree`` in messages.
         before: the same tree before a step; leaves that are the very same objects as there
             were checked already and are skipped (state is replaced, never mutated in place).
+
+    All tensors are tested together (one host read); the path is looked up only when one
+    of them is not finite.
     """
-    if tree is before and before is not None and not isinstance(tree, (dict, list)):
+    leaves: list[tuple[str, Any]] = []
+    _leaves(tree, path, before, leaves)
+    for where, value in leaves:
+        if isinstance(value, float) and not math.isfinite(value):
+            return where
+    tensors = [(where, t) for where, t in leaves if isinstance(t, torch.Tensor)]
+    if all_finite([t for _, t in tensors]):
         return None
-    if isinstance(tree, dict):
-        old = before if isinstance(before, dict) else {}
-        for key, value in tree.items():
-            found = first_nonfinite(value, f"{path}.{key}", old.get(key))
-            if found:
-                return found
-        return None
-    if isinstance(tree, list):
-        for i, value in enumerate(tree):
-            found = first_nonfinite(value, f"{path}[{i}]")
-            if found:
-                return found
-        return None
-    if isinstance(tree, torch.Tensor):
-        if tree.is_floating_point() and not all_finite([tree]):
-            return path
-        return None
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return path
-    return None
+    return next(where for where, t in tensors if not all_finite([t]))
 
 
 def nonneg_int(value: Any) -> bool:

@@ -16,7 +16,7 @@ from gradzip.feedback import residual_after
 from gradzip.ops.flat import flatten_workers, split_flat
 from gradzip.ops.lowrank import orthogonalize
 from gradzip.ops.random import generator_for
-from gradzip.statecheck import bad_workers
+from gradzip.statecheck import finite_rows
 
 __all__ = ["PowerSGD"]
 
@@ -47,8 +47,9 @@ _Q_LIMIT = 2.0**32
 
 
 def _tame(q: torch.Tensor) -> torch.Tensor:
-    """``q`` scaled by a power of two so that its largest entry is at most 1, when it is
-    above :data:`_Q_LIMIT`; otherwise ``q`` itself.
+    """``q`` scaled by a power of two so that its largest entry is at most 1 when it exceeds
+    :data:`_Q_LIMIT`; otherwise ``q`` times 1 (exact). Computed on ``q``'s device, without a
+    host synchronisation.
 
     ``Q = M^T P`` carries the gradient's magnitude (only ``P`` is orthonormal), and the next
     step multiplies it by the next gradient: after one huge but finite gradient, every later
@@ -56,10 +57,12 @@ def _tame(q: torch.Tensor) -> torch.Tensor:
     ``Q`` matters (``P = orthogonalize(M Q)``), and a power-of-two scale is exact, so this
     changes nothing else; ordinary warm starts never reach the limit and stay bit-identical.
     """
-    top = float(q.abs().max()) if q.numel() else 0.0
-    if not top > _Q_LIMIT or not math.isfinite(top):
+    if q.numel() == 0:
         return q
-    return q * 2.0 ** -math.ceil(math.log2(top))
+    top = q.abs().amax()
+    huge = (top > _Q_LIMIT) & torch.isfinite(top)
+    shift = torch.exp2(-torch.ceil(torch.log2(torch.where(huge, top, 1.0))))
+    return q * shift
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -248,14 +251,14 @@ class PowerSGD(Compressor):
         ``Q`` (hence the average, tested by the engine on every worker alike) non-finite, so
         every worker applies the non-finite policy instead of one keeping a poisoned residual.
         """
-        bad = [False] * workers
+        finite = torch.ones(workers, dtype=torch.bool, device=ps[keys[0]].device if keys else None)
         for k in keys:
             own = _stack_workers([torch.bmm(ps[k], qt_local[k][w]) for w in range(workers)])
             for b, job in enumerate(groups[k]):
                 job.decoded = own[:, b].reshape(job.tensor.shape)
                 job.residual = residual_after(job.tensor, job.decoded)
-            for w, flag in enumerate(bad_workers([j.residual for j in groups[k]], workers)):  # type: ignore[misc]
-                bad[w] = bad[w] or flag
-        for w in (w for w in range(workers) if bad[w]):
-            for k in keys:
-                qt_local[k][w] = float("nan")
+            finite &= finite_rows([j.residual for j in groups[k]], workers)  # type: ignore[misc]
+        # On the device, no host synchronisation: NaN where a worker's residual is not finite.
+        for k in keys:
+            mask = finite.reshape(workers, *([1] * (qt_local[k].dim() - 1)))
+            qt_local[k].copy_(torch.where(mask, qt_local[k], float("nan")))
