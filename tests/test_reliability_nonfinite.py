@@ -117,6 +117,7 @@ def test_powersgd_poisons_the_message_of_a_worker_whose_residual_overflows() -> 
 )
 @example(spec="powersgd:rank=2", exponent=38.5, entries=40, worker=0, seed=0)
 @example(spec="sign", exponent=37.0, entries=40, worker=1, seed=1)
+@example(spec="fp16", exponent=6.0, entries=1, worker=0, seed=0)  # fp16 overflow of the message
 def test_state_stays_finite_for_any_magnitude(
     spec: str, exponent: float, entries: int, worker: int, seed: int
 ) -> None:

@@ -343,8 +343,8 @@ class Engine:
         for w in range(workers):
             self.dense_payload[w] += dense_bytes
             self.dense_wire[w] += allreduce_wire_bytes(dense_bytes, world)
-        averaged = [job.averaged for job in jobs + dense]
-        assert all(a is not None for a in averaged), names
+        averaged = {job.name: job.averaged for job in jobs + dense}
+        assert all(a is not None for a in averaged.values()), names
         # The average and the compressor's state are identical on every worker (both come from
         # aggregated quantities), so testing them locally takes the same decision everywhere.
         # Residuals are per worker: compressors guarantee they are finite whenever the

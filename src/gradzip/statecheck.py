@@ -57,15 +57,16 @@ def _leaves(tree: Any, path: str, before: Any, out: list[tuple[str, Any]]) -> No
         old = before if isinstance(before, dict) else {}
         for key, value in tree.items():
             _leaves(value, f"{path}.{key}", old.get(key), out)
-    elif isinstance(tree, list):
-        for i, value in enumerate(tree):
-            _leaves(value, f"{path}[{i}]", None, out)
     elif (isinstance(tree, torch.Tensor) and tree.is_floating_point()) or isinstance(tree, float):
         out.append((path, tree))
 
 
 def first_nonfinite(tree: Any, path: str, before: Any = None) -> str | None:
     """The path of the first float or float tensor in ``tree`` holding NaN or Inf.
+
+    Lists are not searched: in compressor state they hold logs (Accordion's decision
+    records), read by people, never by the algorithm, and walking them on every call would
+    cost more than the test of the tensors.
 
     Args:
         tree: nested dicts/lists of tensors and plain values.
