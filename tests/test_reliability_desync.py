@@ -159,3 +159,17 @@ def test_nonfinite_decisions_agree_across_real_ranks() -> None:
     assert first[0] == ("raised", 0) and first[1] == ("raised", 0)
     assert first[2] == ("returned", True, 1)
     assert first[3] == ("sign", True, 1) and first[4] == ("after", True)
+
+
+def test_the_header_sum_detects_any_disagreement() -> None:
+    """``W * sum(c ** 2) == sum(c) ** 2`` exactly when all codes are equal, for any codes of
+    24 bits and up to 32768 workers (no int64 overflow)."""
+    from gradzip.comm.header import make_header, read_header
+
+    top = (1 << 24) - 1
+    for codes in ([5, 5, 5], [top] * 4, [0, 0], [1, 2], [top, top - 1, top], [0, top]):
+        total = sum(make_header(c, [False])[0] for c in codes)
+        agreed, nonfinite = read_header(total, len(codes))
+        assert agreed == (len(set(codes)) == 1) and not nonfinite, codes
+    total = make_header(top, [True])[0] * 32768
+    assert read_header(total, 32768) == (True, True)
