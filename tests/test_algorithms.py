@@ -10,11 +10,12 @@ import torch
 
 import gradzip
 from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
+from gradzip.comm.header import HEADER_BYTES
 from gradzip.compressors.base import Job, StepContext
 
-# Engines that keep state (error feedback, warm starts) first agree on whether any gradient is
-# non-finite: one fp32 flag all-reduced per call, counted like any other traffic.
-FLAG = 4
+# Every call starts with a fixed-size header all-reduced among the workers (rank agreement and
+# the non-finite flag), counted like any other traffic.
+FLAG = HEADER_BYTES
 
 
 def _ctx(workers: int, step: int = 0) -> StepContext:
@@ -128,7 +129,7 @@ def test_qsgd_codes_take_the_advertised_bits() -> None:
     engine = gradzip.Engine({"w": torch.Size([1000])}, "qsgd:levels=7",
                             collective=gradzip.SimulatedGroup(2))
     engine.reduce({"w": torch.randn(2, 1000)})
-    assert engine.stats["payload_bytes"] == [4 + 500] * 2
+    assert engine.stats["payload_bytes"] == [FLAG + 4 + 500] * 2
 
 
 def test_sign_sends_one_bit_per_entry() -> None:
@@ -150,8 +151,7 @@ def test_bit_streams_of_one_call_are_packed_together(spec: str) -> None:
     expected = compressor.message_bytes(*(s.numel() for s in shapes.values()))  # type: ignore[attr-defined]
     apart = sum(compressor.message_bytes(s.numel()) for s in shapes.values())  # type: ignore[attr-defined]
     assert expected < apart if spec == "sign" else expected <= apart
-    flag = FLAG if engine.error_feedback else 0  # QSGD is unbiased: no residuals to protect
-    assert engine.stats["payload_bytes"] == [flag + expected] * 3
+    assert engine.stats["payload_bytes"] == [FLAG + expected] * 3
     jobs = [Job(n, torch.randn(3, *s, generator=gen)) for n, s in shapes.items()]
     compressor.reduce(jobs, compressor.init_state(shapes), gradzip.SimulatedGroup(3), _ctx(3, 0))
     for job in jobs:

@@ -94,7 +94,8 @@ def test_cifar10_grid_runs_and_writes_rows(tmp_path: Path) -> None:
         assert 0.0 <= float(r["final_accuracy"]) <= 1.0
         assert int(r["bytes_sent_per_worker"]) > 0 and int(r["steps"]) == 4
     by = {r["label"]: r for r in agg}
-    assert float(by["none"]["compression"]) == pytest.approx(1.0)
+    # Dense traffic plus the engine's fixed-size header per call (24 bytes): just under 1.
+    assert 0.99 < float(by["none"]["compression"]) < 1.0
     assert float(by["powersgd r1"]["compression"]) > 1.0
     accordion = by["accordion topk 1%<->10%"]
     assert float(accordion["decision_points"]) >= 2 and accordion["critical_forced"] != ""

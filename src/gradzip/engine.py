@@ -9,18 +9,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradzip._validate import check_bool, check_choice
-from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
+from gradzip._validate import check_bool, check_choice, check_int
+from gradzip.checkpoint import validate_checkpoint
+from gradzip.comm.base import Collective, allreduce_wire_bytes
+from gradzip.comm.header import call_code, make_header, read_header, verify_configuration
 from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
+from gradzip.statecheck import bad_workers, check_tree, first_nonfinite
 
 __all__ = ["FORMAT_VERSION", "Engine"]
 
 log = logging.getLogger(__name__)
-_HALF = (torch.float16, torch.bfloat16)  # summed in fp32, where their range cannot overflow
 
 FORMAT_VERSION = 1
 NONFINITE_POLICIES = ("skip", "zero", "raise")
@@ -35,26 +37,8 @@ def _copy_tree(tree: Any) -> Any:
     return tree
 
 
-def _first_mismatch(expected: Any, got: Any, path: str) -> str | None:
-    """Describe the first difference in structure or tensor shape between two state trees."""
-    if isinstance(expected, dict):
-        if not isinstance(got, dict):
-            return f"{path}: expected a dict, got {type(got).__name__}"
-        if set(expected) != set(got):
-            missing = sorted(map(str, set(expected) - set(got)))
-            extra = sorted(map(str, set(got) - set(expected)))
-            return f"{path}: missing keys {missing}, unexpected keys {extra}"
-        for key in expected:
-            found = _first_mismatch(expected[key], got[key], f"{path}.{key}")
-            if found:
-                return found
-        return None
-    if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            return f"{path}: expected a tensor, got {type(got).__name__}"
-        if expected.shape != got.shape:
-            return f"{path}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
-    return None
+# The structural comparison of state trees (kept under its old name for callers and tests).
+_first_mismatch = check_tree
 
 
 class Engine:
@@ -70,11 +54,17 @@ class Engine:
         collective: where workers meet: a :class:`~gradzip.SimulatedGroup` (gradients then
             carry a leading worker axis) or a process group; default the world group, or a
             single worker when ``torch.distributed`` is not initialised.
-        nonfinite: what to do when any worker's gradient holds NaN/Inf, decided identically
-            on every worker: ``"skip"`` leaves all state as before the step and returns NaN
-            gradients, so a ``GradScaler`` (or any finite check) skips the optimizer step;
-            ``"zero"`` leaves the state and returns zeros; ``"raise"`` raises
-            ``FloatingPointError``.
+        nonfinite: what to do when any worker's gradient holds NaN/Inf, or compression
+            overflows (the gradient plus its residual, a scale, PowerSGD's factors, the
+            average or the compressor's state turn non-finite), decided identically on every
+            worker, with or without compression state. ``"skip"``: the whole step is rolled
+            back (residuals, warm starts, controllers as before it) and this call and every
+            later call of the step return NaN, so a ``GradScaler`` (or any finite check)
+            skips the optimizer step. ``"zero"``: the call is dropped (zeros returned, its
+            tensors' state as before the call) while the step's other calls stand.
+            ``"raise"``: ``FloatingPointError`` on every worker and the step is abandoned
+            (state as before it). ``stats["skipped_steps"]`` counts the steps handled by
+            ``"skip"`` or ``"zero"``.
         optimizer: read for the learning rate (adaptive compressors react to its drops).
         grad_scaler: a ``torch.amp.GradScaler`` whose scaled gradients this engine sees.
             Residuals are kept at the loss scale they were made at; when the scaler changes
@@ -154,7 +144,10 @@ class Engine:
         self.residuals: dict[str, torch.Tensor] = {}
         self.compressor_state = self.compressor.init_state(self._compressed_shapes())
         self._snapshot: tuple[Any, ...] | None = None
-        self._poisoned = False
+        self._poisoned = False  # "skip": an earlier call of this step was non-finite
+        self._skipped = False  # the policy handled a call of this step
+        self._call = 0  # calls made so far in this step
+        self._name_codes = {n: stable_hash("tensor", n, tuple(s)) for n, s in self.shapes.items()}
         self._verified = self.comm.simulated or self.comm.world_size == 1
         self.handshake_bytes = 0
 
@@ -207,89 +200,75 @@ class Engine:
         }
 
     def _verify_agreement(self) -> None:
-        """Check once that every rank runs the same configuration on the same parameters.
-
-        Ranks that disagree would issue collectives of different sizes and hang or average
-        garbage; a fingerprint gathered before the first step turns that into an error naming
-        what differs. Its bytes are counted in ``stats["handshake_bytes"]``, apart from the
-        gradient traffic.
-        """
-        fields = self._fingerprint()
-        codes = [stable_hash(v) for v in fields.values()]
-        mine = torch.tensor([codes], dtype=torch.int64)
-        theirs = self.comm.all_gather(mine, metered=False)  # [W, fields]
-        self.handshake_bytes += allgather_wire_bytes(mine.numel() * 8, self.comm.world_size)
+        """Check once, before the first step, that every rank runs the same configuration on
+        the same parameters (counted in ``stats["handshake_bytes"]``)."""
+        self.handshake_bytes += verify_configuration(self.comm, self._fingerprint())
         self._verified = True
-        for col, (key, value) in enumerate(fields.items()):
-            column = theirs[:, col].tolist()
-            if len(set(column)) > 1:
-                odd = next(r for r, c in enumerate(column) if c != column[self.comm.first_rank])
-                raise ValueError(
-                    f"ranks disagree on `{key}`: rank {self.comm.first_rank} has {value!r}, "
-                    f"rank {odd} has a different value; every rank must build the engine with "
-                    f"the same compressor, options and parameters"
-                )
 
     # -- the step --------------------------------------------------------------------------
-    def _protects_state(self) -> bool:
-        return self.error_feedback or bool(self.compressor_state)
-
-    def _any_nonfinite(self, grads: list[torch.Tensor]) -> bool:
-        workers = self.comm.local_workers
-        local = torch.zeros(workers, 1)
-        if grads:
-            # A sum is finite whenever every entry is (NaN and Inf propagate through it), so
-            # one summing pass per tensor clears the usual case, about 40x faster than an
-            # elementwise test; a sum that is not finite (a NaN or Inf entry, or finite
-            # entries whose sum overflows) is settled by the exact elementwise test.
-            rows = [g.reshape(workers, -1) for g in grads]
-            sums = torch.stack([
-                r.sum(dim=1, dtype=torch.float32 if r.dtype in _HALF else None).float()
-                for r in rows
-            ], dim=1)  # [L, T]
-            for w, t in torch.nonzero(~torch.isfinite(sums)).tolist():
-                if not bool(torch.isfinite(rows[t][w]).all()):
-                    local[w] = 1.0
-        # Summed over workers, so every worker takes the same branch.
-        return float(self.comm.all_reduce(local).item()) > 0
-
     def reduce(
-        self, named_grads: Mapping[str, torch.Tensor], *, finish_step: bool = True
+        self,
+        named_grads: Mapping[str, torch.Tensor],
+        *,
+        finish_step: bool = True,
+        step: int | None = None,
     ) -> dict[str, torch.Tensor]:
         """Average gradients over all workers through the compressor.
+
+        Every call first exchanges a small fixed-size header (see :mod:`gradzip.comm.header`)
+        so that ranks making different calls (another step, another call of the step, another
+        set of tensors or shapes) fail together with a clear error instead of aborting in a
+        size-mismatched collective or averaging different steps.
 
         Args:
             named_grads: ``name -> gradient`` (with a leading worker axis in a simulated
                 group). Not modified.
             finish_step: whether this call completes an optimizer step (a DDP hook passes
                 ``False`` for every bucket but the last).
+            step: the caller's step number (e.g. the training loop's index), optional. When
+                given it is part of the header, so a rank that skipped a whole step is caught
+                at its next call; the engine's own counters catch everything else.
 
         Returns:
             ``name -> averaged gradient`` in each gradient's dtype, identical on all workers.
 
         Raises:
-            ValueError: unknown names or wrong shapes.
-            FloatingPointError: a non-finite gradient with ``nonfinite="raise"``.
+            TypeError, ValueError: unknown names, wrong shapes or types.
+            FloatingPointError: a non-finite gradient, or an overflow inside compression,
+                with ``nonfinite="raise"`` (on every rank).
+            RuntimeError: ranks are out of step (on every rank).
+
+        An exception inside a step aborts the step: all state is as it was before the step
+        began, and :meth:`state_dict` works.
         """
         if not isinstance(named_grads, Mapping):
             raise TypeError(f"`named_grads` must be a mapping name -> tensor, got {type(named_grads).__name__}")
-        # The engine's own parameter order, not the caller's: DDP hands a bucket's tensors in
-        # an order that changes when it rebuilds its buckets, and the layout of the flat
-        # buffers decides which worker adds which element first in a ring all-reduce. A fixed
-        # layout keeps a resumed run bit-identical to an uninterrupted one.
-        names = sorted(named_grads, key=lambda n: self._order.get(n, -1))
-        grads = [self._as_worker_axis(n, named_grads[n]) for n in names]
-        if not self._verified:
-            self._verify_agreement()
-        if self._snapshot is None:
-            self._follow_loss_scale()
-            self._snapshot = (_copy_tree(self.compressor_state), dict(self.residuals))
-        if self._poisoned or (self._protects_state() and self._any_nonfinite(grads)):
-            out = self._handle_nonfinite(names, named_grads)
-        else:
-            out = self._reduce_finite(names, grads, named_grads)
+        check_bool("finish_step", finish_step)
+        if step is not None:
+            step = check_int("step", step, minimum=0)
+        try:
+            # The engine's own parameter order, not the caller's: DDP hands a bucket's tensors
+            # in an order that changes when it rebuilds its buckets, and the layout of the
+            # flat buffers decides which worker adds which element first in a ring
+            # all-reduce. A fixed layout keeps a resumed run bit-identical to an
+            # uninterrupted one.
+            names = sorted(named_grads, key=lambda n: self._order.get(n, -1))
+            grads = [self._as_worker_axis(n, named_grads[n]) for n in names]
+            if not self._verified:
+                self._verify_agreement()
+            if self._snapshot is None:
+                self._follow_loss_scale()
+                self._snapshot = (_copy_tree(self.compressor_state), dict(self.residuals))
+            out = self._reduce_call(names, grads, named_grads, finish_step, step)
+        except BaseException:
+            self._abort_step()
+            raise
+        self._call += 1
         if finish_step:
-            self._finish_step()
+            if self._skipped:
+                self.skipped_steps += 1
+            self.step += 1
+            self._reset_step()
         return out
 
     def _follow_loss_scale(self) -> None:
@@ -302,10 +281,46 @@ class Engine:
             self.residuals = {n: r * ratio for n, r in self.residuals.items()}
         self.residual_scale = scale
 
-    def _reduce_finite(
-        self, names: list[str], grads: list[torch.Tensor], named_grads: Mapping[str, torch.Tensor]
+    def _exchange_header(
+        self, names: list[str], finish_step: bool, user_step: int | None, bad: list[bool]
+    ) -> bool:
+        """Check that every rank makes this very call; return whether any worker's
+        compensated gradient is non-finite (so every worker applies the policy alike)."""
+        set_code = sum(self._name_codes[n] for n in names) % (1 << 64)
+        code = call_code(self.step, self._call, finish_step, user_step, set_code, len(names))
+        total = self.comm.all_reduce(make_header(code, bad))
+        agreed, nonfinite = read_header(total, self.comm.world_size)
+        if not agreed:
+            shown = ", ".join(f"{n}{tuple(self.shapes[n])}" for n in names[:4])
+            raise RuntimeError(
+                f"ranks are out of step: rank {self.comm.first_rank} makes call {self._call} of "
+                f"step {self.step} (finish_step={finish_step}, step={user_step}) with "
+                f"{len(names)} tensors [{shown}{', ...' if len(names) > 4 else ''}], and at "
+                f"least one other rank makes a different call (another step or call of the "
+                f"step, or another set of tensors or shapes); every rank must make the same "
+                f"sequence of reduce calls with the same tensors. The step was abandoned."
+            )
+        return nonfinite
+
+    def _reduce_call(
+        self,
+        names: list[str],
+        grads: list[torch.Tensor],
+        named_grads: Mapping[str, torch.Tensor],
+        finish_step: bool,
+        user_step: int | None,
     ) -> dict[str, torch.Tensor]:
         workers, world = self.comm.local_workers, self.comm.world_size
+        if self._poisoned:  # an earlier call of this step was non-finite ("skip")
+            self._exchange_header(names, finish_step, user_step, [False] * workers)
+            return self._fill(names, named_grads, float("nan"))
+        # What "zero" restores: the state before this call (other policies go back to the
+        # step's start, and leaves unchanged since then need no second finiteness test).
+        before = (
+            (_copy_tree(self.compressor_state), dict(self.residuals))
+            if self.nonfinite == "zero" else self._snapshot
+        )
+        assert before is not None
         jobs, dense = [], []
         for name, g in zip(names, grads, strict=True):
             if name in self.dense_names:
@@ -313,6 +328,14 @@ class Engine:
             else:
                 residual = self.residuals.get(name) if self.error_feedback else None
                 jobs.append(Job(name, compensate(g, residual)))
+        # The compensated gradient, not only the incoming one: a finite gradient plus a finite
+        # residual can overflow, and that must not reach the compressor or the state.
+        bad = bad_workers([j.tensor for j in jobs + dense], workers)
+        if self._exchange_header(names, finish_step, user_step, bad):
+            return self._on_nonfinite(
+                names, named_grads, before, finish_step,
+                "a gradient holds NaN or Inf",
+            )
         dense_reduce(dense, self.comm)
         if jobs:
             self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
@@ -320,49 +343,99 @@ class Engine:
         for w in range(workers):
             self.dense_payload[w] += dense_bytes
             self.dense_wire[w] += allreduce_wire_bytes(dense_bytes, world)
-        out = {}
-        for job in jobs:
-            assert job.averaged is not None, job.name
+        averaged = {job.name: job.averaged for job in jobs + dense}
+        assert all(a is not None for a in averaged.values()), names
+        # The average and the compressor's state are identical on every worker (both come from
+        # aggregated quantities), so testing them locally takes the same decision everywhere.
+        # Residuals are per worker: compressors guarantee they are finite whenever the
+        # compensated gradient and the average are (see ``Compressor.reduce``).
+        overflow = first_nonfinite(  # one host read for the average and the state together
+            {"average": averaged, "compressor_state": self.compressor_state}, "",
+            {"compressor_state": before[0]},
+        )
+        if overflow is None:
             if self.error_feedback:
-                self.residuals[job.name] = job.leftover()
-        for job in jobs + dense:
-            out[job.name] = job.averaged.to(named_grads[job.name].dtype)  # type: ignore[union-attr]
-        return {n: out[n] for n in names}
-
-    def _handle_nonfinite(
-        self, names: list[str], named_grads: Mapping[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        if self.nonfinite == "raise":
-            raise FloatingPointError(
-                f"a gradient holds NaN or Inf at step {self.step} (on at least one worker); "
-                f"tensors in this call: {names[:5]}{'...' if len(names) > 5 else ''}"
+                for job in jobs:
+                    self.residuals[job.name] = job.leftover()
+            if finish_step:
+                overflow = self._end_step(before[0])
+        if overflow is not None:
+            return self._on_nonfinite(
+                names, named_grads, before, finish_step,
+                f"compression overflowed in {overflow.lstrip('.')}",
             )
-        if not self._poisoned:
-            log.warning("non-finite gradient at step %d: step skipped, state kept", self.step)
-        self._poisoned = True
-        fill = float("nan") if self.nonfinite == "skip" else 0.0
         return {
-            n: torch.full(self.shapes[n], fill, dtype=named_grads[n].dtype, device=named_grads[n].device)
+            job.name: job.averaged.to(named_grads[job.name].dtype)  # type: ignore[union-attr]
+            for job in sorted(jobs + dense, key=lambda j: self._order[j.name])
+        }
+
+    def _end_step(self, before: Any) -> str | None:
+        """Run the compressor's end of step; where its state turns non-finite, the path."""
+        self.compressor.end_step(self.compressor_state, self._context())
+        return first_nonfinite(self.compressor_state, "compressor_state", before)
+
+    def _fill(
+        self, names: list[str], named_grads: Mapping[str, torch.Tensor], value: float
+    ) -> dict[str, torch.Tensor]:
+        return {
+            n: torch.full(self.shapes[n], value, dtype=named_grads[n].dtype, device=named_grads[n].device)
             for n in names
         }
 
-    def _finish_step(self) -> None:
-        ctx = self._context()
-        if self._poisoned:
-            # Roll every piece of state back to where the step started.
+    def _on_nonfinite(
+        self,
+        names: list[str],
+        named_grads: Mapping[str, torch.Tensor],
+        before: tuple[Any, dict[str, torch.Tensor]],
+        finish_step: bool,
+        what: str,
+    ) -> dict[str, torch.Tensor]:
+        """Apply the non-finite policy to this call (every worker reaches it together).
+
+        ``skip``: the whole step is rolled back and this call and every later call of the step
+        return NaN, so the step's gradient is non-finite and the optimizer step is skipped.
+        ``zero``: this call is dropped (its tensors' state is as before the call, its result
+        zeros); earlier and later calls of the step stand. ``raise``: the step is abandoned.
+        """
+        shown = f"{names[:5]}{'...' if len(names) > 5 else ''}"
+        if self.nonfinite == "raise":
+            raise FloatingPointError(
+                f"{what} at step {self.step} (on at least one worker; a gradient plus its "
+                f"residual that overflows counts as non-finite); tensors in this call: {shown}"
+            )
+        log.warning("%s at step %d (tensors %s): handled by nonfinite=%r",
+                    what, self.step, shown, self.nonfinite)
+        self._skipped = True
+        if self.nonfinite == "skip":
             assert self._snapshot is not None
+            self.compressor_state = _copy_tree(self._snapshot[0])
+            self.residuals = dict(self._snapshot[1])
+            self._poisoned = True
+            return self._fill(names, named_grads, float("nan"))
+        self.compressor_state, self.residuals = _copy_tree(before[0]), dict(before[1])
+        if finish_step and self._end_step(before[0]) is not None:
+            self.compressor_state = _copy_tree(before[0])  # the end of step itself overflows
+        return self._fill(names, named_grads, 0.0)
+
+    def _abort_step(self) -> None:
+        """Put all state back to where the step began (after an exception inside it)."""
+        if self._snapshot is not None:
             self.compressor_state, self.residuals = self._snapshot
-            self.skipped_steps += 1
-        else:
-            self.compressor.end_step(self.compressor_state, ctx)
-        self.step += 1
+        self._reset_step()
+
+    def _reset_step(self) -> None:
         self._snapshot = None
         self._poisoned = False
+        self._skipped = False
+        self._call = 0
 
-    def reduce_(self) -> None:
+    def reduce_(self, *, step: int | None = None) -> None:
         """Replace ``.grad`` of the engine's parameters by the averaged, compressed gradients.
 
         Parameters without a gradient are skipped (every worker must skip the same ones).
+
+        Args:
+            step: the caller's step number, optional (see :meth:`reduce`).
 
         Raises:
             RuntimeError: the engine was built from shapes, or holds simulated workers.
@@ -373,7 +446,7 @@ class Engine:
                 "process) group; use reduce() with named gradients otherwise"
             )
         grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
-        for name, avg in self.reduce(grads).items():
+        for name, avg in self.reduce(grads, step=step).items():
             self.params[name].grad.copy_(avg)
 
     # -- observability ---------------------------------------------------------------------
@@ -408,6 +481,7 @@ class Engine:
             "dense_1d": self.dense_1d,
             "world_size": self.comm.world_size,
             "ranks": list(self.comm.local_ranks),
+            "parameters": {n: list(s) for n, s in self.shapes.items()},
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "residual_scale": self.residual_scale,
@@ -419,54 +493,38 @@ class Engine:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output, validating it first.
+        """Restore :meth:`state_dict` output: validate all of it, then swap it in at once.
+
+        A checkpoint holding NaN or Inf anywhere is refused (it would poison every later
+        step); so is one from another parameter set, in either direction. When this raises,
+        the engine is unchanged.
 
         Raises:
-            ValueError: another format version, compressor, world size, rank, or a name or
-                shape that does not match (the first mismatch is named).
+            TypeError: ``state`` is not a mapping.
+            ValueError: a missing key (named), another format version, compressor, world size,
+                rank or parameter set, a negative or fractional counter, a wrong shape or
+                dtype, or a non-finite value (the first problem is named).
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"`state` must be a mapping, got {type(state).__name__}")
-        if state.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
-                f"`format_version` must be {FORMAT_VERSION}, got {state.get('format_version')!r}"
-            )
-        checks = {
-            "compressor": self.compressor.spec(),
-            "error_feedback": self.error_feedback,
-            "world_size": self.comm.world_size,
-            "ranks": list(self.comm.local_ranks),
-        }
-        if state.get("dense_1d", False) != self.dense_1d:  # absent from older checkpoints
-            raise ValueError(
-                f"`dense_1d` of the checkpoint must be {self.dense_1d!r}, got {state.get('dense_1d')!r}"
-            )
-        for key, want in checks.items():
-            if state.get(key) != want:
-                raise ValueError(f"`{key}` of the checkpoint must be {want!r}, got {state.get(key)!r}")
-        for name, res in state["residuals"].items():
-            expected = torch.Size((self.comm.local_workers, *self.shapes.get(name, ())))
-            if name not in self.shapes or res.shape != expected:
-                raise ValueError(
-                    f"residual {name!r} must match a parameter of shape {tuple(expected)}, "
-                    f"got {tuple(res.shape)}"
-                )
-            if name in self.dense_names:
-                raise ValueError(f"residual {name!r} must be absent: it is sent dense (`dense_1d`)")
-        mismatch = _first_mismatch(
-            self.compressor.init_state(self._compressed_shapes()), state["compressor_state"],
-            "compressor_state"
+        loaded = validate_checkpoint(
+            state,
+            config={
+                "format_version": FORMAT_VERSION,
+                "compressor": self.compressor.spec(),
+                "error_feedback": self.error_feedback,
+                "dense_1d": self.dense_1d,
+                "world_size": self.comm.world_size,
+                "ranks": list(self.comm.local_ranks),
+            },
+            shapes=self.shapes,
+            dense_names=self.dense_names,
+            workers=self.comm.local_workers,
+            fresh_state=self.compressor.init_state(self._compressed_shapes()),
         )
-        if mismatch:
-            raise ValueError(f"checkpoint does not match this engine: {mismatch}")
-        self.step = int(state["step"])
-        self.skipped_steps = int(state["skipped_steps"])
-        scale = state.get("residual_scale")
-        self.residual_scale = None if scale is None else float(scale)
-        self.residuals = {n: r.clone() for n, r in state["residuals"].items()}
-        self.compressor_state = _copy_tree(state["compressor_state"])
-        self.comm.meter.load(state["meter"])
-        self.dense_payload = list(state["dense_payload"])
-        self.dense_wire = list(state["dense_wire"])
-        self._snapshot = None
-        self._poisoned = False
+        # Everything is valid: swap it in.
+        self.step, self.skipped_steps = loaded.step, loaded.skipped_steps
+        self.residual_scale = loaded.residual_scale
+        self.residuals = loaded.residuals
+        self.compressor_state = _copy_tree(loaded.compressor_state)
+        self.comm.meter.load(loaded.meter)
+        self.dense_payload, self.dense_wire = loaded.dense_payload, loaded.dense_wire
+        self._reset_step()

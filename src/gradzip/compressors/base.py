@@ -113,6 +113,16 @@ class Compressor(ABC):
 
         Every worker must issue the same collectives with the same sizes, so any decision
         that shapes the exchange is taken from quantities identical on all workers.
+
+        Finiteness contract (the engine relies on it to keep state finite): the engine hands
+        only finite tensors, and tests ``job.averaged`` and the state afterwards, on every
+        worker alike. A worker's own leftover (``tensor - decoded``) is tested nowhere, so it
+        must be finite whenever the average is: either by construction (a sparsifier's
+        residual is the tensor with entries zeroed; a sign or quantised message keeps each
+        entry's sign and bounds its magnitude by the scale it sends), or the compressor makes
+        a worker whose leftover overflows send a non-finite message (PowerSGD), so that the
+        average of every worker turns non-finite too. State must be derived from aggregated
+        quantities only, so it is identical on every worker.
         """
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:

@@ -12,9 +12,11 @@ import torch
 from gradzip._validate import check_bool, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.feedback import residual_after
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import orthogonalize
 from gradzip.ops.random import generator_for
+from gradzip.statecheck import finite_rows
 
 __all__ = ["PowerSGD"]
 
@@ -38,6 +40,29 @@ def _stack_batch(parts: list[torch.Tensor]) -> torch.Tensor:
 def _stack_workers(parts: list[torch.Tensor]) -> torch.Tensor:
     """Per-worker results stacked along a new worker axis 0 (no copy for a single worker)."""
     return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
+
+
+# A warm start whose largest entry exceeds this is scaled down by a power of two (see _tame).
+_Q_LIMIT = 2.0**32
+
+
+def _tame(q: torch.Tensor) -> torch.Tensor:
+    """``q`` scaled by a power of two so that its largest entry is at most 1 when it exceeds
+    :data:`_Q_LIMIT`; otherwise ``q`` times 1 (exact). Computed on ``q``'s device, without a
+    host synchronisation.
+
+    ``Q = M^T P`` carries the gradient's magnitude (only ``P`` is orthonormal), and the next
+    step multiplies it by the next gradient: after one huge but finite gradient, every later
+    product would overflow, and each step would be skipped forever. Only the column space of
+    ``Q`` matters (``P = orthogonalize(M Q)``), and a power-of-two scale is exact, so this
+    changes nothing else; ordinary warm starts never reach the limit and stay bit-identical.
+    """
+    if q.numel() == 0:
+        return q
+    top = q.abs().amax()
+    huge = (top > _Q_LIMIT) & torch.isfinite(top)
+    shift = torch.exp2(-torch.ceil(torch.log2(torch.where(huge, top, 1.0))))
+    return q * shift
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -195,6 +220,8 @@ class PowerSGD(Compressor):
                 ps[k] = orthogonalize(pt.transpose(-1, -2))  # [B, rows, r]
             # Round 2: Q = M^T P, summed.
             qt_local = {k: right(k, ps[k].transpose(-1, -2)) for k in keys}  # [L, B, r, cols]
+            if iteration == self.power_iterations - 1:
+                self._settle_residuals(keys, groups, ps, qt_local, workers)
             flat_q = flatten_workers([qt_local[k] for k in keys], workers)
             total_q = comm.all_reduce(flat_q).div_(world)
             sizes = [qt_local[k][0].numel() for k in keys]
@@ -203,9 +230,35 @@ class PowerSGD(Compressor):
         new_q = dict(state["q"])
         for k in keys:
             approx = torch.bmm(ps[k], qts[k])  # [B, rows, cols]
-            own = _stack_workers([torch.bmm(ps[k], qt_local[k][w]) for w in range(workers)])
             for b, job in enumerate(groups[k]):
                 job.averaged = approx[b].reshape(job.shape)
-                job.decoded = own[:, b].reshape(job.tensor.shape)
-                new_q[job.name] = qts[k][b].t().contiguous()  # stored as [cols, r]
+                new_q[job.name] = _tame(qts[k][b].t().contiguous())  # stored as [cols, r]
         state["q"] = new_q
+
+    @staticmethod
+    def _settle_residuals(
+        keys: list[tuple[int, int, int]],
+        groups: dict[tuple[int, int, int], list[Job]],
+        ps: dict[tuple[int, int, int], torch.Tensor],
+        qt_local: dict[tuple[int, int, int], torch.Tensor],
+        workers: int,
+    ) -> None:
+        """Decode each worker's own message and its residual *before* the last all-reduce,
+        and make a worker whose residual is not finite send NaN in its ``Q`` factor.
+
+        A worker's decoded message ``P Q_w^T`` and residual ``M - P Q_w^T`` can overflow on
+        that worker alone while the average stays finite; poisoning its ``Q`` makes the summed
+        ``Q`` (hence the average, tested by the engine on every worker alike) non-finite, so
+        every worker applies the non-finite policy instead of one keeping a poisoned residual.
+        """
+        finite = torch.ones(workers, dtype=torch.bool, device=ps[keys[0]].device if keys else None)
+        for k in keys:
+            own = _stack_workers([torch.bmm(ps[k], qt_local[k][w]) for w in range(workers)])
+            for b, job in enumerate(groups[k]):
+                job.decoded = own[:, b].reshape(job.tensor.shape)
+                job.residual = residual_after(job.tensor, job.decoded)
+            finite &= finite_rows([j.residual for j in groups[k]], workers)  # type: ignore[misc]
+        # On the device, no host synchronisation: NaN where a worker's residual is not finite.
+        for k in keys:
+            mask = finite.reshape(workers, *([1] * (qt_local[k].dim() - 1)))
+            qt_local[k].copy_(torch.where(mask, qt_local[k], float("nan")))

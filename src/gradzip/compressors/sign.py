@@ -16,6 +16,16 @@ from gradzip.ops.flat import reinterpret
 __all__ = ["Sign"]
 
 
+def _mean_abs_scaled(flat: torch.Tensor) -> torch.Tensor:
+    """``mean(|x|)`` per row when the plain sum overflows although every entry is finite:
+    the rows are scaled by a power of two first (exact), so the mean is finite whenever it is
+    representable. Without this, one huge entry left in a residual (spread over the whole
+    tensor by the previous scale) would make every later step overflow."""
+    top = flat.abs().amax(dim=1, keepdim=True)
+    shift = torch.exp2(torch.floor(torch.log2(torch.where(top > 0, top, 1.0))))  # <= top: finite
+    return (flat / shift).abs().mean(dim=1, keepdim=True) * shift
+
+
 @dataclass(frozen=True)
 class Sign(Compressor):
     """Send ``mean(|g|) * sign(g)``: one fp32 scale per tensor and the sign bits packed 8 to a
@@ -47,6 +57,8 @@ class Sign(Compressor):
         for job in jobs:
             flat = job.tensor.reshape(workers, -1)
             scale = flat.abs().mean(dim=1, keepdim=True)  # [L, 1]
+            if not bool(torch.isfinite(scale).all()):
+                scale = _mean_abs_scaled(flat)
             bits = (flat >= 0).to(torch.uint8)
             job.decoded = ((bits.to(torch.float32) * 2 - 1) * scale).reshape(job.tensor.shape)
             scales.append(scale)

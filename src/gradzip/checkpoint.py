@@ -1,0 +1,173 @@
+"""Validation of an engine checkpoint: everything is checked before anything is changed.
+
+:func:`validate_checkpoint` returns the parsed values or raises naming the first problem, so
+``Engine.load_state_dict`` either swaps in a whole valid state or leaves the engine untouched.
+A checkpoint holding NaN or Inf is refused rather than loaded: a non-finite warm start or
+residual would make every later step non-finite on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from numbers import Real
+from typing import Any
+
+import torch
+
+from gradzip.statecheck import all_finite, check_tree, nonneg_int
+
+__all__ = ["REQUIRED_KEYS", "Loaded", "validate_checkpoint"]
+
+# Keys every checkpoint holds (``dense_1d``, ``residual_scale`` and ``parameters`` are optional:
+# older checkpoints lack them).
+REQUIRED_KEYS = (
+    "format_version", "compressor", "error_feedback", "world_size", "ranks", "step",
+    "skipped_steps", "residuals", "compressor_state", "meter", "dense_payload", "dense_wire",
+)
+
+
+@dataclass
+class Loaded:
+    """The validated content of a checkpoint, ready to be swapped in."""
+
+    step: int
+    skipped_steps: int
+    residual_scale: float | None
+    residuals: dict[str, torch.Tensor]
+    compressor_state: Any
+    meter: dict[str, Any]
+    dense_payload: list[int]
+    dense_wire: list[int]
+
+
+def validate_checkpoint(
+    state: Any,
+    *,
+    config: Mapping[str, Any],
+    shapes: Mapping[str, torch.Size],
+    dense_names: frozenset[str],
+    workers: int,
+    fresh_state: Any,
+) -> Loaded:
+    """Check a checkpoint against the engine that loads it.
+
+    Args:
+        state: what ``Engine.state_dict`` returned (possibly saved and loaded).
+        config: values the checkpoint must hold exactly (``format_version``, ``compressor``,
+            ``error_feedback``, ``dense_1d``, ``world_size``, ``ranks``).
+        shapes: the engine's parameters.
+        dense_names: parameters sent dense (they have no residual).
+        workers: local workers of the engine (the residuals' leading axis).
+        fresh_state: the compressor's ``init_state``, the reference for structure, shapes,
+            dtypes and kinds of values.
+
+    Returns:
+        The parsed values (residuals cloned).
+
+    Raises:
+        TypeError: ``state`` is not a mapping.
+        ValueError: the first problem found, naming the key.
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"`state` must be a mapping, got {type(state).__name__}")
+    for key in REQUIRED_KEYS:
+        if key not in state:
+            raise ValueError(f"checkpoint must hold `{key}`, but the key is missing")
+    if state["format_version"] != config["format_version"]:
+        raise ValueError(
+            f"`format_version` must be {config['format_version']}, got {state['format_version']!r}"
+        )
+    for key, want in config.items():
+        got = state.get(key, False)  # only `dense_1d` may be absent (older checkpoints)
+        if got != want or type(got) is not type(want):
+            raise ValueError(f"`{key}` of the checkpoint must be {want!r}, got {got!r}")
+    step, skipped = state["step"], state["skipped_steps"]
+    for key, value in (("step", step), ("skipped_steps", skipped)):
+        if not nonneg_int(value):
+            raise ValueError(f"`{key}` of the checkpoint must be an integer >= 0, got {value!r}")
+    if skipped > step:
+        raise ValueError(f"`skipped_steps` of the checkpoint must be <= step ({step}), got {skipped}")
+    scale = state.get("residual_scale")
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, Real) or not 0 < float(scale) < math.inf
+    ):
+        raise ValueError(f"`residual_scale` of the checkpoint must be None or > 0, got {scale!r}")
+    residuals = _residuals(state["residuals"], shapes, dense_names, workers, bool(config["error_feedback"]))
+    if "parameters" in state:  # absent from older checkpoints
+        _parameters(state["parameters"], shapes)
+    mismatch = check_tree(fresh_state, state["compressor_state"], "compressor_state")
+    if mismatch:
+        raise ValueError(f"checkpoint does not match this engine: {mismatch}")
+    meter = state["meter"]
+    counters = {"dense_payload": state["dense_payload"], "dense_wire": state["dense_wire"]}
+    if isinstance(meter, Mapping):
+        counters.update({f"meter.{k}": meter.get(k) for k in ("payload", "wire")})
+    for key, value in counters.items():
+        if not isinstance(value, (list, tuple)) or len(value) != workers or not all(
+            nonneg_int(v) for v in value
+        ):
+            raise ValueError(f"`{key}` of the checkpoint must list {workers} integers >= 0, got {value!r}")
+    if not isinstance(meter, Mapping) or not nonneg_int(meter.get("calls")):
+        raise ValueError(f"`meter.calls` of the checkpoint must be an integer >= 0, got {meter!r}")
+    return Loaded(
+        step=int(step),
+        skipped_steps=int(skipped),
+        residual_scale=None if scale is None else float(scale),
+        residuals=residuals,
+        compressor_state=state["compressor_state"],
+        meter={"payload": [int(v) for v in meter["payload"]], "wire": [int(v) for v in meter["wire"]],
+               "calls": int(meter["calls"])},
+        dense_payload=[int(v) for v in state["dense_payload"]],
+        dense_wire=[int(v) for v in state["dense_wire"]],
+    )
+
+
+def _residuals(
+    residuals: Any, shapes: Mapping[str, torch.Size], dense_names: frozenset[str], workers: int,
+    error_feedback: bool,
+) -> dict[str, torch.Tensor]:
+    if not isinstance(residuals, Mapping):
+        raise ValueError(f"`residuals` of the checkpoint must be a dict, got {type(residuals).__name__}")
+    if residuals and not error_feedback:
+        raise ValueError(
+            f"`residuals` of the checkpoint must be empty without error feedback, got "
+            f"{sorted(map(str, residuals))[:3]}"
+        )
+    out = {}
+    for name, res in residuals.items():
+        expected = torch.Size((workers, *shapes.get(name, ())))
+        if not isinstance(res, torch.Tensor) or name not in shapes or res.shape != expected:
+            got = tuple(res.shape) if isinstance(res, torch.Tensor) else type(res).__name__
+            raise ValueError(f"residual {name!r} must match a parameter of shape {tuple(expected)}, got {got}")
+        if name in dense_names:
+            raise ValueError(f"residual {name!r} must be absent: it is sent dense (`dense_1d`)")
+        if res.dtype != torch.float32:
+            raise ValueError(f"residual {name!r} must be float32, got {res.dtype}")
+        if not all_finite([res]):
+            raise ValueError(f"residual {name!r} of the checkpoint holds NaN or Inf")
+        out[name] = res.clone()
+    return out
+
+
+def _parameters(saved: Any, shapes: Mapping[str, torch.Size]) -> None:
+    """The stored parameter set against the engine's: the first missing or extra name."""
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"`parameters` of the checkpoint must be a dict, got {type(saved).__name__}")
+    for name, shape in shapes.items():
+        if name not in saved:
+            raise ValueError(
+                f"checkpoint lacks parameter {name!r} of this engine: it was saved from another "
+                f"parameter set"
+            )
+        if not isinstance(saved[name], (list, tuple)) or list(saved[name]) != list(shape):
+            raise ValueError(
+                f"parameter {name!r} must have shape {list(shape)} in the checkpoint, got {saved[name]!r}"
+            )
+    for name in saved:
+        if name not in shapes:
+            raise ValueError(
+                f"checkpoint holds parameter {name!r}, which this engine does not have: it was "
+                f"saved from another parameter set"
+            )

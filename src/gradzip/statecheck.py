@@ -1,0 +1,139 @@
+"""Finiteness tests and checkpoint validation for the engine's state.
+
+Kept apart from :mod:`gradzip.engine` so the step logic stays readable: everything here is a
+pure function of tensors and plain data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from numbers import Integral, Real
+from typing import Any
+
+import torch
+
+__all__ = ["all_finite", "bad_workers", "check_tree", "first_nonfinite", "nonneg_int"]
+
+def finite_rows(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
+    """``[L]`` bool, on the tensors' device: whether every entry of worker ``w``'s part of
+    every tensor (each ``[L, ...]``) is finite. No host synchronisation.
+
+    One ``aminmax`` pass per tensor: NaN and Inf propagate into the minimum or the maximum,
+    and, unlike a sum, they never overflow, so a huge but finite tensor is never mistaken for
+    a non-finite one and no second, elementwise pass is needed.
+    """
+    device = tensors[0].device if tensors else torch.device("cpu")
+    ok = torch.ones(workers, dtype=torch.bool, device=device)
+    for t in tensors:
+        rows = t.reshape(workers, -1)
+        if rows.shape[1] == 0:
+            continue
+        low, high = torch.aminmax(rows, dim=1)
+        ok &= torch.isfinite(low) & torch.isfinite(high)
+    return ok
+
+
+def bad_workers(tensors: Sequence[torch.Tensor], workers: int) -> list[bool]:
+    """Per local worker, whether any of ``tensors`` (each ``[L, ...]``) holds NaN or Inf
+    (one host read for all of them)."""
+    if not tensors:
+        return [False] * workers
+    return [not ok for ok in finite_rows(tensors, workers).tolist()]
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (one host read for all of them)."""
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    return bool(finite_rows([t.reshape(1, -1) for t in tensors], 1).all())
+
+
+def _leaves(tree: Any, path: str, before: Any, out: list[tuple[str, Any]]) -> None:
+    if tree is before and before is not None and not isinstance(tree, (dict, list)):
+        return
+    if isinstance(tree, dict):
+        old = before if isinstance(before, dict) else {}
+        for key, value in tree.items():
+            _leaves(value, f"{path}.{key}", old.get(key), out)
+    elif (isinstance(tree, torch.Tensor) and tree.is_floating_point()) or isinstance(tree, float):
+        out.append((path, tree))
+
+
+def first_nonfinite(tree: Any, path: str, before: Any = None) -> str | None:
+    """The path of the first float or float tensor in ``tree`` holding NaN or Inf.
+
+    Lists are not searched: in compressor state they hold logs (Accordion's decision
+    records), read by people, never by the algorithm, and walking them on every call would
+    cost more than the test of the tensors.
+
+    Args:
+        tree: nested dicts/lists of tensors and plain values.
+        path: the name of ``tree`` in messages.
+        before: the same tree before a step; leaves that are the very same objects as there
+            were checked already and are skipped (state is replaced, never mutated in place).
+
+    All tensors are tested together (one host read); the path is looked up only when one
+    of them is not finite.
+    """
+    leaves: list[tuple[str, Any]] = []
+    _leaves(tree, path, before, leaves)
+    for where, value in leaves:
+        if isinstance(value, float) and not math.isfinite(value):
+            return where
+    tensors = [(where, t) for where, t in leaves if isinstance(t, torch.Tensor)]
+    if all_finite([t for _, t in tensors]):
+        return None
+    return next(where for where, t in tensors if not all_finite([t]))
+
+
+def nonneg_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (not a bool) >= 0."""
+    return isinstance(value, Integral) and not isinstance(value, bool) and int(value) >= 0
+
+
+def check_tree(expected: Any, got: Any, path: str) -> str | None:
+    """Describe the first difference between a fresh state tree and a loaded one.
+
+    Compared: dict keys, tensor shapes and dtypes, and the kind of plain values (a number
+    where a number is expected, a bool where a bool, a string where a string). Where the fresh
+    tree holds ``None`` or a list (values that fill in as training goes), any plain value is
+    accepted. Every float and float tensor must be finite.
+    """
+    if isinstance(expected, dict):
+        if not isinstance(got, Mapping):
+            return f"{path}: expected a dict, got {type(got).__name__}"
+        missing = [str(k) for k in expected if k not in got]
+        extra = [str(k) for k in got if k not in expected]
+        if missing or extra:
+            return f"{path}: missing keys {sorted(missing)}, unexpected keys {sorted(extra)}"
+        for key in expected:
+            found = check_tree(expected[key], got[key], f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{path}: expected a tensor, got {type(got).__name__}"
+        if expected.shape != got.shape:
+            return f"{path}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+        if expected.dtype != got.dtype:
+            return f"{path}: expected dtype {expected.dtype}, got {got.dtype}"
+        if got.is_floating_point() and not all_finite([got]):
+            return f"{path}: holds NaN or Inf"
+        return None
+    if isinstance(expected, bool):
+        return None if isinstance(got, bool) else f"{path}: expected a bool, got {got!r}"
+    if isinstance(expected, Real):
+        if isinstance(got, bool) or not isinstance(got, Real):
+            return f"{path}: expected a number, got {got!r}"
+        if isinstance(expected, Integral) and not isinstance(got, Integral):
+            return f"{path}: expected an integer, got {got!r}"
+        if not math.isfinite(float(got)):
+            return f"{path}: holds NaN or Inf"
+        return None
+    if isinstance(expected, str):
+        return None if isinstance(got, str) else f"{path}: expected a string, got {got!r}"
+    found = first_nonfinite(got, path)
+    return f"{found}: holds NaN or Inf" if found else None
