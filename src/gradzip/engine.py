@@ -312,7 +312,9 @@ class Engine:
                 dense.append(Job(name, g.to(torch.float32)))
             else:
                 residual = self.residuals.get(name) if self.error_feedback else None
-                jobs.append(Job(name, compensate(g, residual)))
+                # raw: the gradient before error feedback, for controllers that judge the
+                # training regime from it (Accordion); a reference, no copy.
+                jobs.append(Job(name, compensate(g, residual), raw=g))
         dense_reduce(dense, self.comm)
         if jobs:
             self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
