@@ -105,6 +105,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="critical when the gradient norm changes by >= eta (default 0.5)")
     a.add_argument("--interval-epochs", type=float, default=None, metavar="E",
                    help="epochs between Accordion decisions (default: the task's)")
+    s = p.add_argument_group("level schedule (instead of Accordion)")
+    s.add_argument("--level-schedule", default=None, metavar="RANGES",
+                   help="fixed levels by epoch, e.g. 'gentle:0-5,aggressive:5-30': --gentle in "
+                        "the gentle ranges, --compressor elsewhere")
+    s.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="--gentle for the first N optimizer steps, then --compressor")
+    s.add_argument("--gentle", default=None, metavar="SPEC",
+                   help="gentle level of --level-schedule/--warmup-steps (default none: dense)")
     o = p.add_argument_group("optimisation (defaults: the task's)")
     o.add_argument("--lr", type=float, default=None, help="per-worker learning rate")
     o.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
@@ -131,6 +139,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 _RUN_FIELDS = (
     "task", "workers", "compressor", "out", "launcher", "seed", "epochs", "data", "model",
     "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "accordion_batch", "eta", "interval_epochs",
+    "level_schedule", "warmup_steps", "gentle",
     "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
     "gamma", "clip", "scale_lr", "error_feedback", "dense_1d", "bptt", "text_level",
 )
