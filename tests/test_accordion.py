@@ -498,3 +498,28 @@ def test_batch_controller_state_dict_round_trip_mid_interval() -> None:
     resumed.end_step([torch.full((10,), 0.3)])
     assert resumed.state_dict()["state"]["log"] == first.state_dict()["state"]["log"]
     assert resumed.rounds == first.rounds and resumed.samples == first.samples
+
+
+@pytest.mark.parametrize("hold", ["interval", "boundary"])
+def test_batch_controller_drop_holds_like_accordion(hold: str) -> None:
+    ctl = batch_controller(interval_samples=8192, lr_hold=hold)
+    feed(ctl, [1.0, 1.0, 1.0])
+    assert ctl.level == S  # steady intervals are 2 rounds of 4096
+    e0 = torch.zeros(10)
+    e0[0] = 1.0
+    ctl.begin_step(0.1)
+    ctl.end_step([5.0 * e0])  # half an interval of a larger gradient
+    ctl.begin_step(0.01)  # the drop, mid-interval
+    rounds = 1
+    while not ctl.end_step([e0]):
+        ctl.begin_step(0.01)
+        rounds += 1
+    last = ctl.decisions[-1]
+    if hold == "interval":
+        # A whole interval of small batches (16 x 512) after the drop, compared with the last
+        # interval before it: the same gradient, so steady.
+        assert rounds == 16 and last["reason"] == "steady"
+        assert last["norm"] == pytest.approx(last["prev_norm"])
+    else:
+        # Until the current interval ends (8 x 512), its sum mixing both sides of the drop.
+        assert rounds == 8 and last["reason"] == "norm_change"

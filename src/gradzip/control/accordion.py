@@ -38,7 +38,7 @@ from gradzip.control.records import (
     record,
     set_levels,
 )
-from gradzip.control.rule import CRITICAL, decide, is_lr_drop
+from gradzip.control.rule import CRITICAL, LR_HOLDS, decide, is_lr_drop
 from gradzip.control.switch import TwoLevel, build_levels
 
 __all__ = ["LOG_POINTS", "MODEL", "SIGNALS", "LR_HOLDS", "Accordion"]
@@ -51,10 +51,6 @@ _SPLIT = re.compile(r",(?=\s*(?:" + "|".join(_KEYS) + r")\s*=)")
 #: What the norms are taken of: each worker's gradient before error feedback (the paper's
 #: code), or the worker average of what was sent (gradzip's first rule).
 SIGNALS = ("raw", "sent")
-#: How long a learning-rate drop holds every tensor critical: one whole interval from the
-#: drop, after which a decision compares a window after the drop with the last one before it
-#: (the paper's code), or until the current interval ends (gradzip's first rule).
-LR_HOLDS = ("interval", "boundary")
 
 
 @dataclass(frozen=True)
