@@ -45,10 +45,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradzip.train.metrics import read_summary
-from gradzip.train.runner import RunConfig, resolve_config, run
-
 HERE = Path(__file__).resolve().parent
+# The package of the checkout this script belongs to (installed or not, e.g. on a machine
+# that only has a copy of the repository), ahead of any other installed copy.
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from gradzip.train.metrics import read_summary  # noqa: E402
+from gradzip.train.runner import RunConfig, resolve_config, run  # noqa: E402
+
 ROLES = ("none", "gentle", "aggressive", "accordion", "critical-gentle", "critical-aggressive",
          "topk", "threshold")
 PACKED = ("summary.json", "metrics.jsonl", "accordion_decisions.json")
@@ -380,6 +384,50 @@ def data_options(setting: Setting, args: argparse.Namespace, root: Path) -> dict
     return {}
 
 
+def prepare_cifar(path: str, cache_dir: Path) -> None:
+    """Decode the CIFAR archive once, here, into the runner's cache, so that parallel runs
+    only read it. Without Pillow, JPEG files are decoded with torchvision instead."""
+    from gradzip.train import cifar
+
+    try:
+        cifar.load_cifar10(path, cache_dir=cache_dir)
+        return
+    except ImportError:
+        pass
+    try:
+        import numpy as np
+        import torch
+        from torchvision.io import decode_jpeg
+    except ImportError:
+        raise SystemExit("decoding the CIFAR JPEG files needs Pillow or torchvision") from None
+
+    def decode(data: bytes, name: str) -> Any:
+        image = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return np.ascontiguousarray(image.permute(1, 2, 0).numpy())
+
+    cifar._decode_image = decode  # this process only: it writes the cache the runs read
+    cifar.load_cifar10(path, cache_dir=cache_dir)
+
+
+def check() -> None:
+    """Print what the runs need on this machine."""
+    import importlib
+    import platform
+
+    import torch
+
+    print(f"python {platform.python_version()}, torch {torch.__version__}, "
+          f"cuda available {torch.cuda.is_available()}, cpus {os.cpu_count()}")
+    if torch.cuda.is_available():
+        print(f"gpu {torch.cuda.get_device_name(0)}")
+    for name in ("numpy", "PIL", "torchvision", "matplotlib"):
+        try:
+            module = importlib.import_module(name)
+            print(f"{name} {getattr(module, '__version__', '?')}")
+        except ImportError:
+            print(f"{name} missing")
+
+
 def _value(text: str) -> Any:
     try:
         return json.loads(text)
@@ -414,7 +462,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="write benchmarks/results/claims.json from the finished runs; run nothing")
     p.add_argument("--results", default=str(HERE / "results"), help="where claims.json goes")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their status")
+    p.add_argument("--check", action="store_true", help="print what this machine offers; run nothing")
     args = p.parse_args(argv)
+    if args.check:
+        check()
+        return 0
     if args.one is not None:
         run(resolve_config(RunConfig.from_dict(json.loads(args.one))))
         return 0
@@ -449,11 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows))
         print(f"wrote {results / 'claims.json'} ({len(rows)} rows)")
         return 0
-    # Decode the CIFAR archive once, here, so that parallel runs read the cache.
-    for name in names:
-        if SETTINGS[name].data == "cifar":
-            from gradzip.train.cifar import load_cifar10
-            load_cifar10(args.cifar_data, cache_dir=root / "cache")
+    if any(SETTINGS[n].data == "cifar" for n in names):
+        prepare_cifar(str(Path(args.cifar_data).expanduser().resolve()), root / "cache")
     deadline = None if args.deadline is None else start + args.deadline
     counts = execute(runs, args.parallel, deadline, Path(args.pack) if args.pack else None,
                      root, args.estimate)
