@@ -18,7 +18,7 @@ Each run is the runner's (:func:`gradzip.train.runner.run`) in its own process w
 ``--parallel`` at a time; a run whose ``summary.json`` holds the same configuration is skipped, so
 an interrupted grid resumes. ``--deadline`` stops launching runs that would not finish in time
 (estimated from the runs already finished) and ends the ones still running shortly before it,
-deleting their partial folders. ``--pack`` keeps an archive of every finished run's
+keeping their partial files aside (``seedN.stopped``; a later call starts them afresh). ``--pack`` keeps an archive of every finished run's
 ``summary.json``, ``metrics.jsonl`` and ``accordion_decisions.json``, rewritten after each run.
 ``--collect`` writes ``benchmarks/results/claims.json`` (one row per finished run, from its own
 ``summary.json``) and prints a table.
@@ -224,14 +224,16 @@ def stored(cfg: RunConfig) -> dict[str, Any] | None:
 
 
 def pack(root: Path, archive: Path) -> int:
-    """Archive every finished run's files under ``root`` (paths relative to it), and every
-    run's log (``<run>.log`` beside its folder), into ``archive``, atomically; returns the
-    number of finished runs packed."""
+    """Archive every finished run's files under ``root`` (paths relative to it), the partial
+    ones of runs the deadline ended (``*.stopped`` folders), and every run's log
+    (``<run>.log`` beside its folder), into ``archive``, atomically; returns the number of
+    finished runs packed."""
     runs = sorted(p.parent for p in root.rglob("summary.json"))
+    stopped = sorted(root.rglob("seed*.stopped"))
     archive.parent.mkdir(parents=True, exist_ok=True)
     tmp = archive.with_name(archive.name + ".tmp")
     with tarfile.open(tmp, "w:gz") as tar:
-        for folder in runs:
+        for folder in runs + stopped:
             for name in PACKED:
                 if (folder / name).is_file():
                     tar.add(folder / name, arcname=str((folder / name).relative_to(root)))
@@ -241,11 +243,17 @@ def pack(root: Path, archive: Path) -> int:
     return len(runs)
 
 
+def _stopped(out: Path) -> Path:
+    """Where a run ended by the deadline keeps its partial files."""
+    return out.with_name(out.name + ".stopped")
+
+
 def _launch(cfg: RunConfig) -> subprocess.Popen[bytes]:
     """One run in its own process, one thread (its output goes to ``OUT.log`` beside it)."""
     out = Path(cfg.out)
-    if out.exists():  # an earlier, interrupted attempt: start clean
-        shutil.rmtree(out)
+    for stale in (out, _stopped(out)):  # an earlier, interrupted attempt: start clean
+        if stale.exists():
+            shutil.rmtree(stale)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     log = (out.parent / f"{out.name}.log").open("wb")
@@ -261,7 +269,7 @@ def execute(runs: list[Planned], parallel: int, deadline: float | None,
     time, or None). A run is launched only when it is expected to end before the deadline:
     expected to take as long as the slowest finished run of its setting, or ``estimate_s``
     before one finished (``None``: launch). Runs still going shortly before the deadline are
-    ended and their folders deleted. Returns counts: ``done``, ``skipped``, ``failed``,
+    ended, their folders renamed ``*.stopped``. Returns counts: ``done``, ``skipped``, ``failed``,
     ``stopped``, ``left`` (not launched)."""
     todo = [r for r in runs if finished(r.config) is None]
     counts = {"skipped": len(runs) - len(todo), "done": 0, "failed": 0, "stopped": 0, "left": 0}
@@ -289,10 +297,15 @@ def execute(runs: list[Planned], parallel: int, deadline: float | None,
             for proc, (r, _) in active.items():
                 proc.terminate()
                 proc.wait(30)
-                shutil.rmtree(r.config.out, ignore_errors=True)
+                # Kept aside, not resumed: its epochs so far still show in the archive.
+                out = Path(r.config.out)
+                if out.exists():
+                    out.rename(_stopped(out))
                 counts["stopped"] += 1
                 print(f"stopped {r.config.out} (deadline)", file=sys.stderr, flush=True)
             active.clear()
+            if archive is not None:
+                pack(root, archive)
             break
         time.sleep(0.2)
         for proc in [p for p in active if p.poll() is not None]:
