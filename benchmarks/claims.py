@@ -193,34 +193,39 @@ def select(runs: list[Planned], only: list[str]) -> list[Planned]:
 
 
 # -- running ----------------------------------------------------------------------------------
+#: Options that may differ between a planned run and a finished one it is taken for: where the
+#: data and outputs lie and how the run was executed (results packed on another machine).
+PLACE = ("out", "data", "cache_dir", "device", "threads", "timeout", "launcher")
+
+
 def finished(cfg: RunConfig) -> dict[str, Any] | None:
-    """The run's summary when ``cfg.out`` holds a finished run of the same configuration
-    (every result-determining option, once resolved)."""
-    summary = read_summary(cfg.out)
-    if summary is None:
-        return None
-    stored = RunConfig.from_dict(summary.get("config", {})).result_key()
-    return summary if stored == resolve_config(cfg).result_key() else None
-
-
-#: What must match for ``--collect`` to take a summary as the planned run's; the data path,
-#: the device and the cache may differ (results packed on another machine).
-IDENTITY = ("task", "workers", "compressor", "accordion", "gentle", "level_schedule", "seed",
-            "epochs", "model", "batch_size", "lr", "eta", "interval_epochs", "limit_train")
-
-
-def stored(cfg: RunConfig) -> dict[str, Any] | None:
-    """The summary in ``cfg.out`` when it is a finished run of the planned run (see
-    :data:`IDENTITY`), without resolving the configuration on this machine."""
+    """The summary in ``cfg.out`` when it is a finished run of ``cfg``: every option the plan
+    sets (all but :data:`PLACE`) equal in the stored configuration. Options the plan leaves to
+    the task's defaults are not compared, so no data need be present to check."""
     summary = read_summary(cfg.out)
     if summary is None:
         return None
     config = summary.get("config", {})
-    planned = cfg.to_dict()
-    for key in IDENTITY:
-        if planned.get(key) is not None and config.get(key) != planned[key]:
+    for key, value in cfg.to_dict().items():
+        if key not in PLACE and value is not None and config.get(key) != value:
             return None
     return summary
+
+
+def unpack(archive: Path, root: Path) -> int:
+    """Restore the finished runs of an archive written by :func:`pack` under ``root``
+    (existing files are kept); returns the number of summaries restored."""
+    count = 0
+    with tarfile.open(archive, "r:*") as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if not member.isfile() or any(p.endswith(".stopped") for p in parts):
+                continue
+            if (root / member.name).exists():
+                continue
+            tar.extract(member, root, filter="data")
+            count += member.name.endswith("summary.json")
+    return count
 
 
 def pack(root: Path, archive: Path) -> int:
@@ -328,7 +333,7 @@ def collect(runs: list[Planned]) -> list[dict[str, Any]]:
     """One row per finished run, from its own ``summary.json``."""
     rows = []
     for r in runs:
-        summary = stored(r.config)
+        summary = finished(r.config)
         if summary is None:
             continue
         metric = summary["metric"]
@@ -471,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-data", default=None, help="wikitext-2-partial archive or folder")
     p.add_argument("--pack", default=None, metavar="FILE.tar.gz",
                    help="archive of the finished runs' files, refreshed after each run")
+    p.add_argument("--resume-from", default=None, metavar="FILE.tar.gz",
+                   help="restore the finished runs of an earlier --pack archive first (they are "
+                        "skipped), e.g. to continue a grid on a fresh machine")
     p.add_argument("--collect", action="store_true",
                    help="write benchmarks/results/claims.json from the finished runs; run nothing")
     p.add_argument("--results", default=str(HERE / "results"), help="where claims.json goes")
@@ -492,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--parallel must be >= 1, got {args.parallel}")
     seeds = [int(s) for s in args.seeds.split(",") if s]
     root = Path(args.root)
+    if args.resume_from:
+        restored = unpack(Path(args.resume_from), root)
+        print(f"restored {restored} finished runs from {args.resume_from}", file=sys.stderr)
     overrides = dict(item.partition("=")[::2] for item in args.set)
     runs: list[Planned] = []
     for name in names:

@@ -75,10 +75,15 @@ def test_smoke_grid_runs_resumes_packs_and_collects(tmp_path: Path,
     for role in ("accordion", "critical-aggressive"):
         assert f"smoke/powersgd/{role}/seed0/summary.json" in names
         assert f"smoke/powersgd/{role}/seed0/metrics.jsonl" in names
-    # A second call finds both finished and launches nothing.
+    # A second call finds both finished and launches nothing; so does one on a fresh root
+    # restored from the archive (a grid continued on another machine).
     capsys.readouterr()
     assert claims.main([*common, "--parallel", "2"]) == 0
     assert '"skipped": 2' in capsys.readouterr().err
+    fresh = [a if a != str(root) else str(tmp_path / "fresh") for a in common]
+    assert claims.main([*fresh, "--resume-from", str(archive)]) == 0
+    err = capsys.readouterr().err
+    assert "restored 2 finished runs" in err and '"skipped": 2' in err
     assert claims.main([*common, "--collect"]) == 0
     rows = json.loads((results / "claims.json").read_text())
     assert sorted(r["role"] for r in rows) == ["accordion", "critical-aggressive"]
