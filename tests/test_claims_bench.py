@@ -34,13 +34,13 @@ claims = _load()
 def test_critical_regimes_and_their_schedules() -> None:
     setting = claims.SETTINGS["cifar10-resnet8"]
     ranges = claims.critical_ranges(setting, 20, [0.5, 0.75])
-    assert ranges == [(0.0, 3.0), (10.0, 12.0), (15.0, 17.0)]
+    assert ranges == [(0.0, 2.0), (10.0, 12.0), (15.0, 17.0)]
     gentle = claims.schedule_text(ranges, 20, True)
-    assert gentle == ("gentle:0-3,aggressive:3-10,gentle:10-12,aggressive:12-15,gentle:15-17,"
+    assert gentle == ("gentle:0-2,aggressive:2-10,gentle:10-12,aggressive:12-15,gentle:15-17,"
                       "aggressive:17-20")
     assert parse_level_schedule(gentle) == ranges
     reverse = claims.schedule_text(ranges, 20, False)
-    assert parse_level_schedule(reverse) == [(3.0, 10.0), (12.0, 15.0), (17.0, 20.0)]
+    assert parse_level_schedule(reverse) == [(2.0, 10.0), (12.0, 15.0), (17.0, 20.0)]
     # Overlapping regimes merge (a drop inside the first K epochs).
     assert claims.critical_ranges(setting, 4, [2.0]) == [(0.0, 4.0)]
 
