@@ -232,6 +232,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"{summary['task']}: {summary['workers']} workers ({summary['launcher']}), "
           f"{summary['compressor']}"
           + (f" <-> {summary['accordion']} (Accordion)" if summary["accordion"] else "")
+          + (f" <-> {cfg.gentle or 'none'} (schedule)"
+             if cfg.level_schedule or cfg.warmup_steps else "")
           + (", global batch {} <-> {} (Accordion)".format(*summary["accordion_batch"])
              if summary.get("accordion_batch") else "")
           + f", {summary['epochs']} epochs, {summary['steps']} steps")
