@@ -207,7 +207,7 @@ def finished(cfg: RunConfig) -> dict[str, Any] | None:
     summary = read_summary(cfg.out)
     if summary is None:
         return None
-    config = summary.get("config", {})
+    config = RunConfig.from_stored(summary.get("config", {})).to_dict()
     for key, value in cfg.to_dict().items():
         if key not in PLACE and value is not None and config.get(key) != value:
             return None

@@ -174,3 +174,25 @@ def test_tensors_dense_at_both_levels_take_no_decision_and_are_not_counted_gentl
         counts = Accordion.counts(engine)
         assert counts["dense_steps"] == 6 * len(dense)
         assert counts["critical_steps"] + counts["steady_steps"] == 6 * (2 - len(dense))
+
+
+def test_the_runner_picks_either_rule_and_reads_older_summaries_as_the_first() -> None:
+    from gradzip.train.runner import RunConfig, build_compressor, resolve_config
+
+    base = {"task": "digits", "compressor": "topk:ratio=0.1", "accordion": "topk:ratio=0.5",
+            "interval_epochs": 2.0, "out": "unused"}
+    reference = build_compressor(resolve_config(RunConfig.from_dict(base)), 30)
+    assert (reference.interval, reference.window, reference.signal, reference.lr_hold) == (
+        60, 30, "raw", "interval")  # one epoch summed before each decision
+    first = build_compressor(resolve_config(RunConfig.from_dict({**base, "accordion_rule": "first"})), 30)
+    assert (first.window, first.signal, first.lr_hold) == (60, "sent", "boundary")
+    with pytest.raises(ValueError, match="`accordion_rule` must be one of"):
+        resolve_config(RunConfig.from_dict({**base, "accordion_rule": "paper"}))
+    # A summary written before the option existed: Accordion ran the first rule; without
+    # Accordion the option changes nothing and is not part of the result key.
+    old = RunConfig.from_dict(base).to_dict()
+    del old["accordion_rule"]
+    assert RunConfig.from_stored(old).accordion_rule == "first"
+    static = {**old, "accordion": None}
+    assert RunConfig.from_stored(static).result_key() == RunConfig.from_dict(
+        {**base, "accordion": None}).result_key()

@@ -105,6 +105,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="critical when the gradient norm changes by >= eta (default 0.5)")
     a.add_argument("--interval-epochs", type=float, default=None, metavar="E",
                    help="epochs between Accordion decisions (default: the task's)")
+    a.add_argument("--accordion-rule", choices=("reference", "first"), default="reference",
+                   help="reference: the paper's code (an epoch's window, the raw gradient, a "
+                        "drop held one interval); first: gradzip's first rule")
     s = p.add_argument_group("level schedule (instead of Accordion)")
     s.add_argument("--level-schedule", default=None, metavar="RANGES",
                    help="fixed levels by epoch, e.g. 'gentle:0-5,aggressive:5-30': --gentle in "
@@ -139,7 +142,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 _RUN_FIELDS = (
     "task", "workers", "compressor", "out", "launcher", "seed", "epochs", "data", "model",
     "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "accordion_batch", "eta", "interval_epochs",
-    "level_schedule", "warmup_steps", "gentle",
+    "accordion_rule", "level_schedule", "warmup_steps", "gentle",
     "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
     "gamma", "clip", "scale_lr", "error_feedback", "dense_1d", "bptt", "text_level",
 )

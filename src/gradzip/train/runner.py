@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 LAUNCHERS = ("auto", "sim", "procs")
 DEVICES = ("cpu", "cuda")
+#: Accordion's rule: the paper's code (default) or gradzip's first rule.
+ACCORDION_RULES = ("reference", "first")
 #: Fields that do not change what is computed (ignored when deciding whether a run is done).
 NON_RESULT_FIELDS = ("out", "cache_dir", "timeout", "threads")
 
@@ -64,6 +66,10 @@ class RunConfig:
         interval_epochs: Accordion's decision interval, in epochs (rounded to steps); each
             decision compares the last epoch (or the whole interval, when shorter) with the
             epoch one interval earlier.
+        accordion_rule: ``reference`` (the paper's code: an epoch's window, the raw gradient,
+            a drop held one interval) or ``first`` (gradzip's first rule: whole intervals of
+            the averaged gradient that was sent, a drop held to the interval's end); see
+            :class:`~gradzip.Accordion`.
         level_schedule: a fixed level schedule instead of Accordion, e.g.
             ``"gentle:0-5,aggressive:5-30"`` (epochs): ``gentle`` in the gentle ranges,
             ``compressor`` elsewhere (see :class:`~gradzip.Schedule`).
@@ -104,6 +110,7 @@ class RunConfig:
     accordion_batch: tuple[int, int] | None = None
     eta: float = 0.5
     interval_epochs: float | None = None
+    accordion_rule: str = "reference"
     level_schedule: str | None = None
     warmup_steps: int = 0
     gentle: str | None = None
@@ -159,9 +166,22 @@ class RunConfig:
             values["accordion_batch"] = _batch_pair(values["accordion_batch"])
         return cls(**values)
 
+    @classmethod
+    def from_stored(cls, values: dict[str, Any]) -> RunConfig:
+        """:meth:`from_dict` for the ``config`` of a finished run's ``summary.json``: options
+        added since it was written take the value that run actually used (an Accordion run
+        stored without ``accordion_rule`` ran the first rule)."""
+        values = dict(values)
+        if values.get("accordion") is not None and "accordion_rule" not in values:
+            values["accordion_rule"] = "first"
+        return cls.from_dict(values)
+
     def result_key(self) -> dict[str, Any]:
         """The fields that determine the results (what a re-run must match to be skipped)."""
-        return {k: v for k, v in self.to_dict().items() if k not in NON_RESULT_FIELDS}
+        key = {k: v for k, v in self.to_dict().items() if k not in NON_RESULT_FIELDS}
+        if self.accordion is None:
+            key.pop("accordion_rule")  # no effect without Accordion
+        return key
 
 
 def _milestones(value: Any) -> tuple[float, ...]:
@@ -250,6 +270,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     check_real("gamma", cfg.gamma, low=0, low_open=True)
     check_real("interval_epochs", cfg.interval_epochs, low=0, low_open=True)
     check_real("eta", cfg.eta, low=0, low_open=True)
+    check_choice("accordion_rule", cfg.accordion_rule, ACCORDION_RULES)
     check_real("timeout", cfg.timeout, low=0, low_open=True)
     if cfg.clip is not None:
         check_real("clip", cfg.clip, low=0)  # 0 turns the task's clipping off
@@ -347,6 +368,9 @@ def build_compressor(cfg: RunConfig, steps_per_epoch: int) -> Compressor:
     accordion = _accordion_class()
     assert cfg.interval_epochs is not None
     interval = max(1, round(cfg.interval_epochs * steps_per_epoch))
+    if cfg.accordion_rule == "first":
+        return accordion.from_specs(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval,
+                                    window=interval, signal="sent", lr_hold="boundary")
     # The paper's code sums one epoch before each decision (its intervals are ten epochs).
     return accordion.from_specs(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval,
                                 window=min(interval, steps_per_epoch))
