@@ -122,7 +122,7 @@ def _finished(cfg: RunConfig) -> bool:
     summary = read_summary(cfg.out)
     if summary is None:
         return False
-    return RunConfig.from_dict(summary.get("config", {})).result_key() == cfg.result_key()
+    return RunConfig.from_stored(summary.get("config", {})).result_key() == cfg.result_key()
 
 
 def _run_one(cfg_dict: dict[str, Any]) -> tuple[str, float]:

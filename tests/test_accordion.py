@@ -20,6 +20,9 @@ from gradzip.control import (
 )
 
 C, S = "critical", "steady"
+#: gradzip's first rule, kept as options: whole adjacent intervals of the averaged gradient
+#: that was sent, a drop holding until the interval's end.
+FIRST_RULE = {"signal": "sent", "lr_hold": "boundary"}
 
 
 # -- the pure rule ------------------------------------------------------------------------------
@@ -82,7 +85,8 @@ def test_accordion_validates(kwargs: dict, exc: type, message: str) -> None:
 
 def test_spec_round_trip_from_specs_and_bias(caplog: pytest.LogCaptureFixture) -> None:
     acc = Accordion.from_specs("powersgd:rank=1", "powersgd:rank=4", 0.5, 100)
-    spec = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=100,per_layer=True,lr_drop=True)"
+    spec = ("accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=100,"
+            "per_layer=True,lr_drop=True,window=10,signal=raw,lr_hold=interval)")
     assert acc.spec() == spec == str(acc)
     assert Accordion.from_spec(spec) == acc
     nested = Accordion(PowerSGD(matrix_rank=1, power_iterations=2), "none", interval=7, per_layer=False)
@@ -101,11 +105,13 @@ def test_spec_round_trip_from_specs_and_bias(caplog: pytest.LogCaptureFixture) -
 def run_norms(scales: dict[str, list[float]], interval: int, *, per_layer: bool = True,
               extra_steps: int = 0) -> tuple[Engine, list[dict[str, str]]]:
     """Feed tensor ``n`` the gradient ``scales[n][k] * direction`` in every step of interval
-    ``k`` (dense levels, one worker: the accumulated norm is ``interval * scale``). Returns the
-    engine and the levels in force during each interval (plus after the last decision)."""
+    ``k`` (exact levels, one worker: the accumulated norm is ``interval * scale``), under the
+    first rule (whole intervals). Returns the engine and the levels in force during each
+    interval (plus after the last decision)."""
     shapes = {n: torch.Size([3, 4]) for n in scales}
-    engine = Engine(shapes, Accordion("none", "none", interval=interval, per_layer=per_layer),
-                    collective=SimulatedGroup(1))
+    acc = Accordion("topk:ratio=1.0", "none", interval=interval, per_layer=per_layer,
+                    window=interval, **FIRST_RULE)
+    engine = Engine(shapes, acc, collective=SimulatedGroup(1))
     gen = torch.Generator().manual_seed(0)
     dirs = {n: torch.randn(1, 3, 4, generator=gen) for n in scales}
     dirs = {n: d / d.norm() for n, d in dirs.items()}
@@ -165,11 +171,13 @@ def test_partial_interval_takes_no_decision() -> None:
     ctrl = longer.compressor_state["controller"]
     assert ctrl["step"] == 23 and ctrl["interval"] == 7
     assert ctrl["acc"]["a"].norm().item() == pytest.approx(2.0, rel=1e-5)  # two steps of 1.0
+    assert ctrl["next"] == 24
 
 
 # -- learning-rate drops ------------------------------------------------------------------------
 def lr_engine(interval: int = 4, **kwargs: object) -> tuple[Engine, torch.optim.SGD]:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    kwargs = {"window": interval, **FIRST_RULE, **kwargs}
     acc = Accordion("topk:ratio=0.25", "none", interval=interval, **kwargs)
     engine = Engine({"w": torch.Size([8, 8]), "b": torch.Size([8])}, acc,
                     collective=SimulatedGroup(2), optimizer=opt)
@@ -354,7 +362,8 @@ def test_state_dict_round_trip_mid_interval_is_bit_exact(steady: str, critical: 
     assert Accordion.decisions(resumed) == Accordion.decisions(straight)
     assert Accordion.counts(resumed) == counts
     ctrl, ref = resumed.compressor_state["controller"], straight.compressor_state["controller"]
-    assert all(torch.equal(ctrl["acc"][n], ref["acc"][n]) for n in SHAPES)
+    for name, acc in ctrl["acc"].items():
+        assert (acc is None and ref["acc"][name] is None) or torch.equal(acc, ref["acc"][name])
     for name in SHAPES:
         assert torch.equal(resumed.residuals[name], straight.residuals[name])
 
@@ -399,7 +408,7 @@ def train_least_squares(compressor: object, steps: int = 160, drop_at: int = 80,
 
 
 def test_training_log_shows_critical_regimes_and_bytes_fall_between_levels() -> None:
-    acc = Accordion("topk:ratio=0.05", "topk:ratio=0.25", interval=10)
+    acc = Accordion("topk:ratio=0.05", "topk:ratio=0.25", interval=10, window=10, **FIRST_RULE)
     engine, levels, loss = train_least_squares(acc)
     # Critical while the loss falls fast and right after the LR drop (interval 8: forced;
     # interval 9: the accumulated norm jumps), steady in between and afterwards.
@@ -489,3 +498,28 @@ def test_batch_controller_state_dict_round_trip_mid_interval() -> None:
     resumed.end_step([torch.full((10,), 0.3)])
     assert resumed.state_dict()["state"]["log"] == first.state_dict()["state"]["log"]
     assert resumed.rounds == first.rounds and resumed.samples == first.samples
+
+
+@pytest.mark.parametrize("hold", ["interval", "boundary"])
+def test_batch_controller_drop_holds_like_accordion(hold: str) -> None:
+    ctl = batch_controller(interval_samples=8192, lr_hold=hold)
+    feed(ctl, [1.0, 1.0, 1.0])
+    assert ctl.level == S  # steady intervals are 2 rounds of 4096
+    e0 = torch.zeros(10)
+    e0[0] = 1.0
+    ctl.begin_step(0.1)
+    ctl.end_step([5.0 * e0])  # half an interval of a larger gradient
+    ctl.begin_step(0.01)  # the drop, mid-interval
+    rounds = 1
+    while not ctl.end_step([e0]):
+        ctl.begin_step(0.01)
+        rounds += 1
+    last = ctl.decisions[-1]
+    if hold == "interval":
+        # A whole interval of small batches (16 x 512) after the drop, compared with the last
+        # interval before it: the same gradient, so steady.
+        assert rounds == 16 and last["reason"] == "steady"
+        assert last["norm"] == pytest.approx(last["prev_norm"])
+    else:
+        # Until the current interval ends (8 x 512), its sum mixing both sides of the drop.
+        assert rounds == 8 and last["reason"] == "norm_change"

@@ -16,7 +16,7 @@ from gradzip.compressors import (
     compressor_from_spec,
     describe_compressors,
 )
-from gradzip.control import Accordion, BatchPlan, BatchSizeController, critical_regime
+from gradzip.control import Accordion, BatchPlan, BatchSizeController, Schedule, critical_regime
 from gradzip.engine import Engine
 
 __version__ = "0.1.0"
@@ -36,6 +36,7 @@ __all__ = [
     "PowerSGD",
     "ProcessGroupCollective",
     "RandK",
+    "Schedule",
     "Sign",
     "SimulatedGroup",
     "TopK",

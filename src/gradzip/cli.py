@@ -117,6 +117,17 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="critical when the gradient norm changes by >= eta (default 0.5)")
     a.add_argument("--interval-epochs", type=float, default=None, metavar="E",
                    help="epochs between Accordion decisions (default: the task's)")
+    a.add_argument("--accordion-rule", choices=("reference", "first"), default="reference",
+                   help="reference: the paper's code (an epoch's window, the raw gradient, a "
+                        "drop held one interval); first: gradzip's first rule")
+    s = p.add_argument_group("level schedule (instead of Accordion)")
+    s.add_argument("--level-schedule", default=None, metavar="RANGES",
+                   help="fixed levels by epoch, e.g. 'gentle:0-5,aggressive:5-30': --gentle in "
+                        "the gentle ranges, --compressor elsewhere")
+    s.add_argument("--warmup-steps", type=int, default=0, metavar="N",
+                   help="--gentle for the first N optimizer steps, then --compressor")
+    s.add_argument("--gentle", default=None, metavar="SPEC",
+                   help="gentle level of --level-schedule/--warmup-steps (default none: dense)")
     o = p.add_argument_group("optimisation (defaults: the task's)")
     o.add_argument("--lr", type=float, default=None, help="per-worker learning rate")
     o.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
@@ -144,6 +155,7 @@ _RUN_FIELDS = (
     "task", "workers", "compressor", "out", "launcher", "seed", "epochs", "data", "model",
     "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "accordion_batch", "eta", "interval_epochs",
     "checkpoint_every", "tensorboard",
+    "accordion_rule", "level_schedule", "warmup_steps", "gentle",
     "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
     "gamma", "clip", "scale_lr", "error_feedback", "dense_1d", "bptt", "text_level",
 )
@@ -242,6 +254,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"{summary['task']}: {summary['workers']} workers ({summary['launcher']}), "
           f"{summary['compressor']}"
           + (f" <-> {summary['accordion']} (Accordion)" if summary["accordion"] else "")
+          + (f" <-> {cfg.gentle or 'none'} (schedule)"
+             if cfg.level_schedule or cfg.warmup_steps else "")
           + (", global batch {} <-> {} (Accordion)".format(*summary["accordion_batch"])
              if summary.get("accordion_batch") else "")
           + f", {summary['epochs']} epochs, {summary['steps']} steps")

@@ -327,7 +327,9 @@ class Engine:
                 dense.append(Job(name, g.to(torch.float32)))
             else:
                 residual = self.residuals.get(name) if self.error_feedback else None
-                jobs.append(Job(name, compensate(g, residual)))
+                # raw: the gradient before error feedback, for controllers that judge the
+                # training regime from it (Accordion); a reference, no copy.
+                jobs.append(Job(name, compensate(g, residual), raw=g))
         # The compensated gradient, not only the incoming one: a finite gradient plus a finite
         # residual can overflow, and that must not reach the compressor or the state.
         bad = bad_workers([j.tensor for j in jobs + dense], workers)

@@ -38,6 +38,9 @@ class Job:
             ``tensor - decoded`` more cheaply (a sparsifier: ``tensor`` with the sent entries
             zeroed, one pass, no dense ``decoded`` built). Use :meth:`own_decoded` and
             :meth:`leftover`, which work with either.
+        raw: ``[L, *shape]``, each local worker's gradient as it came, before error feedback
+            added its residual (set by the engine; ``None`` where the caller has only
+            ``tensor``). Read-only: controllers that judge the training regime use it.
     """
 
     name: str
@@ -45,6 +48,7 @@ class Job:
     averaged: torch.Tensor | None = None
     decoded: torch.Tensor | None = None
     residual: torch.Tensor | None = None
+    raw: torch.Tensor | None = None
 
     def own_decoded(self) -> torch.Tensor:
         """``[L, *shape]``: what each local worker's own message decodes to."""

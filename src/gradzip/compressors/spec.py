@@ -88,6 +88,10 @@ def compressor_from_spec(spec: str | Compressor) -> Compressor:
         from gradzip.control.accordion import Accordion
 
         return Accordion.from_spec(spec.strip())
+    if isinstance(spec, str) and spec.strip().startswith("schedule("):
+        from gradzip.control.schedule import Schedule
+
+        return Schedule.from_spec(spec.strip())
     name, params = parse_spec(spec)
     cls = REGISTRY.get(name)
     if cls is None:

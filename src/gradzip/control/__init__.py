@@ -1,8 +1,8 @@
-"""Adaptive control of communication: Accordion's critical-regime rule applied to the
+"""Control of communication over training: Accordion's critical-regime rule applied to the
 compression level (:class:`Accordion`) and to the global batch size
-(:class:`BatchSizeController`)."""
+(:class:`BatchSizeController`), and fixed level schedules (:class:`Schedule`)."""
 
-from gradzip.control.accordion import LOG_POINTS, MODEL, Accordion
+from gradzip.control.accordion import LOG_POINTS, LR_HOLDS, MODEL, SIGNALS, Accordion
 from gradzip.control.batch import BatchPlan, BatchSizeController
 from gradzip.control.rule import (
     CRITICAL,
@@ -15,9 +15,17 @@ from gradzip.control.rule import (
     is_lr_drop,
     joint_norm,
 )
+from gradzip.control.schedule import Schedule, parse_level_schedule
+from gradzip.control.switch import DENSE, TwoLevel
 
 __all__ = [
     "CRITICAL",
+    "DENSE",
+    "LR_HOLDS",
+    "SIGNALS",
+    "Schedule",
+    "TwoLevel",
+    "parse_level_schedule",
     "LOG_POINTS",
     "LR_DROP_RATIO",
     "MODEL",

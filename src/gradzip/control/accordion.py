@@ -4,8 +4,8 @@ State layout (plain data inside the engine's ``compressor_state``, so ``Engine.s
 checkpoints it)::
 
     {"steady": <steady level's state>, "critical": <critical level's state>,
-     "controller": {"per_layer", "step", "interval", "level", "acc", "prev_norm", "lr_drop",
-                    "last_lr", "log", "counts"}}
+     "controller": {"per_layer", "step", "interval", "next", "level", "fixed", "acc",
+                    "prev_norm", "held", "drop_step", "pending", "last_lr", "log", "counts"}}
 
 Each level keeps its own state (PowerSGD's warm-start ``Q`` of rank 1 and of rank 4 live side
 by side and each resumes where it stopped); the error-feedback residual lives in the engine,
@@ -18,72 +18,93 @@ References:
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 
-from gradzip._validate import check_bool, check_int, check_real
+from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.compressors.none import NoCompression
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.control.levels import check_levels
 from gradzip.control.records import (
     LOG_POINTS,
     MODEL,
     controller,
     force_critical,
-    key_levels,
-    log_decisions,
     record,
+    set_levels,
 )
-from gradzip.control.rule import CRITICAL, STEADY, decide, is_lr_drop, joint_norm
+from gradzip.control.rule import CRITICAL, LR_HOLDS, decide, is_lr_drop
+from gradzip.control.switch import TwoLevel, build_levels
 
-__all__ = ["LOG_POINTS", "MODEL", "Accordion"]
+__all__ = ["LOG_POINTS", "MODEL", "SIGNALS", "LR_HOLDS", "Accordion"]
 
 
-_KEYS = ("steady", "critical", "eta", "interval", "per_layer", "lr_drop")
+_KEYS = ("steady", "critical", "eta", "interval", "per_layer", "lr_drop", "window", "signal",
+         "lr_hold")
 _SPEC = re.compile(r"^\s*accordion\s*\((.*)\)\s*$", re.DOTALL)
 _SPLIT = re.compile(r",(?=\s*(?:" + "|".join(_KEYS) + r")\s*=)")
-
-
-def _zeros(shape: torch.Size, device: torch.device | None = None) -> torch.Tensor:
-    # A stride-0 view of one zero: an accumulator of the right shape that costs no memory
-    # until the first gradient is added (additions return new, full tensors).
-    return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
+#: What the norms are taken of: each worker's gradient before error feedback (the paper's
+#: code), or the worker average of what was sent (gradzip's first rule).
+SIGNALS = ("raw", "sent")
 
 
 @dataclass(frozen=True)
-class Accordion(Compressor):
+class Accordion(TwoLevel):
     """Adaptive compression: a gentle level in critical regimes, an aggressive one otherwise.
 
-    Over each interval of ``interval`` optimizer steps the controller accumulates the
-    *aggregated* gradient of every tensor (``job.averaged``, the average over all workers,
-    identical on every worker). At the interval's end it compares the accumulated norm with
-    the previous interval's: critical when ``|prev - curr| / prev >= eta`` (a zero previous
-    norm counts as critical). The first two intervals run critical (no comparison is possible
-    before two intervals were accumulated). A learning-rate drop (``ctx.lr`` falling below
-    ``0.9x`` the previous step's, or :meth:`signal_lr_drop`) makes every tensor critical until
-    the interval's end. Decisions are per tensor (``per_layer=True``, the paper's choice) or
-    for the whole model. Since they come from aggregated values, every worker takes the same
-    decision without a broadcast.
+    Decisions are taken every ``interval`` optimizer steps. Before each decision the
+    controller sums the gradient of every tensor over a *window* of the last ``window`` steps,
+    and compares the norm of that sum with the one of the window before the previous decision
+    (one interval earlier): critical when ``|prev - curr| / prev >= eta`` (a zero previous norm
+    counts as critical). The paper's code sums one epoch and decides every ten, hence the
+    default ``window = ceil(interval / 10)``; ``window=interval`` compares whole adjacent
+    intervals. The first decision, after ``window`` steps, is critical (nothing to compare
+    with yet); the next one, ``interval`` steps later, compares.
+
+    The gradient judged (``signal``) is by default each worker's own gradient as it came,
+    before error feedback and compression, as in the paper's code (which judged rank 0's);
+    each worker computes the per-tensor norms of its window sum and one all-reduce of those
+    few floats per decision gives every worker the mean over workers, so all take the same
+    decision without a broadcast. Since that all-reduce needs the collective, a decision due
+    at the end of a step is taken at the start of the next ``reduce`` (before any tensor of
+    that step is sent); :meth:`levels` shows it from then on. ``signal="sent"`` judges the
+    worker average of what was sent (after error feedback) instead, needs no collective, and
+    decides at the end of the step.
+
+    A learning-rate drop (``ctx.lr`` falling below ``0.9x`` the previous step's, or
+    :meth:`signal_lr_drop`) makes every tensor critical at once. With ``lr_hold="interval"``
+    (the paper's code) that lasts one whole interval, overridden by no check; the interval's
+    grid restarts at the drop, and the first decision after it compares the window just
+    before it (all after the drop) with the last window measured before the drop. With
+    ``lr_hold="boundary"`` the level holds until the current interval's end, whose decision
+    compares as usual.
+
+    Decisions are per tensor (``per_layer=True``, the paper's choice) or for the whole model.
+    Tensors that both levels send dense take no decision (level ``"dense"``).
 
     Args:
         steady: the aggressive level (a compressor or spec, e.g. ``"powersgd:rank=1"``).
         critical: the gentle level: the same kind of compressor (``"powersgd:rank=4"``), or
             ``"none"`` for dense exchange in critical regimes.
-        eta: threshold on the relative change of the accumulated norm (> 0).
-        interval: optimizer steps per interval (>= 1); the paper used 10 epochs (CIFAR).
+        eta: threshold on the relative change of the window norms (> 0).
+        interval: optimizer steps between decisions (>= 1); the paper used 10 epochs (CIFAR).
         per_layer: decide per tensor, or once for the whole model.
         lr_drop: react to learning-rate drops seen in ``StepContext.lr``.
+        window: steps summed before each decision, in ``[1, interval]``; ``None``:
+            ``ceil(interval / 10)``.
+        signal: ``"raw"`` or ``"sent"`` (see above).
+        lr_hold: ``"interval"`` or ``"boundary"`` (see above).
 
     Raises:
-        TypeError: a level that is not a compressor or spec string, or is itself an Accordion;
-            a parameter of the wrong type.
-        ValueError: levels of different kinds, ``eta <= 0``, ``interval < 1``.
+        TypeError: a level that is not a compressor or spec string, or is itself a
+            controller; a parameter of the wrong type.
+        ValueError: levels of different kinds, ``eta <= 0``, ``interval < 1``, a window
+            outside ``[1, interval]``, an unknown signal or hold.
 
     Example:
         >>> acc = Accordion("powersgd:rank=1", "powersgd:rank=4", interval=500)
@@ -101,42 +122,29 @@ class Accordion(Compressor):
     interval: int = 100
     per_layer: bool = True
     lr_drop: bool = True
+    window: int | None = None
+    signal: str = "raw"
+    lr_hold: str = "interval"
     spec_name: ClassVar[str] = "accordion"
 
     def __post_init__(self) -> None:
-        levels = {}
-        for name in ("steady", "critical"):
-            value = getattr(self, name)
-            if not isinstance(value, (Compressor, str)):
-                raise TypeError(
-                    f"`{name}` must be a Compressor or a spec string such as 'powersgd:rank=1', "
-                    f"got {type(value).__name__}"
-                )
-            level = compressor_from_spec(value)
-            if isinstance(level, Accordion):
-                raise TypeError(f"`{name}` must be a plain compressor, not an Accordion, got {level.spec()!r}")
-            levels[name] = level
-            object.__setattr__(self, name, level)
-        steady, critical = levels["steady"], levels["critical"]
-        if type(critical) is not type(steady) and not isinstance(critical, NoCompression):
-            raise ValueError(
-                f"`critical` must be the same kind of compressor as `steady` "
-                f"({steady.spec_name}) or 'none', got {critical.spec()!r}"
-            )
+        steady, critical = build_levels("Accordion", self.steady, self.critical)
+        object.__setattr__(self, "steady", steady)
+        object.__setattr__(self, "critical", critical)
         check_levels(steady, critical)
         object.__setattr__(self, "eta", check_real("eta", self.eta, low=0, low_open=True))
-        object.__setattr__(self, "interval", check_int("interval", self.interval, minimum=1))
+        interval = check_int("interval", self.interval, minimum=1)
+        object.__setattr__(self, "interval", interval)
         check_bool("per_layer", self.per_layer)
         check_bool("lr_drop", self.lr_drop)
+        window = math.ceil(interval / 10) if self.window is None else self.window
+        object.__setattr__(self, "window", check_int("window", window, minimum=1, maximum=interval))
+        check_choice("signal", self.signal, SIGNALS)
+        check_choice("lr_hold", self.lr_hold, LR_HOLDS)
         # Error feedback by default when either level drops information.
         object.__setattr__(self, "biased", bool(steady.biased or critical.biased))
 
     # -- construction and identity ---------------------------------------------------------
-    @property
-    def levels_pair(self) -> tuple[Compressor, Compressor]:
-        """``(steady, critical)`` as compressors."""
-        return cast(Compressor, self.steady), cast(Compressor, self.critical)
-
     @classmethod
     def from_specs(
         cls,
@@ -144,19 +152,17 @@ class Accordion(Compressor):
         accordion_spec: str | Compressor,
         eta: float = 0.5,
         interval: int = 100,
-        *,
-        per_layer: bool = True,
-        lr_drop: bool = True,
+        **options: Any,
     ) -> Accordion:
         """Build from the CLI's ``--compressor SPEC --accordion SPEC`` pair.
 
         Args:
             compressor_spec: the steady (aggressive) level.
             accordion_spec: the critical (gentle) level, or ``"none"``.
-            eta, interval, per_layer, lr_drop: as for the constructor.
+            eta, interval: as for the constructor.
+            options: ``per_layer``, ``lr_drop``, ``window``, ``signal``, ``lr_hold``.
         """
-        return cls(compressor_spec, accordion_spec, eta=eta, interval=interval,
-                   per_layer=per_layer, lr_drop=lr_drop)
+        return cls(compressor_spec, accordion_spec, eta=eta, interval=interval, **options)
 
     @classmethod
     def from_spec(cls, spec: str) -> Accordion:
@@ -179,7 +185,7 @@ class Accordion(Compressor):
             kwargs[key] = value
         if "steady" not in kwargs or "critical" not in kwargs:
             raise ValueError(f"`spec` must give both steady= and critical=, got {spec!r}")
-        for key, convert in (("eta", float), ("interval", int)):
+        for key, convert in (("eta", float), ("interval", int), ("window", int)):
             if key in kwargs:
                 try:
                     kwargs[key] = convert(kwargs[key])
@@ -197,111 +203,121 @@ class Accordion(Compressor):
         steady, critical = self.levels_pair
         return (
             f"accordion(steady={steady.spec()},critical={critical.spec()},eta={self.eta!r},"
-            f"interval={self.interval},per_layer={self.per_layer},lr_drop={self.lr_drop})"
+            f"interval={self.interval},per_layer={self.per_layer},lr_drop={self.lr_drop},"
+            f"window={self.window},signal={self.signal},lr_hold={self.lr_hold})"
         )
 
     # -- state -----------------------------------------------------------------------------
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
-        steady, critical = self.levels_pair
-        names = list(shapes)
+        fixed = set(self.fixed_names(shapes))
+        names = [n for n in shapes if n not in fixed]
         keys = names if self.per_layer else [MODEL]
         first = [record(0, 0, k, None, None, None, CRITICAL, "first") for k in keys]
-        return {
-            "steady": steady.init_state(shapes),
-            "critical": critical.init_state(shapes),
-            "controller": {
-                "per_layer": self.per_layer,
-                "step": 0,  # optimizer steps completed (skipped steps are not counted)
-                "interval": 0,  # index of the current interval
-                "level": {n: CRITICAL for n in names},
-                "acc": {n: _zeros(torch.Size(s)) for n, s in shapes.items()},
-                "prev_norm": {k: None for k in keys},
-                "lr_drop": False,  # a drop forced every tensor critical in this interval
-                "last_lr": None,
-                "log": first,
-                "counts": {
-                    "decisions": 1,
-                    "critical": len(keys),
-                    "steady": 0,
-                    "switches": 0,
-                    "critical_steps": 0,
-                    "steady_steps": 0,
-                    "reasons": {"first": len(keys), "lr_drop": 0, "norm_change": 0, "steady": 0},
-                },
-            },
-        }
+        state = self._pair_state(shapes, first, CRITICAL)
+        ctrl = state["controller"]
+        ctrl.update(
+            per_layer=self.per_layer,
+            interval=0,  # decisions taken after the first one
+            next=self.window,  # the step count at which the next decision falls due
+            # Window sums: None until the window's first step (a checkpoint may hold either;
+            # with signal="raw" they carry the local worker axis).
+            acc={n: None for n in names},
+            prev_norm={k: None for k in keys},
+            hold={"lr_hold": self.lr_hold, "interval": self.interval},
+            held=False,  # a drop holds every tensor critical until the next decision
+            drop_step=None,  # the step whose drop was last recorded (one record per step)
+            pending=False,  # a decision due, taken at the next reduce (signal="raw")
+        )
+        return state
 
     # -- the step --------------------------------------------------------------------------
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        steady, critical = self.levels_pair
         ctrl = state["controller"]
-        if self.lr_drop and not ctrl["lr_drop"] and is_lr_drop(ctrl["last_lr"], ctx.lr):
-            # last_lr changes only in end_step, so every call of a step (one per DDP bucket)
-            # sees the same drop; the flag makes the switch happen once.
-            force_critical(ctrl, ctx.step)
-        level = ctrl["level"]
-        unknown = [j.name for j in jobs if j.name not in level]
-        if unknown:
-            raise ValueError(f"job names must be tensors given to init_state, got {unknown[:3]}")
-        # Levels are identical on every worker, so each worker splits the jobs identically
-        # and issues the same collectives in the same order.
-        by_level = {
-            STEADY: [j for j in jobs if level[j.name] == STEADY],
-            CRITICAL: [j for j in jobs if level[j.name] == CRITICAL],
-        }
-        for key, compressor in ((STEADY, steady), (CRITICAL, critical)):
-            if by_level[key]:
-                compressor.reduce(by_level[key], state[key], comm, ctx)
-        acc = dict(ctrl["acc"])
-        for job in jobs:
-            assert job.averaged is not None, job.name
-            avg = job.averaged.to(torch.float32)
-            acc[job.name] = acc[job.name].to(avg.device) + avg  # a new tensor: state is never mutated
-        ctrl["acc"] = acc
-        counts = dict(ctrl["counts"])
-        counts["steady_steps"] += len(by_level[STEADY])
-        counts["critical_steps"] += len(by_level[CRITICAL])
-        ctrl["counts"] = counts
+        if ctrl["pending"]:
+            self._decide(ctrl, self._raw_norms(ctrl, comm), ctx.step, ctx)
+        self._check_drop(ctrl, ctx)
+        self._run_levels(jobs, state, comm, ctx)
+        if ctrl["step"] >= ctrl["next"] - self.window:
+            acc = dict(ctrl["acc"])
+            for job in jobs:
+                if job.name not in acc:
+                    continue  # sent dense at both levels: no decision to take
+                if self.signal == "raw":
+                    value = job.raw if job.raw is not None else job.tensor
+                else:
+                    assert job.averaged is not None, job.name
+                    value = job.averaged
+                value = value.detach().to(torch.float32)
+                old = acc[job.name]
+                acc[job.name] = value.clone() if old is None else old + value  # new tensors
+            ctrl["acc"] = acc
+
+    def _check_drop(self, ctrl: dict[str, Any], ctx: StepContext) -> None:
+        """Hold every tensor critical after a learning-rate drop seen in ``ctx.lr``."""
+        # last_lr changes only in end_step, so every call of a step (one per DDP bucket)
+        # sees the same drop; _hold acts once per step.
+        if self.lr_drop and is_lr_drop(ctrl["last_lr"], ctx.lr):
+            _hold(ctrl, ctx.step)
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
-        steady, critical = self.levels_pair
-        steady.end_step(state["steady"], ctx)
-        critical.end_step(state["critical"], ctx)
+        self._end_levels(state, ctx)
         ctrl = state["controller"]
-        if ctx.lr is not None:
-            ctrl["last_lr"] = float(ctx.lr)
-        ctrl["step"] += 1
-        if ctrl["step"] % self.interval == 0:
-            self._end_interval(ctrl, ctx)
+        if ctrl["step"] == ctrl["next"]:
+            ctrl["next"] += self.interval
+            if self.signal == "sent":
+                self._decide(ctrl, self._sent_norms(ctrl), ctx.step + 1, ctx)
+            else:
+                ctrl["pending"] = True
 
-    def _end_interval(self, ctrl: dict[str, Any], ctx: StepContext) -> None:
-        acc = ctrl["acc"]
+    # -- decisions -------------------------------------------------------------------------
+    def _sent_norms(self, ctrl: dict[str, Any]) -> dict[str, float]:
+        """Norms of the window sums of the averaged gradient (identical on every worker)."""
+        sq = {n: 0.0 if t is None else float(torch.linalg.vector_norm(t.to(torch.float64))) ** 2
+              for n, t in ctrl["acc"].items()}
         if self.per_layer:
-            norms = {n: joint_norm([t]) for n, t in acc.items()}
-        else:
-            norms = {MODEL: joint_norm(acc.values())}
-        before = key_levels(ctrl)
+            return {n: math.sqrt(v) for n, v in sq.items()}
+        return {MODEL: math.sqrt(sum(sq.values()))}
+
+    def _raw_norms(self, ctrl: dict[str, Any], comm: Collective) -> dict[str, float]:
+        """Mean over workers of each worker's norm of its raw window sum: one all-reduce of
+        a ``[workers, keys]`` float64 tensor, whose sum is identical on every worker."""
+        workers = comm.local_workers
+        tensors = [t for t in ctrl["acc"].values() if t is not None]
+        device = tensors[0].device if tensors else torch.device("cpu")
+        sq = torch.zeros(workers, len(ctrl["acc"]), dtype=torch.float64, device=device)
+        for col, t in enumerate(ctrl["acc"].values()):
+            if t is not None:
+                sq[:, col] = torch.linalg.vector_norm(
+                    t.reshape(workers, -1).to(torch.float64), dim=1) ** 2
+        local = sq.sqrt() if self.per_layer else sq.sum(dim=1, keepdim=True).sqrt()
+        mean = (comm.all_reduce(local) / comm.world_size).tolist()
+        keys = list(ctrl["acc"]) if self.per_layer else [MODEL]
+        return dict(zip(keys, mean, strict=True))
+
+    def _decide(self, ctrl: dict[str, Any], norms: dict[str, float], step: int,
+                ctx: StepContext) -> None:
+        """Apply the rule to the window norms; the levels apply from ``step``."""
+        # A drop signalled between the step that made this decision due and now (only
+        # possible with lr_hold="boundary": "interval" cancels the decision) wins.
+        dropped = ctrl["held"] and ctrl["drop_step"] == ctrl["step"]
         interval = ctrl["interval"] + 1
         records, chosen = [], {}
         for key, norm in norms.items():
             prev = ctrl["prev_norm"][key]
-            decision = decide(prev, norm, self.eta)
+            decision = decide(prev, norm, self.eta, lr_dropped=dropped)
             chosen[key] = decision.level
-            records.append(record(ctx.step + 1, interval, key, norm, prev,
+            records.append(record(step, interval, key, norm, prev,
                                   decision.rel_change, decision.level, decision.reason))
-        ctrl["prev_norm"] = norms
-        ctrl["acc"] = {n: _zeros(t.shape, t.device) for n, t in acc.items()}
-        ctrl["level"] = {n: chosen[n if self.per_layer else MODEL] for n in ctrl["level"]}
-        ctrl["lr_drop"] = False
-        ctrl["interval"] = interval
-        log_decisions(ctrl, records, before, ctx)
+        ctrl.update(prev_norm=norms, acc={n: None for n in ctrl["acc"]}, held=dropped,
+                    pending=False, interval=interval)
+        set_levels(ctrl, chosen, records, ctx)
 
-    # -- observability and user signals ----------------------------------------------------
+    # -- user signals ----------------------------------------------------------------------
     @staticmethod
     def signal_lr_drop(state: Any) -> None:
-        """Mark a learning-rate drop: every tensor is critical until the interval's end.
+        """Mark a learning-rate drop, as one seen in the optimizer's learning rate would.
 
         For training loops whose engine was given no optimizer. Call between steps, with the
         same timing on every worker (e.g. right after the scheduler lowered the LR).
@@ -309,48 +325,22 @@ class Accordion(Compressor):
         Args:
             state: ``engine.compressor_state`` of an engine using Accordion (or the engine).
         """
-        ctrl = controller(state)
-        if not ctrl["lr_drop"]:
-            force_critical(ctrl, None)
+        _hold(controller(state), None)
 
-    @staticmethod
-    def levels(state: Any) -> dict[str, str]:
-        """Current level of every tensor: ``name -> "critical" | "steady"``."""
-        return dict(controller(state)["level"])
 
-    @staticmethod
-    def decisions(state: Any, since: int | None = None) -> list[dict[str, Any]]:
-        """Decision records: one per tensor (or one named ``"model"``) per decision point.
-
-        A decision point is the start (``"first"``), an interval's end, or a learning-rate
-        drop; one step may hold two (a drop seen in an interval's last step). The state keeps
-        the records of the last :data:`LOG_POINTS` points.
-
-        Args:
-            state: ``engine.compressor_state`` (or the engine).
-            since: return the points numbered ``since`` and later (a poller passes the
-                ``counts(state)["decisions"]`` it saw last time); ``None``: the latest point.
-
-        Returns:
-            Records, oldest first: ``decision`` (the point's number, from 0), ``step`` (first
-            optimizer step the level applies to), ``interval``, ``name``, ``norm`` and
-            ``prev_norm`` (accumulated norms; ``None`` where not measured), ``rel_change``,
-            ``level`` and ``reason`` (``"first"``, ``"lr_drop"``, ``"norm_change"`` or
-            ``"steady"``).
-        """
-        records = controller(state)["log"]
-        if since is None:
-            since = max((r["decision"] for r in records), default=0)
-        return [dict(r) for r in records if r["decision"] >= since]
-
-    def current_levels(self, state: Any) -> dict[str, str]:
-        """:meth:`levels`, for callers that ask any compressor for its current choice."""
-        return Accordion.levels(state)
-
-    @staticmethod
-    def counts(state: Any) -> dict[str, Any]:
-        """Cumulative counts: ``decisions`` taken, ``critical``/``steady`` choices (one per
-        tensor, or per model, per decision), level ``switches``, tensor-steps reduced at each
-        level (``critical_steps``/``steady_steps``) and choices per reason."""
-        counts = controller(state)["counts"]
-        return {**counts, "reasons": dict(counts["reasons"])}
+def _hold(ctrl: dict[str, Any], step: int | None) -> None:
+    """A learning-rate drop: every deciding tensor critical from ``step`` (``None``: the
+    controller's step count), held as ``ctrl["hold"]`` says; once per step."""
+    hold = ctrl["hold"]
+    if ctrl["drop_step"] == ctrl["step"] or (hold["lr_hold"] == "boundary" and ctrl["held"]):
+        return
+    force_critical(ctrl, step)
+    ctrl["held"] = True
+    ctrl["drop_step"] = ctrl["step"]
+    if hold["lr_hold"] == "interval":
+        # A whole interval from here, which no decision interrupts; the window summed before
+        # the next decision then lies after the drop, and prev_norm (kept) was measured
+        # before it: a clean comparison, as in the paper's code.
+        ctrl["next"] = ctrl["step"] + hold["interval"]
+        ctrl["acc"] = {n: None for n in ctrl["acc"]}
+        ctrl["pending"] = False

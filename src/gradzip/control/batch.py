@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from gradzip._validate import check_bool, check_int, check_real
-from gradzip.control.rule import CRITICAL, decide, is_lr_drop, joint_norm
+from gradzip._validate import check_bool, check_choice, check_int, check_real
+from gradzip.control.rule import CRITICAL, LR_HOLDS, decide, is_lr_drop, joint_norm
 
 __all__ = ["BatchPlan", "BatchSizeController"]
 
@@ -64,8 +64,11 @@ class BatchSizeController:
     mean gradient over the interval, comparable between intervals of different batch sizes.
     At the interval's end: critical (``small`` batch) when the norm changed by at least
     ``eta`` relative to the previous interval's (a zero previous norm counts as critical),
-    else ``large``. The first two intervals are critical (nothing to compare with yet); a
-    learning-rate drop makes the batch small until the interval's end.
+    else ``large``. The first two intervals are critical (nothing to compare with yet). A
+    learning-rate drop makes the batch small at once, as Accordion does
+    (:data:`~gradzip.control.rule.LR_HOLDS`): by default for one whole interval from the drop
+    (the interval restarts there, and its decision compares it with the last interval before
+    the drop); with ``lr_hold="boundary"`` until the current interval ends.
 
     The learning rate follows the linear scaling rule: ``lr = base_lr * batch_size / small``,
     so ``base_lr`` is the rate tuned for the small batch. Give :meth:`begin_step` the
@@ -82,6 +85,7 @@ class BatchSizeController:
         interval_samples: training examples per interval (>= 1), e.g. 10 epochs.
         eta: threshold on the relative change of the norm (> 0).
         lr_drop: make the batch small after a learning-rate drop seen by :meth:`begin_step`.
+        lr_hold: ``"interval"`` or ``"boundary"``, as for Accordion.
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter; a batch size that is
@@ -102,6 +106,7 @@ class BatchSizeController:
         workers: int = 1,
         eta: float = 0.5,
         lr_drop: bool = True,
+        lr_hold: str = "interval",
     ) -> None:
         self.small = check_int("small", small, minimum=1)
         self.large = check_int("large", large, minimum=self.small)
@@ -110,6 +115,7 @@ class BatchSizeController:
         self.interval_samples = check_int("interval_samples", interval_samples, minimum=1)
         self.eta = check_real("eta", eta, low=0, low_open=True)
         self.lr_drop = check_bool("lr_drop", lr_drop)
+        self.lr_hold = check_choice("lr_hold", lr_hold, LR_HOLDS)
         unit = self.micro_batch * self.workers
         for name, value in (("small", self.small), ("large", self.large)):
             if value % unit:
@@ -168,7 +174,7 @@ class BatchSizeController:
 
     def begin_step(self, base_lr: float | None = None) -> BatchPlan:
         """Plan the next optimizer step; a drop of ``base_lr`` (below 0.9x the previous
-        step's) makes the batch small until the interval's end.
+        step's) makes the batch small (see ``lr_hold``).
 
         Args:
             base_lr: the schedule's unscaled learning rate for this step, if any.
@@ -186,10 +192,15 @@ class BatchSizeController:
         )
 
     def signal_lr_drop(self) -> None:
-        """Mark a learning-rate drop: small batches until the interval's end."""
-        if self.state["lr_drop"]:
+        """Mark a learning-rate drop: small batches for one whole interval from here
+        (``lr_hold="interval"``) or until the current interval ends (``"boundary"``)."""
+        if self.state["lr_drop"] and self.lr_hold == "boundary":
             return
         self.state["lr_drop"] = True
+        if self.lr_hold == "interval":
+            # The interval restarts: what it sums lies after the drop; prev_norm (kept) was
+            # measured before it.
+            self.state.update(acc={}, interval_samples=0)
         self._set_level(self._record(None, self.state["prev_norm"], None, CRITICAL, "lr_drop"))
 
     # -- after the step --------------------------------------------------------------------
@@ -258,7 +269,7 @@ class BatchSizeController:
         return {
             "small": self.small, "large": self.large, "micro_batch": self.micro_batch,
             "workers": self.workers, "interval_samples": self.interval_samples,
-            "eta": self.eta, "lr_drop": self.lr_drop,
+            "eta": self.eta, "lr_drop": self.lr_drop, "lr_hold": self.lr_hold,
         }
 
     def state_dict(self) -> dict[str, Any]:

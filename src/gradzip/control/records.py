@@ -21,6 +21,7 @@ __all__ = [
     "key_levels",
     "log_decisions",
     "record",
+    "set_levels",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,28 +53,49 @@ def record(step: int, interval: int, key: str, norm: float | None, prev: float |
 
 
 def key_levels(ctrl: dict[str, Any]) -> dict[str, str]:
-    """Current level per decision key (tensor names, or ``"model"``)."""
+    """Current level per decision key (tensor names, or ``"model"``); tensors that both levels
+    send dense (``ctrl["fixed"]``) take no decisions and are left out."""
+    fixed = set(ctrl.get("fixed", ()))
+    levels = {n: lv for n, lv in ctrl["level"].items() if n not in fixed}
     if ctrl["per_layer"]:
-        return dict(ctrl["level"])
-    return {MODEL: next(iter(ctrl["level"].values()), CRITICAL)}
+        return levels
+    return {MODEL: next(iter(levels.values()), CRITICAL)}
 
 
-def force_critical(ctrl: dict[str, Any], step: int | None) -> None:
-    """A learning-rate drop: every tensor critical until the interval's end, recorded.
+def force_critical(ctrl: dict[str, Any], step: int | None, reason: str = "lr_drop") -> None:
+    """Every deciding tensor critical from ``step`` on, recorded as one decision point.
+
+    What happens next is the caller's: Accordion holds the level for an interval (or until
+    the current one ends), a schedule until its next switch.
 
     Args:
         ctrl: the controller sub-state (entries are replaced, never mutated in place).
         step: the engine step from which it applies; ``None``: the controller's step count.
+        reason: the records' reason.
     """
     before = key_levels(ctrl)
     when = ctrl["step"] if step is None else step
     records = [
-        record(when, ctrl["interval"], key, None, ctrl["prev_norm"].get(key), None, CRITICAL, "lr_drop")
+        record(when, ctrl["interval"], key, None, ctrl.get("prev_norm", {}).get(key), None,
+               CRITICAL, reason)
         for key in before
     ]
-    ctrl["lr_drop"] = True
-    ctrl["level"] = {n: CRITICAL for n in ctrl["level"]}
+    fixed = set(ctrl.get("fixed", ()))
+    ctrl["level"] = {n: (lv if n in fixed else CRITICAL) for n, lv in ctrl["level"].items()}
     log_decisions(ctrl, records, before, None)
+
+
+def set_levels(ctrl: dict[str, Any], chosen: Mapping[str, str], records: list[dict[str, Any]],
+               ctx: StepContext | None) -> None:
+    """Apply one decision point: ``chosen`` maps decision keys to levels (fixed tensors keep
+    theirs), and the point's records are logged."""
+    before = key_levels(ctrl)
+    fixed = set(ctrl.get("fixed", ()))
+    ctrl["level"] = {
+        n: (lv if n in fixed else chosen[n if ctrl["per_layer"] else MODEL])
+        for n, lv in ctrl["level"].items()
+    }
+    log_decisions(ctrl, records, before, ctx)
 
 
 def log_decisions(ctrl: dict[str, Any], records: list[dict[str, Any]], before: Mapping[str, str],
@@ -90,7 +112,7 @@ def log_decisions(ctrl: dict[str, Any], records: list[dict[str, Any]], before: M
     reasons = dict(counts["reasons"])
     for r in records:
         counts[r["level"]] += 1
-        reasons[r["reason"]] += 1
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
         counts["switches"] += int(before.get(r["name"], r["level"]) != r["level"])
     point = counts["decisions"]
     counts["decisions"] += 1

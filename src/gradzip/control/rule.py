@@ -22,6 +22,7 @@ from gradzip._validate import check_real
 __all__ = [
     "CRITICAL",
     "LR_DROP_RATIO",
+    "LR_HOLDS",
     "REASONS",
     "STEADY",
     "Decision",
@@ -36,6 +37,14 @@ STEADY = "steady"
 #: Why a level was chosen: the first intervals (nothing to compare with yet), a learning-rate
 #: decrease, a large relative change of the accumulated gradient norm, or a small one.
 REASONS = ("first", "lr_drop", "norm_change", "steady")
+#: What a learning-rate drop does, for every controller that reacts to one (Accordion, the
+#: batch-size controller; a level schedule holds for a fixed number of steps instead):
+#: ``"interval"`` (the paper's code) makes the gentle level hold for one whole interval from
+#: the drop, overridden by no check; the interval restarts at the drop, so the next decision
+#: compares a measurement taken entirely after the drop with the last one taken before it.
+#: ``"boundary"`` (gradzip's first rule) holds until the current interval ends, whose
+#: decision compares as usual.
+LR_HOLDS = ("interval", "boundary")
 #: A learning rate counts as dropped when it falls below this fraction of the previous step's.
 #: Step schedules (divide by 10) always qualify; the per-step decrease of a smooth schedule
 #: (cosine, linear decay) stays far above it except in its last few steps.

@@ -183,7 +183,7 @@ def _finished(cfg: RunConfig) -> dict[str, Any] | None:
     summary = read_summary(cfg.out)
     if summary is None:
         return None
-    stored = RunConfig.from_dict(summary.get("config", {})).result_key()
+    stored = RunConfig.from_stored(summary.get("config", {})).result_key()
     return summary if stored == cfg.result_key() else None
 
 

@@ -277,13 +277,13 @@ class TrainLoop:
     def _accordion(self) -> tuple[Any, Any]:
         """(Accordion class, its state) when the compressor is an Accordion, else (None, None)."""
         try:
-            from gradzip.control import Accordion
+            from gradzip.control import TwoLevel  # Accordion or a level schedule
         except ImportError:
             return None, None
         state = self.stepper.compressor_state if self.stepper is not None else None
-        if not isinstance(self.compressor, Accordion) or state is None:
+        if not isinstance(self.compressor, TwoLevel) or state is None:
             return None, None
-        return Accordion, state
+        return TwoLevel, state
 
     def _track_decisions(self) -> None:
         """Append Accordion's latest decision records to the run's log when new."""

@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 LAUNCHERS = ("auto", "sim", "procs")
 DEVICES = ("cpu", "cuda")
+#: Accordion's rule: the paper's code (default) or gradzip's first rule.
+ACCORDION_RULES = ("reference", "first")
 #: Fields that do not change what is computed (ignored when deciding whether a run is done).
 NON_RESULT_FIELDS = ("out", "cache_dir", "timeout", "threads", "checkpoint_every", "tensorboard")
 
@@ -64,7 +66,18 @@ class RunConfig:
             the batch size (small in critical regimes), realised by accumulating
             ``batch_size``-example micro-batches per worker, LR scaled linearly.
         eta: Accordion's threshold on the relative change of gradient norms.
-        interval_epochs: Accordion's decision interval, in epochs (rounded to steps).
+        interval_epochs: Accordion's decision interval, in epochs (rounded to steps); each
+            decision compares the last epoch (or the whole interval, when shorter) with the
+            epoch one interval earlier.
+        accordion_rule: ``reference`` (the paper's code: an epoch's window, the raw gradient,
+            a drop held one interval) or ``first`` (gradzip's first rule: whole intervals of
+            the averaged gradient that was sent, a drop held to the interval's end); see
+            :class:`~gradzip.Accordion`.
+        level_schedule: a fixed level schedule instead of Accordion, e.g.
+            ``"gentle:0-5,aggressive:5-30"`` (epochs): ``gentle`` in the gentle ranges,
+            ``compressor`` elsewhere (see :class:`~gradzip.Schedule`).
+        warmup_steps: ``gentle`` for the first N optimizer steps, then ``compressor``.
+        gentle: the gentle level of ``level_schedule``/``warmup_steps`` (default ``none``).
         epochs: training epochs.
         launcher: ``auto``, ``sim`` or ``procs``.
         seed: seed of model initialisation, shuffling, augmentation and compressor randomness.
@@ -103,6 +116,10 @@ class RunConfig:
     accordion_batch: tuple[int, int] | None = None
     eta: float = 0.5
     interval_epochs: float | None = None
+    accordion_rule: str = "reference"
+    level_schedule: str | None = None
+    warmup_steps: int = 0
+    gentle: str | None = None
     epochs: int | None = None
     launcher: str = "auto"
     seed: int = 0
@@ -157,9 +174,22 @@ class RunConfig:
             values["accordion_batch"] = _batch_pair(values["accordion_batch"])
         return cls(**values)
 
+    @classmethod
+    def from_stored(cls, values: dict[str, Any]) -> RunConfig:
+        """:meth:`from_dict` for the ``config`` of a finished run's ``summary.json``: options
+        added since it was written take the value that run actually used (an Accordion run
+        stored without ``accordion_rule`` ran the first rule)."""
+        values = dict(values)
+        if values.get("accordion") is not None and "accordion_rule" not in values:
+            values["accordion_rule"] = "first"
+        return cls.from_dict(values)
+
     def result_key(self) -> dict[str, Any]:
         """The fields that determine the results (what a re-run must match to be skipped)."""
-        return {k: v for k, v in self.to_dict().items() if k not in NON_RESULT_FIELDS}
+        key = {k: v for k, v in self.to_dict().items() if k not in NON_RESULT_FIELDS}
+        if self.accordion is None:
+            key.pop("accordion_rule")  # no effect without Accordion
+        return key
 
     def first_difference(self, stored: dict[str, Any], *, epochs: bool = True) -> str | None:
         """The first result-determining field where ``stored`` (another run's configuration,
@@ -284,6 +314,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     check_real("gamma", cfg.gamma, low=0, low_open=True)
     check_real("interval_epochs", cfg.interval_epochs, low=0, low_open=True)
     check_real("eta", cfg.eta, low=0, low_open=True)
+    check_choice("accordion_rule", cfg.accordion_rule, ACCORDION_RULES)
     check_real("timeout", cfg.timeout, low=0, low_open=True)
     if cfg.clip is not None:
         check_real("clip", cfg.clip, low=0)  # 0 turns the task's clipping off
@@ -304,6 +335,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
         _prefixed("accordion", compressor_from_spec, cfg.accordion)
         _prefixed("accordion", _accordion_class().from_specs, cfg.compressor, cfg.accordion,
                   eta=cfg.eta, interval=1)
+    _check_schedule(cfg)
     if cfg.accordion_batch is not None:
         small, large = _batch_pair(cfg.accordion_batch)
         cfg = dataclasses.replace(cfg, accordion_batch=(small, large))
@@ -331,6 +363,26 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, launcher=launcher, out=str(cfg.out))
 
 
+def _check_schedule(cfg: RunConfig) -> None:
+    """Validate the level-schedule options (``level_schedule``, ``warmup_steps``, ``gentle``)."""
+    check_int("warmup_steps", cfg.warmup_steps, minimum=0)
+    scheduled = cfg.level_schedule is not None or cfg.warmup_steps > 0
+    if cfg.level_schedule is not None and cfg.warmup_steps > 0:
+        raise ValueError("`warmup_steps` must be 0 with `level_schedule` (put the warm-up in "
+                         f"the schedule), got {cfg.warmup_steps}")
+    if scheduled and cfg.accordion is not None:
+        raise ValueError("`accordion` must be unset with a level schedule or warm-up, got "
+                         f"{cfg.accordion!r}")
+    if cfg.gentle is not None and not scheduled:
+        raise ValueError("`gentle` needs `level_schedule` or `warmup_steps`, got "
+                         f"gentle={cfg.gentle!r}")
+    if cfg.level_schedule is not None:
+        _prefixed("level_schedule", _control_attr("parse_level_schedule", "level_schedule"),
+                  cfg.level_schedule)
+    if scheduled:
+        _prefixed("gentle", _control_attr("Schedule", "level_schedule"), cfg.gentle or "none", cfg.compressor, gentle_steps=[(0, 1)])
+
+
 def _prefixed(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call ``fn``; a ValueError/TypeError names the option it came from."""
     try:
@@ -348,12 +400,24 @@ def milestone_epochs(cfg: RunConfig) -> list[float]:
 def build_compressor(cfg: RunConfig, steps_per_epoch: int) -> Compressor:
     """The run's compressor; with ``accordion`` an Accordion switching between the two specs,
     deciding every ``interval_epochs`` epochs (converted to optimizer steps)."""
+    schedule = _control_attr("Schedule", "level_schedule")
+    if cfg.level_schedule is not None:
+        parse = _control_attr("parse_level_schedule", "level_schedule")
+        return schedule(cfg.gentle or "none", cfg.compressor, steps_per_epoch=steps_per_epoch,
+                        gentle_epochs=parse(cfg.level_schedule))
+    if cfg.warmup_steps > 0:
+        return schedule.warmup(cfg.compressor, steps=cfg.warmup_steps, gentle=cfg.gentle or "none")
     if cfg.accordion is None:
         return compressor_from_spec(cfg.compressor)
     accordion = _accordion_class()
     assert cfg.interval_epochs is not None
     interval = max(1, round(cfg.interval_epochs * steps_per_epoch))
-    return accordion.from_specs(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval)
+    if cfg.accordion_rule == "first":
+        return accordion.from_specs(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval,
+                                    window=interval, signal="sent", lr_hold="boundary")
+    # The paper's code sums one epoch before each decision (its intervals are ten epochs).
+    return accordion.from_specs(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval,
+                                window=min(interval, steps_per_epoch))
 
 
 def summarize(cfg: RunConfig, metric: str, history: list[dict[str, Any]],

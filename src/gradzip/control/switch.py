@@ -1,0 +1,213 @@
+"""What Accordion and level schedules share: two compression levels and the switch between them.
+
+A two-level controller is a compressor whose state holds both levels' states side by side and a
+controller sub-state of plain data::
+
+    {"steady": <aggressive level's state>, "critical": <gentle level's state>,
+     "controller": {"step", "level", "fixed", "last_lr", "log", "counts", ...}}
+
+``level`` maps every tensor to ``"critical"`` (the gentle level) or ``"steady"`` (the
+aggressive one). Tensors that both levels send dense (``fixed``; e.g. biases under PowerSGD, or
+any 1-D tensor when the gentle level is ``none``) are reduced with the gentle level but take no
+decisions and are counted apart (``dense_steps``): calling them "gentle" would inflate the share
+of gentle tensors without changing a byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import torch
+
+from gradzip.comm.base import Collective
+from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.none import NoCompression
+from gradzip.compressors.spec import compressor_from_spec
+from gradzip.control.records import controller
+from gradzip.control.rule import CRITICAL, STEADY
+
+__all__ = ["DENSE", "TwoLevel", "build_levels", "sends_dense"]
+
+#: The level reported for tensors that both levels send dense.
+DENSE = "dense"
+
+
+def sends_dense(compressor: Compressor, shape: torch.Size) -> bool:
+    """Whether ``compressor`` always sends a tensor of ``shape`` dense (whatever the world size).
+
+    Known for ``none`` and for PowerSGD (tensors below two dimensions or not worth a low-rank
+    approximation); ``False`` for compressors whose choice depends on the data or the world.
+    """
+    if isinstance(compressor, NoCompression):
+        return True
+    rank_for = getattr(compressor, "matrix_rank_for", None)
+    return bool(callable(rank_for) and rank_for(torch.Size(shape)) == 0)
+
+
+def build_levels(owner: str, steady: Compressor | str, critical: Compressor | str,
+                 names: tuple[str, str] = ("steady", "critical")) -> tuple[Compressor, Compressor]:
+    """Validate and build a level pair.
+
+    Args:
+        owner: the controller's spec name (for messages).
+        steady, critical: the aggressive and gentle levels (compressors or spec strings).
+        names: the parameter names used in messages.
+
+    Raises:
+        TypeError: a level that is not a compressor or spec string, or is itself a controller.
+        ValueError: levels of different kinds (the gentle one may always be ``none``).
+    """
+    built = []
+    for name, value in zip(names, (steady, critical), strict=True):
+        if not isinstance(value, (Compressor, str)):
+            raise TypeError(
+                f"`{name}` must be a Compressor or a spec string such as 'powersgd:rank=1', "
+                f"got {type(value).__name__}"
+            )
+        level = compressor_from_spec(value)
+        if isinstance(level, TwoLevel):
+            raise TypeError(f"`{name}` must be a plain compressor, not a {owner}, got {level.spec()!r}")
+        built.append(level)
+    low, high = built
+    if type(high) is not type(low) and not isinstance(high, NoCompression):
+        raise ValueError(
+            f"`{names[1]}` must be the same kind of compressor as `{names[0]}` "
+            f"({low.spec_name}) or 'none', got {high.spec()!r}"
+        )
+    return low, high
+
+
+class TwoLevel(Compressor):
+    """Base of controllers that switch tensors between a steady and a critical level.
+
+    Subclasses are frozen dataclasses with ``steady`` and ``critical`` fields holding
+    compressors; they decide levels, this class runs them.
+    """
+
+    steady: Compressor | str
+    critical: Compressor | str
+
+    @property
+    def levels_pair(self) -> tuple[Compressor, Compressor]:
+        """``(steady, critical)`` as compressors."""
+        return cast(Compressor, self.steady), cast(Compressor, self.critical)
+
+    def fixed_names(self, shapes: Mapping[str, torch.Size]) -> list[str]:
+        """The tensors both levels send dense (they take no decision), sorted."""
+        steady, critical = self.levels_pair
+        return sorted(n for n, s in shapes.items()
+                      if sends_dense(steady, s) and sends_dense(critical, s))
+
+    def _pair_state(self, shapes: Mapping[str, torch.Size], first: list[dict[str, Any]],
+                    level: str, **extra: Any) -> dict[str, Any]:
+        """The shared state: both levels' states and a controller sub-state.
+
+        Args:
+            shapes: the tensors the controller sees.
+            first: the records of the start (decision point 0).
+            level: every deciding tensor's level at the start.
+            extra: further controller entries of the subclass.
+        """
+        steady, critical = self.levels_pair
+        fixed = self.fixed_names(shapes)
+        reasons = {"first": 0, "lr_drop": 0, "norm_change": 0, "steady": 0, "schedule": 0}
+        for r in first:
+            reasons[r["reason"]] += 1
+        return {
+            "steady": steady.init_state(shapes),
+            "critical": critical.init_state(shapes),
+            "controller": {
+                "step": 0,  # optimizer steps completed (skipped steps are not counted)
+                "level": {n: (DENSE if n in fixed else level) for n in shapes},
+                "fixed": fixed,
+                "last_lr": None,
+                "log": first,
+                "counts": {
+                    "decisions": 1,
+                    "critical": sum(r["level"] == CRITICAL for r in first),
+                    "steady": sum(r["level"] == STEADY for r in first),
+                    "switches": 0,
+                    "critical_steps": 0,
+                    "steady_steps": 0,
+                    "dense_steps": 0,
+                    "reasons": reasons,
+                },
+                **extra,
+            },
+        }
+
+    def _run_levels(self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective,
+                    ctx: StepContext) -> None:
+        """Reduce every job at its tensor's level and count tensor-steps per level."""
+        steady, critical = self.levels_pair
+        ctrl = state["controller"]
+        level = ctrl["level"]
+        unknown = [j.name for j in jobs if j.name not in level]
+        if unknown:
+            raise ValueError(f"job names must be tensors given to init_state, got {unknown[:3]}")
+        # Levels are identical on every worker, so each worker splits the jobs identically
+        # and issues the same collectives in the same order.
+        low = [j for j in jobs if level[j.name] == STEADY]
+        high = [j for j in jobs if level[j.name] != STEADY]
+        if low:
+            steady.reduce(low, state[STEADY], comm, ctx)
+        if high:
+            critical.reduce(high, state[CRITICAL], comm, ctx)
+        counts = dict(ctrl["counts"])
+        dense = sum(level[j.name] == DENSE for j in jobs)
+        counts["steady_steps"] += len(low)
+        counts["critical_steps"] += len(high) - dense
+        counts["dense_steps"] += dense
+        ctrl["counts"] = counts
+
+    def _end_levels(self, state: dict[str, Any], ctx: StepContext) -> None:
+        """Both levels' ``end_step``; the step count and the last learning rate."""
+        steady, critical = self.levels_pair
+        steady.end_step(state[STEADY], ctx)
+        critical.end_step(state[CRITICAL], ctx)
+        ctrl = state["controller"]
+        if ctx.lr is not None:
+            ctrl["last_lr"] = float(ctx.lr)
+        ctrl["step"] += 1
+
+    # -- observability ---------------------------------------------------------------------
+    @staticmethod
+    def levels(state: Any) -> dict[str, str]:
+        """Level of every tensor for the next step: ``name -> "critical" | "steady" |
+        "dense"`` (``"dense"``: both levels send it dense, so it has no level to choose)."""
+        return dict(controller(state)["level"])
+
+    @staticmethod
+    def decisions(state: Any, since: int | None = None) -> list[dict[str, Any]]:
+        """Decision records: one per decision key per decision point.
+
+        Args:
+            state: ``engine.compressor_state`` (or the engine).
+            since: return the points numbered ``since`` and later (a poller passes the
+                ``counts(state)["decisions"]`` it saw last time); ``None``: the latest point.
+
+        Returns:
+            Records, oldest first: ``decision`` (the point's number, from 0), ``step`` (first
+            optimizer step the level applies to), ``interval``, ``name``, ``norm`` and
+            ``prev_norm`` (``None`` where not measured), ``rel_change``, ``level`` and
+            ``reason`` (``"first"``, ``"lr_drop"``, ``"norm_change"``, ``"steady"`` or
+            ``"schedule"``).
+        """
+        records = controller(state)["log"]
+        if since is None:
+            since = max((r["decision"] for r in records), default=0)
+        return [dict(r) for r in records if r["decision"] >= since]
+
+    def current_levels(self, state: Any) -> dict[str, str]:
+        """:meth:`levels`, for callers that ask any compressor for its current choice."""
+        return TwoLevel.levels(state)
+
+    @staticmethod
+    def counts(state: Any) -> dict[str, Any]:
+        """Cumulative counts: ``decisions`` taken, ``critical``/``steady`` choices (one per
+        decision key per decision), level ``switches``, tensor-steps reduced at each level
+        (``critical_steps``/``steady_steps``; ``dense_steps`` for tensors both levels send
+        dense) and choices per reason."""
+        counts = controller(state)["counts"]
+        return {**counts, "reasons": dict(counts["reasons"])}

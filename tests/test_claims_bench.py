@@ -1,0 +1,114 @@
+"""The claims benchmark (benchmarks/claims.py): its grid, the critical-regime schedules, and a
+seconds-long smoke grid run end to end (parallel processes, resume, deadline, archive,
+claims.json rows from the runs' own summaries)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import tarfile
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from gradzip.control import parse_level_schedule
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("claims_bench", BENCH / "claims.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["claims_bench"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+claims = _load()
+
+
+def test_critical_regimes_and_their_schedules() -> None:
+    setting = claims.SETTINGS["cifar10-resnet8"]
+    ranges = claims.critical_ranges(setting, 20, [0.5, 0.75])
+    assert ranges == [(0.0, 2.0), (10.0, 12.0), (15.0, 17.0)]
+    gentle = claims.schedule_text(ranges, 20, True)
+    assert gentle == ("gentle:0-2,aggressive:2-10,gentle:10-12,aggressive:12-15,gentle:15-17,"
+                      "aggressive:17-20")
+    assert parse_level_schedule(gentle) == ranges
+    reverse = claims.schedule_text(ranges, 20, False)
+    assert parse_level_schedule(reverse) == [(2.0, 10.0), (12.0, 15.0), (17.0, 20.0)]
+    # Overlapping regimes merge (a drop inside the first K epochs).
+    assert claims.critical_ranges(setting, 4, [2.0]) == [(0.0, 4.0)]
+
+
+def test_grid_holds_every_role_once_per_family_and_seed(tmp_path: Path) -> None:
+    setting = claims.SETTINGS["cifar10-resnet8"]
+    runs = claims.plan(setting, [0, 1], tmp_path, {"data": "x"})
+    roles = {(r.family, r.role) for r in runs}
+    for family in ("powersgd", "topk"):
+        for role in ("gentle", "aggressive", "accordion", "critical-gentle", "critical-aggressive"):
+            assert (family, role) in roles
+    assert ("dense", "none") in roles
+    assert {r.role for r in runs} == set(claims.ROLES)
+    per_seed = [r for r in runs if r.seed == 0]
+    assert len(per_seed) == 1 + 2 * 5 + 2 * 3
+    assert len({r.config.out for r in runs}) == len(runs)  # one folder each
+    acc = next(r for r in per_seed if r.family == "powersgd" and r.role == "accordion")
+    assert (acc.config.compressor, acc.config.accordion) == ("powersgd:rank=1", "powersgd:rank=4")
+    assert acc.config.threads == 1
+    picked = claims.select(runs, ["accordion/topk", "/dense"])
+    assert {(r.family, r.role) for r in picked} == {("topk", "accordion"), ("dense", "none")}
+
+
+@pytest.mark.slow
+def test_smoke_grid_runs_resumes_packs_and_collects(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    root, archive, results = tmp_path / "runs", tmp_path / "out.tar.gz", tmp_path / "results"
+    common = ["--settings", "smoke", "--seeds", "0", "--root", str(root), "--results", str(results),
+              "--only", "accordion", "--only", "critical-aggressive"]
+    assert claims.main([*common, "--parallel", "2", "--pack", str(archive)]) == 0
+    names = set(tarfile.open(archive).getnames())
+    for role in ("accordion", "critical-aggressive"):
+        assert f"smoke/powersgd/{role}/seed0/summary.json" in names
+        assert f"smoke/powersgd/{role}/seed0/metrics.jsonl" in names
+    # A second call finds both finished and launches nothing; so does one on a fresh root
+    # restored from the archive (a grid continued on another machine).
+    capsys.readouterr()
+    assert claims.main([*common, "--parallel", "2"]) == 0
+    assert '"skipped": 2' in capsys.readouterr().err
+    fresh = [a if a != str(root) else str(tmp_path / "fresh") for a in common]
+    assert claims.main([*fresh, "--resume-from", str(archive)]) == 0
+    err = capsys.readouterr().err
+    assert "restored 2 finished runs" in err and '"skipped": 2' in err
+    assert claims.main([*common, "--collect"]) == 0
+    rows = json.loads((results / "claims.json").read_text())
+    assert sorted(r["role"] for r in rows) == ["accordion", "critical-aggressive"]
+    for row in rows:
+        summary = json.loads((root / "smoke" / "powersgd" / row["role"] / "seed0" /
+                              "summary.json").read_text())
+        assert set(row) == {"setting", "family", "role", "spec", "seed", "metric", "final",
+                            "wire_bytes_per_worker"}
+        assert row["metric"] == "accuracy" and row["final"] == 100 * summary["final_accuracy"]
+        assert row["wire_bytes_per_worker"] == summary["bytes_sent_per_worker"]
+    assert "critical-aggressive" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_deadline_launches_nothing_too_long_and_ends_runs_in_flight(tmp_path: Path) -> None:
+    runs = claims.select(claims.plan(claims.SETTINGS["smoke"], [0], tmp_path, {"epochs": 400}),
+                         ["gentle"])
+    # Expected to take longer than the time left: not launched.
+    counts = claims.execute(runs, 1, time.monotonic() + 30, None, tmp_path, estimate_s=1000)
+    assert counts == {"skipped": 0, "done": 0, "failed": 0, "stopped": 0, "left": 1}
+    # Launched without an estimate, ended at the deadline, its partial files kept aside (and
+    # packed); the next call starts it afresh.
+    archive = tmp_path / "out.tar.gz"
+    counts = claims.execute(runs, 1, time.monotonic() + 6, archive, tmp_path, margin_s=0.0)
+    assert counts["stopped"] == 1 and counts["done"] == 0
+    out = Path(runs[0].config.out)
+    assert not out.exists() and out.with_name("seed0.stopped").is_dir()
+    assert "smoke/powersgd/gentle/seed0.log" in tarfile.open(archive).getnames()
