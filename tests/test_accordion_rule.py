@@ -84,9 +84,10 @@ def test_a_decision_due_is_taken_at_the_next_reduce_with_one_small_all_reduce() 
     engine.reduce(grads)
     ctrl = engine.compressor_state["controller"]
     assert not ctrl["pending"] and ctrl["interval"] == 1
-    # The step's dense exchange (17 floats, the critical level), the engine's non-finite
-    # flag (one float) and the decision's two float64 norms.
-    assert engine.stats["payload_bytes"][0] - before == 17 * 4 + 4 + 2 * 8
+    # The step's dense exchange (17 floats, the critical level), the engine's call header
+    # (three int64: fingerprint, its square, non-finite count) and the decision's two float64
+    # norms.
+    assert engine.stats["payload_bytes"][0] - before == 17 * 4 + 3 * 8 + 2 * 8
 
 
 def test_the_raw_local_gradient_is_judged_and_worker_norms_are_averaged() -> None:
