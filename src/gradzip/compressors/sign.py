@@ -6,11 +6,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.ops.bits import pack_bits, packed_size, unpack_bits
+from gradzip.ops.bits import (
+    MAX_KEY_WORKERS,
+    bit_keys,
+    keys_per_byte,
+    pack_bits,
+    packed_size,
+    unpack_bits,
+)
 from gradzip.ops.flat import reinterpret
 
 __all__ = ["Sign"]
@@ -68,15 +76,56 @@ class Sign(Compressor):
         head = torch.cat(scales, dim=1).contiguous().view(torch.uint8)  # [L, 4 T]
         gathered = comm.all_gather(torch.cat([head, pack_bits(torch.cat(signs, dim=1), 1)], dim=1))
         all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
-        bits = unpack_bits(gathered[:, head.shape[1] :], 1, total)  # [W, total]
+        payload = gathered[:, head.shape[1] :]
+        if payload.device.type == "cpu" and payload.shape[0] <= MAX_KEY_WORKERS:
+            _average_by_table(jobs, payload, all_scales, comm.world_size)
+            return
+        bits = unpack_bits(payload, 1, total)  # [W, total]
         start = 0
         for t, job in enumerate(jobs):
-            mine, scale = bits[:, start : start + job.numel], all_scales[:, t]
+            mine = bits[:, start : start + job.numel]
             start += job.numel
-            # sum_w scale_w (2 b_w - 1), accumulated worker by worker in rank order (the same
-            # on every worker) without a float tensor per worker.
-            acc = torch.zeros(job.numel, dtype=torch.float32, device=bits.device)
-            for w in range(mine.shape[0]):
-                acc.addcmul_(mine[w], 2 * scale[w])
-            acc.sub_(scale.sum())
-            job.averaged = acc.div_(comm.world_size).reshape(job.shape)
+            job.averaged = _sign_average(mine, all_scales[:, t], comm.world_size).reshape(job.shape)
+
+
+def _sign_average(bits: torch.Tensor, scale: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``sum_w scale_w (2 b_w - 1) / world_size`` of ``bits[W, m]`` (uint8 0/1) and
+    ``scale[W]``, accumulated worker by worker in rank order (the same on every worker) without
+    a float tensor per worker. This sequence of operations defines the average's bits."""
+    acc = torch.zeros(bits.shape[1], dtype=torch.float32, device=bits.device)
+    for w in range(bits.shape[0]):
+        acc.addcmul_(bits[w], 2 * scale[w])
+    acc.sub_(scale.sum())
+    return acc.div_(world_size)
+
+
+def _average_by_table(
+    jobs: Sequence[Job], payload: torch.Tensor, scales: torch.Tensor, world_size: int
+) -> None:
+    """Every job's average straight from the packed bits ``payload[W, bytes]`` (CPU, at most
+    eight workers), equal to :func:`_sign_average` bit for bit.
+
+    An entry's average depends only on its ``W`` sign bits, so the ``2**W`` possible values
+    are computed by :func:`_sign_average` itself (one per combination of bits) and each entry
+    is looked up. :func:`bit_keys` interleaves the workers' packed bytes into keys covering
+    ``e`` entries each (``e * W <= 8``), and a table of ``e`` floats per key value writes ``e``
+    entries per lookup: no unpacked bits, no float tensor per worker, one pass that writes the
+    result.
+    """
+    workers = payload.shape[0]
+    e = keys_per_byte(workers)
+    keys = bit_keys(payload.numpy())
+    combos = torch.arange(1 << workers)
+    combo_bits = ((combos.unsqueeze(0) >> torch.arange(workers).unsqueeze(1)) & 1).to(torch.uint8)
+    # Key k holds combination (k >> (j * W)) & (2**W - 1) for its entry j.
+    shifts = torch.arange(e) * workers
+    parts = (torch.arange(1 << (e * workers)).unsqueeze(1) >> shifts) & ((1 << workers) - 1)
+    start = 0
+    for t, job in enumerate(jobs):
+        values = _sign_average(combo_bits, scales[:, t], world_size)  # [2**W]
+        table = values.index_select(0, parts.reshape(-1)).reshape(-1, e).numpy()
+        first, last = start // e, -(-(start + job.numel) // e)
+        looked_up = np.take(table, keys[first:last], axis=0, mode="clip").reshape(-1)
+        skip = start - first * e
+        job.averaged = torch.from_numpy(looked_up[skip : skip + job.numel]).reshape(job.shape)
+        start += job.numel

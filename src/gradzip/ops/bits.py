@@ -16,12 +16,16 @@ mask-and-shift stages, in chunks that stay in cache.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
 import torch
 
-__all__ = ["code_width", "pack_bits", "packed_size", "unpack_bits"]
+__all__ = [
+    "MAX_KEY_WORKERS", "bit_keys", "code_width", "keys_per_byte", "pack_bits", "packed_size",
+    "unpack_bits",
+]
 
 # The narrowest integer type holding eight codes of ``bits`` bits (8 * bits bits). int64 for
 # 5 to 7 bits: shifts into and out of the sign bit behave as on unsigned words, because every
@@ -178,3 +182,56 @@ def _unpack_fields(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
         y &= m1
         y |= hi
     return out.view(np.uint8)[:, :count]
+
+
+#: Most workers whose one-bit streams :func:`bit_keys` combines (a key is one byte).
+MAX_KEY_WORKERS = 8
+
+
+def keys_per_byte(workers: int) -> int:
+    """Entries of every worker that one key of :func:`bit_keys` covers: the largest power of two
+    with ``entries * workers <= 8``."""
+    assert 1 <= workers <= MAX_KEY_WORKERS, workers
+    entries = 8
+    while entries * workers > 8:
+        entries //= 2
+    return entries
+
+
+@functools.cache
+def _key_tables(workers: int) -> tuple[np.ndarray, ...]:
+    """Per worker ``w``: a 256-entry table from a packed byte (eight one-bit entries) to its
+    ``8 / e`` keys' contributions (bit ``j * workers + w`` of key ``i`` is entry ``i * e + j``),
+    as one unsigned word per byte whose memory bytes are the keys in order."""
+    e = keys_per_byte(workers)
+    per_byte = 8 // e
+    value = np.arange(256, dtype=np.uint16)
+    tables = []
+    for w in range(workers):
+        keys = np.zeros((256, per_byte), dtype=np.uint8)
+        for i in range(per_byte):
+            for j in range(e):
+                keys[:, i] |= (((value >> (i * e + j)) & 1) << (j * workers + w)).astype(np.uint8)
+        tables.append(np.ascontiguousarray(keys).view(f"u{per_byte}").reshape(256))
+    return tuple(tables)
+
+
+def bit_keys(packed: np.ndarray) -> np.ndarray:
+    """Interleave the one-bit streams of ``packed[W, B]`` (uint8, ``W <= 8`` rows, bit ``i % 8``
+    of byte ``i // 8`` is entry ``i``) into byte keys, without unpacking them.
+
+    Key ``q`` covers entries ``q * e`` to ``q * e + e - 1`` of every row, with
+    ``e = keys_per_byte(W)``: bit ``j * W + w`` is entry ``q * e + j`` of row ``w``. A table
+    per row turns each packed byte into its keys' bits, so the cost is one lookup per packed
+    byte and row and one OR, whatever ``W``. Byte-order independent: tables and result are
+    read back through the same memory layout.
+
+    Returns:
+        uint8 ``[B * 8 / e]``.
+    """
+    workers = packed.shape[0]
+    tables = _key_tables(workers)
+    acc = np.take(tables[0], packed[0], mode="clip")
+    for w in range(1, workers):
+        acc |= np.take(tables[w], packed[w], mode="clip")
+    return acc.view(np.uint8)
