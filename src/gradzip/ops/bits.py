@@ -98,7 +98,9 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if _NUMPY_PATH and packed.device.type == "cpu" and count > 0:
         flat = packed.reshape(-1, need).numpy()
         codes_np = _unpack_ones(flat, count) if bits == 1 else _unpack_fields(flat, bits, count)
-        return torch.from_numpy(codes_np).reshape(*lead, count)
+        # Contiguous (a copy of the codes, when count is not a multiple of 8): strided rows
+        # make every later elementwise pass over them several times slower.
+        return torch.from_numpy(np.ascontiguousarray(codes_np)).reshape(*lead, count)
     groups = -(-count // 8)
     if groups * bits != need:
         packed = torch.nn.functional.pad(packed, (0, groups * bits - need))
