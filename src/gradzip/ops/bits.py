@@ -157,32 +157,30 @@ def _unpack_fields(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     buf[:, :need] = packed
     windows = np.ndarray(
         (rows, groups), dtype=np.uint64, buffer=buf, strides=(stride, bits)
-    )  # unaligned: NumPy loads them bytewise where it must
-    field = (1 << bits) - 1
-    m4 = np.uint64((1 << (4 * bits)) - 1)
-    m2 = np.uint64(((1 << (2 * bits)) - 1) * (1 | 1 << 32))
-    m1 = np.uint64(field * (1 | 1 << 16 | 1 << 32 | 1 << 48))
-    s4, s2, s1 = np.uint64(4 * bits), np.uint64(2 * bits), np.uint64(bits)
+    )  # unaligned: read once per chunk, by the copy below
+    # Stage (shift, high, low): the upper field of each lane moves up by ``shift`` to the
+    # start of the lane's upper half (``high`` keeps it, and drops what the shift carried in
+    # from below or from the next group's bytes); ``low`` keeps the lower field in place.
+    quad = (1 << (4 * bits)) - 1
+    pair = ((1 << (2 * bits)) - 1) * (1 | 1 << 32)
+    one = ((1 << bits) - 1) * (1 | 1 << 16 | 1 << 32 | 1 << 48)
+    stages = [
+        (np.uint64(32 - 4 * bits), np.uint64(quad << 32), np.uint64(quad)),
+        (np.uint64(16 - 2 * bits), np.uint64(pair << 16), np.uint64(pair)),
+        (np.uint64(8 - bits), np.uint64(one << 8), np.uint64(one)),
+    ]
     out = np.empty((rows, groups), dtype=np.uint64)
+    scratch = np.empty(_SPREAD_CHUNK, dtype=np.uint64)
     step = max(1, _SPREAD_CHUNK // rows)
     for start in range(0, groups, step):
-        w = windows[:, start : start + step]
         y = out[:, start : start + step]
-        hi = w >> s4
-        hi &= m4
-        hi <<= np.uint64(32)
-        np.bitwise_and(w, m4, out=y)
-        y |= hi
-        hi = y >> s2
-        hi &= m2
-        hi <<= np.uint64(16)
-        y &= m2
-        y |= hi
-        hi = y >> s1
-        hi &= m1
-        hi <<= np.uint64(8)
-        y &= m1
-        y |= hi
+        np.copyto(y, windows[:, start : start + step])
+        moved = scratch[: y.size].reshape(y.shape)
+        for shift, high, low in stages:
+            np.left_shift(y, shift, out=moved)
+            moved &= high
+            y &= low
+            y |= moved
     return out.view(np.uint8)[:, :count]
 
 
