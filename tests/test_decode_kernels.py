@@ -135,7 +135,9 @@ def test_qsgd_chunked_decode_equals_the_whole_tensor_sum(
     gen = torch.Generator().manual_seed(seed)
     q = QSGD(levels=levels, bucket_size=bucket_size)
     buckets, _ = q._layout(numel)
-    codes = torch.randint(0, 2 * levels + 1, (workers, numel), generator=gen, dtype=torch.uint8)
+    # A slice of wider rows, as one tensor's codes are within a call's stream.
+    stream = torch.randint(0, 2 * levels + 1, (workers, numel + 3), generator=gen, dtype=torch.uint8)
+    codes = stream[:, 1 : numel + 1]
     norms = torch.rand(workers, buckets, generator=gen) * 10.0**exponent
     got = q._decode_sum(norms, codes, numel, workers + 1)
     assert _same_bits(got, _decode_sum_whole(q, norms, codes, numel, workers + 1))

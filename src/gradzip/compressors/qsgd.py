@@ -102,16 +102,16 @@ class QSGD(Compressor):
         same on every worker), minus the sum of the norms (each code carries an offset of
         ``levels``), then the division.
 
-        With one bucket (or buckets of at least ``_CHUNK`` entries) this runs chunk by chunk,
-        every row's pass over a chunk while it is in cache; each entry sees the same
+        On the CPU, with one bucket (or buckets of at least ``_CHUNK`` entries), this runs
+        chunk by chunk, every row's pass over a chunk while it is in cache; each entry sees the same
         operations in the same order as in the whole-tensor form, so the result is the same.
         """
         rows = codes.shape[0]
         buckets, size = self._layout(numel)
         steps = norms / self.levels  # [R, buckets]
         offsets = norms.sum(dim=0)  # [buckets]
-        if size >= _CHUNK or buckets == 1:
-            codes = codes.contiguous()
+        # On the CPU only: elsewhere the whole-tensor form below is fewer kernel launches.
+        if codes.device.type == "cpu" and (size >= _CHUNK or buckets == 1):
             total = torch.empty(numel, dtype=torch.float32, device=codes.device)
             for b in range(buckets):
                 for start in range(b * size, min(numel, (b + 1) * size), _CHUNK):
