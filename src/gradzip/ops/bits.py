@@ -58,6 +58,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     codes = codes.to(torch.uint8)
     if bits == 8:
         return codes.contiguous()
+    if bits == 1 and codes.device.type == "cpu":
+        # NumPy's packbits with little-endian bit order is exactly this layout for 0/1 codes.
+        return torch.from_numpy(np.packbits(codes.numpy(), axis=-1, bitorder="little"))
     groups = -(-n // 8)
     if groups * 8 != n:
         codes = torch.nn.functional.pad(codes, (0, groups * 8 - n))
