@@ -185,3 +185,28 @@ def test_pack_leaves_its_input_unchanged() -> None:
     packed = pack_bits(codes, 1)
     assert torch.equal(codes, before)
     assert packed.tolist() == [[0b10001101]]
+
+
+@FAST
+@given(
+    bits=st.integers(1, 8),
+    n=st.one_of(st.integers(0, 300), st.integers(70_000, 140_000)),
+    rows=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_pack_fast_path_equals_the_torch_path(bits: int, n: int, rows: int, seed: int) -> None:
+    """The CPU's NumPy packing (``packbits``, field gathering in chunks) gives the portable
+    path's bytes, contiguous, with leading dimensions kept."""
+    from gradzip.ops import bits as bits_module
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (2, rows, n), generator=gen, dtype=torch.int64).to(torch.uint8)
+    fast = pack_bits(codes, bits)
+    saved = bits_module._NUMPY_PATH
+    try:
+        bits_module._NUMPY_PATH = False
+        portable = pack_bits(codes, bits)
+    finally:
+        bits_module._NUMPY_PATH = saved
+    assert fast.shape == (2, rows, packed_size(n, bits)) and fast.is_contiguous()
+    assert torch.equal(fast, portable)

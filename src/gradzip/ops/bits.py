@@ -8,10 +8,12 @@ so the cost is a few passes over the codes on any device, with no per-bit interm
 Bytes are taken from words by shifts, never by reinterpreting memory, so the layout does not
 depend on the machine's byte order.
 
-On a little-endian CPU, :func:`unpack_bits` takes a faster NumPy path with the same result:
-one-bit codes come from a 256-entry table (each packed byte to its eight codes), wider codes
-from a 64-bit load of each group's bytes whose fields are spread to one byte each by three
-mask-and-shift stages, in chunks that stay in cache.
+On the CPU, faster NumPy paths give the same bytes: one-bit codes are packed by NumPy's
+``packbits`` and unpacked through a 256-entry table (each packed byte to its eight codes); on
+a little-endian CPU, wider codes are unpacked from a 64-bit load of each group's bytes whose
+fields are spread to one byte each by three mask-and-shift stages (and packed by the reverse
+stages), in chunks that stay in cache. :func:`bit_keys` combines several one-bit streams into
+lookup keys without unpacking them.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 1 and codes.device.type == "cpu":
         # NumPy's packbits with little-endian bit order is exactly this layout for 0/1 codes.
         return torch.from_numpy(np.packbits(codes.numpy(), axis=-1, bitorder="little"))
+    if _NUMPY_PATH and codes.device.type == "cpu" and n > 0:
+        packed = _pack_fields(codes.reshape(-1, n).numpy(), bits)
+        return torch.from_numpy(packed).reshape(*lead, packed.shape[1])
     groups = -(-n // 8)
     if groups * 8 != n:
         codes = torch.nn.functional.pad(codes, (0, groups * 8 - n))
@@ -238,3 +243,39 @@ def bit_keys(packed: np.ndarray) -> np.ndarray:
     for w in range(1, workers):
         acc |= np.take(tables[w], packed[w], mode="clip")
     return acc.view(np.uint8)
+
+
+def _pack_fields(codes: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`pack_bits` of codes ``[rows, n]`` (uint8, 2 to 7 bits) on a little-endian CPU.
+
+    The inverse of :func:`_unpack_fields`: each group's eight code bytes, read as one 64-bit
+    word, are drawn together in three stages (two codes per 16-bit lane, four per 32-bit half,
+    eight in the low ``bits`` bytes), whose low ``bits`` bytes are the group's packed bytes.
+    """
+    rows, n = codes.shape
+    groups = -(-n // 8)
+    words = np.zeros((rows, groups * 8), dtype=np.uint8)
+    words[:, :n] = codes
+    y_all = words.view(np.uint64)  # [rows, groups]
+    quad = (1 << (4 * bits)) - 1
+    pair = ((1 << (2 * bits)) - 1) * (1 | 1 << 32)
+    one = ((1 << bits) - 1) * (1 | 1 << 16 | 1 << 32 | 1 << 48)
+    # Stage (shift, high, low): the field at the start of each lane's upper half moves down by
+    # ``shift`` to sit just above the lower field (``high`` keeps it there).
+    stages = [
+        (np.uint64(8 - bits), np.uint64(one << bits), np.uint64(one)),
+        (np.uint64(16 - 2 * bits), np.uint64(pair << (2 * bits)), np.uint64(pair)),
+        (np.uint64(32 - 4 * bits), np.uint64(quad << (4 * bits)), np.uint64(quad)),
+    ]
+    scratch = np.empty(_SPREAD_CHUNK, dtype=np.uint64)
+    step = max(1, _SPREAD_CHUNK // rows)
+    for start in range(0, groups, step):
+        y = y_all[:, start : start + step]
+        moved = scratch[: y.size].reshape(y.shape)
+        for shift, high, low in stages:
+            np.right_shift(y, shift, out=moved)
+            moved &= high
+            y &= low
+            y |= moved
+    packed = words.reshape(rows, groups, 8)[:, :, :bits].reshape(rows, groups * bits)
+    return np.ascontiguousarray(packed[:, : packed_size(n, bits)])
