@@ -146,3 +146,67 @@ def test_orthogonalize_zero_input_gives_unit_vectors_not_nan() -> None:
         q = orthogonalize(torch.zeros(5, r))
         assert torch.isfinite(q).all()
         assert torch.allclose(q.norm(dim=0), torch.ones(r))
+
+
+@FAST
+@given(
+    bits=st.integers(1, 8),
+    n=st.one_of(st.integers(0, 300), st.integers(70_000, 140_000)),
+    rows=st.integers(1, 5),
+    extra=st.integers(0, 9),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_unpack_fast_path_equals_the_torch_path(bits: int, n: int, rows: int, extra: int, seed: int) -> None:
+    """The CPU's NumPy unpacking (table and field spreading, chunked) against the portable
+    shift-and-mask definition, with trailing bytes beyond the codes."""
+    from gradzip.ops import bits as bits_module
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (rows, n), generator=gen, dtype=torch.int64).to(torch.uint8)
+    tail = torch.randint(0, 256, (rows, extra), generator=gen, dtype=torch.int64).to(torch.uint8)
+    packed = torch.cat([pack_bits(codes, bits), tail], dim=1)
+    fast = unpack_bits(packed, bits, n)
+    saved = bits_module._NUMPY_PATH
+    try:
+        bits_module._NUMPY_PATH = False
+        portable = unpack_bits(packed, bits, n)
+    finally:
+        bits_module._NUMPY_PATH = saved
+    assert fast.dtype == torch.uint8 and fast.shape == (rows, n)
+    assert torch.equal(fast, codes) and torch.equal(portable, codes)
+    # Leading dimensions are kept.
+    assert torch.equal(unpack_bits(packed.reshape(1, rows, -1), bits, n), codes.reshape(1, rows, n))
+
+
+def test_pack_leaves_its_input_unchanged() -> None:
+    """One group of one-bit codes used to be packed in place of the caller's tensor."""
+    codes = torch.tensor([[1, 0, 1, 1, 0, 0, 0, 1]], dtype=torch.uint8)
+    before = codes.clone()
+    packed = pack_bits(codes, 1)
+    assert torch.equal(codes, before)
+    assert packed.tolist() == [[0b10001101]]
+
+
+@FAST
+@given(
+    bits=st.integers(1, 8),
+    n=st.one_of(st.integers(0, 300), st.integers(70_000, 140_000)),
+    rows=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_pack_fast_path_equals_the_torch_path(bits: int, n: int, rows: int, seed: int) -> None:
+    """The CPU's NumPy packing (``packbits``, field gathering in chunks) gives the portable
+    path's bytes, contiguous, with leading dimensions kept."""
+    from gradzip.ops import bits as bits_module
+
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (2, rows, n), generator=gen, dtype=torch.int64).to(torch.uint8)
+    fast = pack_bits(codes, bits)
+    saved = bits_module._NUMPY_PATH
+    try:
+        bits_module._NUMPY_PATH = False
+        portable = pack_bits(codes, bits)
+    finally:
+        bits_module._NUMPY_PATH = saved
+    assert fast.shape == (2, rows, packed_size(n, bits)) and fast.is_contiguous()
+    assert torch.equal(fast, portable)

@@ -17,6 +17,10 @@ from gradzip.ops.random import generator_for
 
 __all__ = ["QSGD"]
 
+# Entries per step of the decoding loop: the chunk of the sum (1 MiB) and every row's codes
+# for it stay in cache while all rows are added.
+_CHUNK = 1 << 18
+
 
 @dataclass(frozen=True)
 class QSGD(Compressor):
@@ -90,19 +94,39 @@ class QSGD(Compressor):
         values = level * (norms / self.levels).unsqueeze(2)
         return values.reshape(rows, -1)[:, :numel]
 
-    def _decode_sum(self, norms: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
-        """The sum over rows of :meth:`_decode`, without a float tensor per row: the sum of
-        ``codes * norm / levels`` accumulated row by row in rank order (the same on every
-        worker), minus the sum of the norms (each code carries an offset of ``levels``)."""
+    def _decode_sum(
+        self, norms: torch.Tensor, codes: torch.Tensor, numel: int, divisor: int = 1
+    ) -> torch.Tensor:
+        """The sum over rows of :meth:`_decode`, divided by ``divisor``, without a float tensor
+        per row: the sum of ``codes * norm / levels`` accumulated row by row in rank order (the
+        same on every worker), minus the sum of the norms (each code carries an offset of
+        ``levels``), then the division.
+
+        On the CPU, with one bucket (or buckets of at least ``_CHUNK`` entries), this runs
+        chunk by chunk, every row's pass over a chunk while it is in cache; each entry sees the same
+        operations in the same order as in the whole-tensor form, so the result is the same.
+        """
         rows = codes.shape[0]
         buckets, size = self._layout(numel)
+        steps = norms / self.levels  # [R, buckets]
+        offsets = norms.sum(dim=0)  # [buckets]
+        # On the CPU only: elsewhere the whole-tensor form below is fewer kernel launches.
+        if codes.device.type == "cpu" and (size >= _CHUNK or buckets == 1):
+            total = torch.empty(numel, dtype=torch.float32, device=codes.device)
+            for b in range(buckets):
+                for start in range(b * size, min(numel, (b + 1) * size), _CHUNK):
+                    stop = min(numel, (b + 1) * size, start + _CHUNK)
+                    out = total[start:stop].zero_()
+                    for row in range(rows):
+                        out.addcmul_(codes[row, start:stop], steps[row, b])
+                    out.sub_(offsets[b]).div_(divisor)
+            return total
         codes = torch.nn.functional.pad(codes, (0, buckets * size - numel))
         codes = codes.reshape(rows, buckets, size)
-        steps = (norms / self.levels).unsqueeze(2)  # [R, buckets, 1]
         total = torch.zeros(buckets, size, dtype=torch.float32, device=codes.device)
         for row in range(rows):
-            total.addcmul_(codes[row], steps[row])
-        total.sub_(norms.sum(dim=0).unsqueeze(1))
+            total.addcmul_(codes[row], steps[row].unsqueeze(1))
+        total.sub_(offsets.unsqueeze(1)).div_(divisor)
         return total.reshape(-1)[:numel]
 
     def reduce(
@@ -137,4 +161,4 @@ class QSGD(Compressor):
         for job, norms in zip(jobs, all_norms, strict=True):
             mine = codes[:, start : start + job.numel]
             start += job.numel
-            job.averaged = self._decode_sum(norms, mine, job.numel).div_(comm.world_size).reshape(job.shape)
+            job.averaged = self._decode_sum(norms, mine, job.numel, comm.world_size).reshape(job.shape)

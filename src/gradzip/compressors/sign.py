@@ -6,11 +6,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.ops.bits import pack_bits, packed_size, unpack_bits
+from gradzip.ops.bits import (
+    MAX_KEY_WORKERS,
+    bit_keys,
+    keys_per_byte,
+    pack_bits,
+    packed_size,
+    unpack_bits,
+)
 from gradzip.ops.flat import reinterpret
 
 __all__ = ["Sign"]
@@ -68,15 +76,78 @@ class Sign(Compressor):
         head = torch.cat(scales, dim=1).contiguous().view(torch.uint8)  # [L, 4 T]
         gathered = comm.all_gather(torch.cat([head, pack_bits(torch.cat(signs, dim=1), 1)], dim=1))
         all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
-        bits = unpack_bits(gathered[:, head.shape[1] :], 1, total)  # [W, total]
+        payload = gathered[:, head.shape[1] :]
+        if payload.device.type == "cpu" and MAX_KEY_WORKERS > 0:
+            _average_by_table(jobs, payload, all_scales, comm.world_size)
+            return
+        bits = unpack_bits(payload, 1, total)  # [W, total]
         start = 0
         for t, job in enumerate(jobs):
-            mine, scale = bits[:, start : start + job.numel], all_scales[:, t]
+            mine = bits[:, start : start + job.numel]
             start += job.numel
-            # sum_w scale_w (2 b_w - 1), accumulated worker by worker in rank order (the same
-            # on every worker) without a float tensor per worker.
-            acc = torch.zeros(job.numel, dtype=torch.float32, device=bits.device)
-            for w in range(mine.shape[0]):
-                acc.addcmul_(mine[w], 2 * scale[w])
-            acc.sub_(scale.sum())
-            job.averaged = acc.div_(comm.world_size).reshape(job.shape)
+            job.averaged = _sign_average(mine, all_scales[:, t], comm.world_size).reshape(job.shape)
+
+
+def _sign_sum(bits: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
+    """``acc + sum_w 2 scale_w b_w`` over the rows of ``bits[w, m]`` (uint8 0/1) with
+    ``scale[w]``, added worker by worker in rank order (the same on every worker) without a
+    float tensor per worker; ``acc`` (float32 ``[m]``, updated in place) starts at zero."""
+    if acc is None:
+        acc = torch.zeros(bits.shape[1], dtype=torch.float32, device=bits.device)
+    for w in range(bits.shape[0]):
+        acc.addcmul_(bits[w], 2 * scale[w])
+    return acc
+
+
+def _finish(acc: torch.Tensor, scale: torch.Tensor, world_size: int) -> torch.Tensor:
+    """``(acc - sum_w scale_w) / world_size`` in place: the average of ``scale_w (2 b_w - 1)``."""
+    return acc.sub_(scale.sum()).div_(world_size)
+
+
+def _sign_average(bits: torch.Tensor, scale: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The average of ``scale_w (2 b_w - 1)`` over the rows of ``bits[W, m]``: this sequence of
+    operations (:func:`_sign_sum`, then :func:`_finish`) defines the average's bits."""
+    return _finish(_sign_sum(bits, scale), scale, world_size)
+
+
+def _average_by_table(
+    jobs: Sequence[Job], payload: torch.Tensor, scales: torch.Tensor, world_size: int
+) -> None:
+    """Every job's average from the packed bits ``payload[W, bytes]`` (CPU), equal to
+    :func:`_sign_average` bit for bit.
+
+    The sum over the first ``G = min(W, 8)`` workers depends only on an entry's ``G`` sign
+    bits, so the ``2**G`` possible values are computed by the same operations (one per
+    combination of bits) and each entry is looked up. :func:`bit_keys` interleaves the
+    workers' packed bytes into keys covering ``e`` entries each (``e * G <= 8``), and a table
+    of ``e`` floats per key value writes ``e`` entries per lookup: no unpacked bits, no float
+    tensor per worker. With ``W <= 8`` the table holds the finished averages, so one pass
+    writes the result; further workers are added one by one in rank order, then the average
+    is finished, exactly as the plain sequence does.
+    """
+    workers = payload.shape[0]
+    head = min(workers, MAX_KEY_WORKERS)
+    e = keys_per_byte(head)
+    keys = bit_keys(payload[:head].numpy())
+    rest = unpack_bits(payload[head:], 1, sum(job.numel for job in jobs)) if workers > head else None
+    combos = torch.arange(1 << head)
+    combo_bits = ((combos.unsqueeze(0) >> torch.arange(head).unsqueeze(1)) & 1).to(torch.uint8)
+    # Key k holds combination (k >> (j * G)) & (2**G - 1) for its entry j.
+    shifts = torch.arange(e) * head
+    parts = (torch.arange(1 << (e * head)).unsqueeze(1) >> shifts) & ((1 << head) - 1)
+    start = 0
+    for t, job in enumerate(jobs):
+        scale = scales[:, t]
+        values = _sign_sum(combo_bits, scale[:head])  # [2**G]
+        if rest is None:
+            values = _finish(values, scale, world_size)
+        table = values.index_select(0, parts.reshape(-1)).reshape(-1, e).numpy()
+        first, last = start // e, -(-(start + job.numel) // e)
+        looked_up = np.take(table, keys[first:last], axis=0, mode="clip").reshape(-1)
+        skip = start - first * e
+        averaged = torch.from_numpy(looked_up[skip : skip + job.numel])
+        if rest is not None:
+            _sign_sum(rest[:, start : start + job.numel], scale[head:], averaged)
+            _finish(averaged, scale, world_size)
+        job.averaged = averaged.reshape(job.shape)
+        start += job.numel

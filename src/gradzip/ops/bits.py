@@ -7,13 +7,27 @@ of the eight code positions or byte positions at a time (rows made contiguous by
 so the cost is a few passes over the codes on any device, with no per-bit intermediate tensor.
 Bytes are taken from words by shifts, never by reinterpreting memory, so the layout does not
 depend on the machine's byte order.
+
+On the CPU, faster NumPy paths give the same bytes: one-bit codes are packed by NumPy's
+``packbits`` and unpacked through a 256-entry table (each packed byte to its eight codes); on
+a little-endian CPU, wider codes are unpacked from a 64-bit load of each group's bytes whose
+fields are spread to one byte each by three mask-and-shift stages (and packed by the reverse
+stages), in chunks that stay in cache. :func:`bit_keys` combines several one-bit streams into
+lookup keys without unpacking them.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+
+import numpy as np
 import torch
 
-__all__ = ["code_width", "pack_bits", "packed_size", "unpack_bits"]
+__all__ = [
+    "MAX_KEY_WORKERS", "bit_keys", "code_width", "keys_per_byte", "pack_bits", "packed_size",
+    "unpack_bits",
+]
 
 # The narrowest integer type holding eight codes of ``bits`` bits (8 * bits bits). int64 for
 # 5 to 7 bits: shifts into and out of the sign bit behave as on unsigned words, because every
@@ -46,13 +60,21 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     codes = codes.to(torch.uint8)
     if bits == 8:
         return codes.contiguous()
+    if bits == 1 and codes.device.type == "cpu":
+        # NumPy's packbits with little-endian bit order is exactly this layout for 0/1 codes.
+        return torch.from_numpy(np.packbits(codes.numpy(), axis=-1, bitorder="little"))
+    if _NUMPY_PATH and codes.device.type == "cpu" and n > 0:
+        packed = _pack_fields(codes.reshape(-1, n).numpy(), bits)
+        return torch.from_numpy(packed).reshape(*lead, packed.shape[1])
     groups = -(-n // 8)
     if groups * 8 != n:
         codes = torch.nn.functional.pad(codes, (0, groups * 8 - n))
     # [..., 8, groups]: position k of every group in one contiguous row.
     rows = codes.reshape(*lead, groups, 8).transpose(-1, -2).contiguous()
     word = _WORD[bits]
-    acc = rows[..., 0, :].to(word)
+    # A copy: for one group the transposed rows can share the caller's memory (and for one-bit
+    # codes the word type is the code type), which the accumulation below must not modify.
+    acc = rows[..., 0, :].to(word, copy=True)
     for k in range(1, 8):
         acc |= rows[..., k, :].to(word) << (k * bits)
     if bits == 1:
@@ -81,6 +103,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     packed = packed[..., :need].to(torch.uint8)
     if bits == 8:
         return packed.contiguous()
+    if _NUMPY_PATH and packed.device.type == "cpu" and count > 0:
+        flat = packed.reshape(-1, need).numpy()
+        codes_np = _unpack_ones(flat, count) if bits == 1 else _unpack_fields(flat, bits, count)
+        # Contiguous (a copy of the codes, when count is not a multiple of 8): strided rows
+        # make every later elementwise pass over them several times slower.
+        return torch.from_numpy(np.ascontiguousarray(codes_np)).reshape(*lead, count)
     groups = -(-count // 8)
     if groups * bits != need:
         packed = torch.nn.functional.pad(packed, (0, groups * bits - need))
@@ -95,3 +123,159 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     for k in range(8):
         codes[..., k, :] = ((acc >> (k * bits)) & mask).to(torch.uint8)
     return codes.transpose(-1, -2).reshape(*lead, groups * 8)[..., :count]
+
+
+# The NumPy paths read memory as little-endian words; elsewhere the torch path above is used.
+_NUMPY_PATH = sys.byteorder == "little"
+# Words (8 codes each) handled per step of the field-spreading loop: 256 KiB, cache-resident.
+_SPREAD_CHUNK = 1 << 15
+
+
+def _bit_table() -> np.ndarray:
+    """uint64 [256]: the eight bytes of entry ``v`` (in memory order) are the bits of ``v``,
+    lowest first."""
+    table = (np.arange(256, dtype=np.uint16)[:, None] >> np.arange(8, dtype=np.uint16)) & 1
+    return np.ascontiguousarray(table.astype(np.uint8)).view(np.uint64).reshape(256)
+
+
+_BIT_TABLE = _bit_table() if _NUMPY_PATH else None
+
+
+def _unpack_ones(packed: np.ndarray, count: int) -> np.ndarray:
+    """One-bit codes of ``packed[rows, bytes]`` as uint8 ``[rows, count]``: one table lookup per
+    packed byte gives its eight codes."""
+    words = np.take(_BIT_TABLE, packed, mode="clip")  # [rows, bytes] uint64
+    return words.view(np.uint8)[:, :count]
+
+
+def _unpack_fields(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Codes of 2 to 7 bits of ``packed[rows, need]`` as uint8 ``[rows, count]``.
+
+    Group ``g`` (eight codes) is the ``bits`` bytes from byte ``g * bits``; read as one
+    little-endian 64-bit word (its upper bytes belong to the next group and are masked off),
+    code ``k`` sits at bit ``k * bits``. Three stages move the fields apart, halving their
+    number per lane each time: four codes to each 32-bit half, two to each 16-bit quarter,
+    one to each byte. The word's bytes are then the eight codes in order.
+    """
+    rows, need = packed.shape
+    groups = -(-count // 8)
+    # Room for the last group's 8-byte read: every row padded with zeros.
+    stride = groups * bits + 8
+    buf = np.zeros((rows, stride), dtype=np.uint8)
+    buf[:, :need] = packed
+    windows = np.ndarray(
+        (rows, groups), dtype=np.uint64, buffer=buf, strides=(stride, bits)
+    )  # unaligned: read once per chunk, by the copy below
+    # Stage (shift, high, low): the upper field of each lane moves up by ``shift`` to the
+    # start of the lane's upper half (``high`` keeps it, and drops what the shift carried in
+    # from below or from the next group's bytes); ``low`` keeps the lower field in place.
+    quad = (1 << (4 * bits)) - 1
+    pair = ((1 << (2 * bits)) - 1) * (1 | 1 << 32)
+    one = ((1 << bits) - 1) * (1 | 1 << 16 | 1 << 32 | 1 << 48)
+    stages = [
+        (np.uint64(32 - 4 * bits), np.uint64(quad << 32), np.uint64(quad)),
+        (np.uint64(16 - 2 * bits), np.uint64(pair << 16), np.uint64(pair)),
+        (np.uint64(8 - bits), np.uint64(one << 8), np.uint64(one)),
+    ]
+    out = np.empty((rows, groups), dtype=np.uint64)
+    scratch = np.empty(_SPREAD_CHUNK, dtype=np.uint64)
+    step = max(1, _SPREAD_CHUNK // rows)
+    for start in range(0, groups, step):
+        y = out[:, start : start + step]
+        np.copyto(y, windows[:, start : start + step])
+        moved = scratch[: y.size].reshape(y.shape)
+        for shift, high, low in stages:
+            np.left_shift(y, shift, out=moved)
+            moved &= high
+            y &= low
+            y |= moved
+    return out.view(np.uint8)[:, :count]
+
+
+#: Most workers whose one-bit streams :func:`bit_keys` combines (a key is one byte).
+MAX_KEY_WORKERS = 8
+
+
+def keys_per_byte(workers: int) -> int:
+    """Entries of every worker that one key of :func:`bit_keys` covers: the largest power of two
+    with ``entries * workers <= 8``."""
+    assert 1 <= workers <= MAX_KEY_WORKERS, workers
+    entries = 8
+    while entries * workers > 8:
+        entries //= 2
+    return entries
+
+
+@functools.cache
+def _key_tables(workers: int) -> tuple[np.ndarray, ...]:
+    """Per worker ``w``: a 256-entry table from a packed byte (eight one-bit entries) to its
+    ``8 / e`` keys' contributions (bit ``j * workers + w`` of key ``i`` is entry ``i * e + j``),
+    as one unsigned word per byte whose memory bytes are the keys in order."""
+    e = keys_per_byte(workers)
+    per_byte = 8 // e
+    value = np.arange(256, dtype=np.uint16)
+    tables = []
+    for w in range(workers):
+        keys = np.zeros((256, per_byte), dtype=np.uint8)
+        for i in range(per_byte):
+            for j in range(e):
+                keys[:, i] |= (((value >> (i * e + j)) & 1) << (j * workers + w)).astype(np.uint8)
+        tables.append(np.ascontiguousarray(keys).view(f"u{per_byte}").reshape(256))
+    return tuple(tables)
+
+
+def bit_keys(packed: np.ndarray) -> np.ndarray:
+    """Interleave the one-bit streams of ``packed[W, B]`` (uint8, ``W <= 8`` rows, bit ``i % 8``
+    of byte ``i // 8`` is entry ``i``) into byte keys, without unpacking them.
+
+    Key ``q`` covers entries ``q * e`` to ``q * e + e - 1`` of every row, with
+    ``e = keys_per_byte(W)``: bit ``j * W + w`` is entry ``q * e + j`` of row ``w``. A table
+    per row turns each packed byte into its keys' bits, so the cost is one lookup per packed
+    byte and row and one OR, whatever ``W``. Byte-order independent: tables and result are
+    read back through the same memory layout.
+
+    Returns:
+        uint8 ``[B * 8 / e]``.
+    """
+    workers = packed.shape[0]
+    tables = _key_tables(workers)
+    acc = np.take(tables[0], packed[0], mode="clip")
+    for w in range(1, workers):
+        acc |= np.take(tables[w], packed[w], mode="clip")
+    return acc.view(np.uint8)
+
+
+def _pack_fields(codes: np.ndarray, bits: int) -> np.ndarray:
+    """:func:`pack_bits` of codes ``[rows, n]`` (uint8, 2 to 7 bits) on a little-endian CPU.
+
+    The inverse of :func:`_unpack_fields`: each group's eight code bytes, read as one 64-bit
+    word, are drawn together in three stages (two codes per 16-bit lane, four per 32-bit half,
+    eight in the low ``bits`` bytes), whose low ``bits`` bytes are the group's packed bytes.
+    """
+    rows, n = codes.shape
+    groups = -(-n // 8)
+    words = np.zeros((rows, groups * 8), dtype=np.uint8)
+    words[:, :n] = codes
+    y_all = words.view(np.uint64)  # [rows, groups]
+    quad = (1 << (4 * bits)) - 1
+    pair = ((1 << (2 * bits)) - 1) * (1 | 1 << 32)
+    one = ((1 << bits) - 1) * (1 | 1 << 16 | 1 << 32 | 1 << 48)
+    # Stage (shift, high, low): the field at the start of each lane's upper half moves down by
+    # ``shift`` to sit just above the lower field (``high`` keeps it there).
+    stages = [
+        (np.uint64(8 - bits), np.uint64(one << bits), np.uint64(one)),
+        (np.uint64(16 - 2 * bits), np.uint64(pair << (2 * bits)), np.uint64(pair)),
+        (np.uint64(32 - 4 * bits), np.uint64(quad << (4 * bits)), np.uint64(quad)),
+    ]
+    scratch = np.empty(_SPREAD_CHUNK, dtype=np.uint64)
+    step = max(1, _SPREAD_CHUNK // rows)
+    for start in range(0, groups, step):
+        y = y_all[:, start : start + step]
+        moved = scratch[: y.size].reshape(y.shape)
+        for shift, high, low in stages:
+            np.right_shift(y, shift, out=moved)
+            moved &= high
+            y &= low
+            y |= moved
+    packed = words.reshape(rows, groups, 8)[:, :, :bits].reshape(rows, groups * bits)
+    return np.ascontiguousarray(packed[:, : packed_size(n, bits)])
