@@ -18,7 +18,8 @@ from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
-from gradzip.options import DENSE_ROUTE, MAIN_ROUTE, NONFINITE_POLICIES, EngineOptions, route
+from gradzip.options import MAIN_ROUTE, NONFINITE_POLICIES, EngineOptions
+from gradzip.routing import Router
 from gradzip.statecheck import bad_workers, check_tree, first_nonfinite
 
 __all__ = ["FORMAT_VERSION", "NONFINITE_POLICIES", "STATS_KEYS", "Engine"]
@@ -109,15 +110,11 @@ class Engine:
         self.comm = collective if collective is not None else default_collective()
         self.shapes: dict[str, torch.Size] = {n: torch.Size(s) for n, s in shapes.items()}
         self._order = {n: i for i, n in enumerate(self.shapes)}
-        self._route = route(self.shapes, options)
-        self.dense_names = frozenset(n for n, r in self._route.items() if r == DENSE_ROUTE)
+        self._router = Router(self.shapes, self.compressor, options)
+        self.dense_names = self._router.dense_names
         #: Each rule's compressor (``None`` for a dense rule), in rule order.
-        self.rule_compressors = tuple(rule.compressor for rule in options.rules)
-        # Names whose compressor keeps a residual (error feedback is decided per compressor).
-        self._feedback = frozenset(
-            n for n, r in self._route.items()
-            if r != DENSE_ROUTE and options.feedback_for(self._compressor_of(r))
-        )
+        self.rule_compressors = self._router.rule_compressors
+        self._feedback = self._router.feedback_names
         self.step = 0
         self.skipped_steps = 0
         self.dense_payload = [0] * self.comm.local_workers
@@ -125,7 +122,7 @@ class Engine:
         self.residuals: dict[str, torch.Tensor] = {}
         self.compressor_state = self.compressor.init_state(self._compressed_shapes())
         #: Each rule's compressor state (``{}`` for a dense rule), in rule order.
-        self.rule_states: list[Any] = self._fresh_rule_states()
+        self.rule_states: list[Any] = self._router.fresh_rule_states()
         self._snapshot: tuple[Any, ...] | None = None
         self._poisoned = False  # "skip": an earlier call of this step was non-finite
         self._skipped = False  # the policy handled a call of this step
@@ -134,25 +131,9 @@ class Engine:
         self._verified = self.comm.simulated or self.comm.world_size == 1
         self.handshake_bytes = 0
 
-    # -- routing: which compressor reduces which tensor (see gradzip.options.route) ---------
-    def _compressed_shapes(self, where: int = MAIN_ROUTE) -> dict[str, torch.Size]:
-        return {n: s for n, s in self.shapes.items() if self._route[n] == where}
-
-    def _compressor_of(self, where: int) -> Compressor:
-        rule = self.rule_compressors[where - 1] if where != MAIN_ROUTE else self.compressor
-        assert rule is not None, where  # dense rules route to DENSE_ROUTE
-        return rule
-
-    def _fresh_rule_states(self) -> list[Any]:
-        return [
-            {} if c is None else c.init_state(self._compressed_shapes(i + 1))
-            for i, c in enumerate(self.rule_compressors)
-        ]
-
-    def _routes_in_use(self) -> list[int]:
-        """The compressors' routes in a fixed order (rules first, then the main one), the
-        same on every rank: their collectives must be issued in the same sequence."""
-        return [i + 1 for i, c in enumerate(self.rule_compressors) if c is not None] + [MAIN_ROUTE]
+    # -- routing: which compressor reduces which tensor (see gradzip.routing) ---------------
+    def _compressed_shapes(self) -> dict[str, torch.Size]:
+        return self._router.shapes_of(MAIN_ROUTE)
 
     def _reduce_routed(self, jobs: list[Job]) -> None:
         """Hand each compressor the jobs routed to it (a tensor's route is fixed at
@@ -161,14 +142,7 @@ class Engine:
             if jobs:
                 self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
             return
-        ctx = self._context()
-        for where in self._routes_in_use():
-            mine = [j for j in jobs if self._route[j.name] == where]
-            if mine:
-                self._compressor_of(where).reduce(mine, self._state_of(where), self.comm, ctx)
-
-    def _state_of(self, where: int) -> Any:
-        return self.compressor_state if where == MAIN_ROUTE else self.rule_states[where - 1]
+        self._router.reduce(jobs, self._states(), self.comm, self._context())
 
     # Every compressor's state as one tree (snapshots, rollback, finiteness tests).
     def _states(self) -> list[Any]:
@@ -407,9 +381,7 @@ class Engine:
 
     def _end_step(self, before: list[Any]) -> str | None:
         """Run every compressor's end of step; where a state turns non-finite, the path."""
-        ctx = self._context()
-        for where in self._routes_in_use():
-            self._compressor_of(where).end_step(self._state_of(where), ctx)
+        self._router.end_step(self._states(), self._context())
         where = first_nonfinite(self._state_tree(self._states()), "", self._state_tree(before))
         return None if where is None else where.lstrip(".")
 
@@ -568,7 +540,7 @@ class Engine:
             feedback_names=self._feedback,
             workers=self.comm.local_workers,
             fresh_state=self.compressor.init_state(self._compressed_shapes()),
-            fresh_rule_states=self._fresh_rule_states(),
+            fresh_rule_states=self._router.fresh_rule_states(),
         )
         # Everything is valid: swap it in.
         self.step, self.skipped_steps = loaded.step, loaded.skipped_steps
