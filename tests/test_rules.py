@@ -31,8 +31,7 @@ SHAPES = {
     "scale": torch.Size(()),
 }
 ACCORDION = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.5,interval=2)"
-# Two compressor families besides the main one (top-k): low rank and sign.
-TWO_FAMILIES = (("enc.*", "powersgd:rank=2"), ("mid.weight", "sign"))
+SCHEDULE = "schedule(gentle=none,aggressive=topk:ratio=0.2,gentle_steps=0-2,after_drop=0)"
 
 
 def grads(workers: int, step: int, shapes: dict[str, torch.Size] = SHAPES) -> dict[str, torch.Tensor]:
@@ -95,14 +94,16 @@ def test_invalid_rules_are_refused_naming_the_rule(rules: Any, exc: type, fragme
 
 
 # -- several compressors in one engine --------------------------------------------------------
-def test_each_rule_reduces_its_tensors_as_an_engine_of_its_own_would() -> None:
-    """Two compressor families plus the main one in one engine equal three engines, each on
-    its own tensors, bit for bit, step after step (error feedback included); the payload is
-    theirs together, less the two headers the one engine does not send."""
+@pytest.mark.parametrize("enc_spec", ["powersgd:rank=2", ACCORDION, SCHEDULE])
+def test_each_rule_reduces_its_tensors_as_an_engine_of_its_own_would(enc_spec: str) -> None:
+    """Two compressor families (or a controller: Accordion, a level schedule) plus the main
+    one in one engine equal three engines, each on its own tensors, bit for bit, step after
+    step (error feedback included); the payload is theirs together, less the two headers the
+    one engine does not send."""
     steps = 4
-    engine = sim("topk:ratio=0.2", rules=TWO_FAMILIES)
+    engine = sim("topk:ratio=0.2", rules=[("enc.*", enc_spec), ("mid.weight", "sign")])
     parts = {
-        "powersgd:rank=2": sim("powersgd:rank=2", subset(["enc.weight", "enc.bias"])),
+        enc_spec: sim(enc_spec, subset(["enc.weight", "enc.bias"])),
         "sign": sim("sign", subset(["mid.weight"])),
         "topk:ratio=0.2": sim("topk:ratio=0.2", subset(
             ["mid.bias", "head.weight", "head.bias", "scale"])),
@@ -114,7 +115,7 @@ def test_each_rule_reduces_its_tensors_as_an_engine_of_its_own_would() -> None:
             alone = part.reduce({n: g[n] for n in part.shapes})
             for name, value in alone.items():
                 assert torch.equal(out[name], value), (step, name)
-    assert set(engine.rule_states[0]) == set(parts["powersgd:rank=2"].compressor_state)
+    assert set(engine.rule_states[0]) == set(parts[enc_spec].compressor_state)
     for name, residual in engine.residuals.items():
         owner = next(p for p in parts.values() if name in p.shapes)
         assert torch.equal(residual, owner.residuals[name]), name
@@ -179,13 +180,14 @@ def test_accordion_as_a_rule_keeps_its_own_controller() -> None:
 
 # -- checkpoints --------------------------------------------------------------------------------
 def test_checkpoint_round_trip_continues_bit_identically() -> None:
-    rules = [("enc.*", ACCORDION), ("mid.weight", "sign"), ("head.bias", "dense")]
+    rules = [("enc.*", ACCORDION), ("mid.weight", SCHEDULE), ("head.bias", "dense")]
     first = sim("powersgd:rank=2", rules=rules, min_numel=2)
     for step in range(3):
         first.reduce(grads(2, step))
     saved = clone_tree(first.state_dict())
     accordion = gradzip.compressor_from_spec(ACCORDION).spec()
-    assert saved["rules"] == [f"enc.*={accordion}", "mid.weight=sign", "head.bias=dense"]
+    schedule = gradzip.compressor_from_spec(SCHEDULE).spec()
+    assert saved["rules"] == [f"enc.*={accordion}", f"mid.weight={schedule}", "head.bias=dense"]
     assert saved["min_numel"] == 2 and saved["rule_states"][2] == {}
     second = sim("powersgd:rank=2", rules=rules, min_numel=2)
     second.load_state_dict(saved)
