@@ -27,7 +27,7 @@ def sim_engine(spec: str = "topk:ratio=0.05", **kwargs: object) -> gradzip.Engin
     [
         ({"params": 3}, TypeError, "`params` must be a module"),
         ({"compressor": "topk:ratio=2"}, ValueError, "`ratio` must be in (0, 1], got 2.0"),
-        ({"error_feedback": "yes"}, TypeError, "`error_feedback` must be a bool, got 'yes'"),
+        ({"error_feedback": "yes"}, TypeError, "`error_feedback` must be a bool or None, got 'yes'"),
         ({"nonfinite": "ignore"}, ValueError, "`nonfinite` must be one of 'skip', 'zero', 'raise'"),
         ({"collective": object()}, TypeError, "`collective` must be a gradzip Collective"),
         ({"optimizer": "sgd"}, TypeError, "`optimizer` must be a torch.optim.Optimizer"),

@@ -18,6 +18,7 @@ from gradzip.compressors import (
 )
 from gradzip.control import Accordion, BatchPlan, BatchSizeController, Schedule, critical_regime
 from gradzip.engine import Engine
+from gradzip.options import EngineOptions, Rule
 
 __version__ = "0.1.0"
 
@@ -31,11 +32,13 @@ __all__ = [
     "Collective",
     "Compressor",
     "Engine",
+    "EngineOptions",
     "HardThreshold",
     "NoCompression",
     "PowerSGD",
     "ProcessGroupCollective",
     "RandK",
+    "Rule",
     "Schedule",
     "Sign",
     "SimulatedGroup",

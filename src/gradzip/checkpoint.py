@@ -20,8 +20,11 @@ from gradzip.statecheck import all_finite, check_tree, nonneg_int
 
 __all__ = ["REQUIRED_KEYS", "Loaded", "validate_checkpoint"]
 
-# Keys every checkpoint holds (``dense_1d``, ``residual_scale`` and ``parameters`` are optional:
-# older checkpoints lack them).
+# Optional configuration keys and the value an older checkpoint that lacks them stands for.
+_OPTIONAL: dict[str, Any] = {"dense_1d": False, "rules": [], "min_numel": 0}
+
+# Keys every checkpoint holds (``dense_1d``, ``rules``, ``min_numel``, ``rule_states``,
+# ``residual_scale`` and ``parameters`` are optional: older checkpoints lack them).
 REQUIRED_KEYS = (
     "format_version", "compressor", "error_feedback", "world_size", "ranks", "step",
     "skipped_steps", "residuals", "compressor_state", "meter", "dense_payload", "dense_wire",
@@ -37,6 +40,7 @@ class Loaded:
     residual_scale: float | None
     residuals: dict[str, torch.Tensor]
     compressor_state: Any
+    rule_states: list[Any]
     meter: dict[str, Any]
     dense_payload: list[int]
     dense_wire: list[int]
@@ -50,18 +54,24 @@ def validate_checkpoint(
     dense_names: frozenset[str],
     workers: int,
     fresh_state: Any,
+    feedback_names: frozenset[str] | None = None,
+    fresh_rule_states: list[Any] | None = None,
 ) -> Loaded:
     """Check a checkpoint against the engine that loads it.
 
     Args:
         state: what ``Engine.state_dict`` returned (possibly saved and loaded).
         config: values the checkpoint must hold exactly (``format_version``, ``compressor``,
-            ``error_feedback``, ``dense_1d``, ``world_size``, ``ranks``).
+            ``error_feedback``, ``dense_1d``, ``rules``, ``min_numel``, ``world_size``,
+            ``ranks``).
         shapes: the engine's parameters.
         dense_names: parameters sent dense (they have no residual).
         workers: local workers of the engine (the residuals' leading axis).
         fresh_state: the compressor's ``init_state``, the reference for structure, shapes,
             dtypes and kinds of values.
+        feedback_names: parameters that keep a residual (default: every one not sent dense
+            when ``config["error_feedback"]``, none otherwise).
+        fresh_rule_states: each rule's fresh state, the reference for ``rule_states``.
 
     Returns:
         The parsed values (residuals cloned).
@@ -80,7 +90,7 @@ def validate_checkpoint(
             f"`format_version` must be {config['format_version']}, got {state['format_version']!r}"
         )
     for key, want in config.items():
-        got = state.get(key, False)  # only `dense_1d` may be absent (older checkpoints)
+        got = state.get(key, _OPTIONAL.get(key))  # older checkpoints lack the optional keys
         if got != want or type(got) is not type(want):
             raise ValueError(f"`{key}` of the checkpoint must be {want!r}, got {got!r}")
     step, skipped = state["step"], state["skipped_steps"]
@@ -94,12 +104,15 @@ def validate_checkpoint(
         isinstance(scale, bool) or not isinstance(scale, Real) or not 0 < float(scale) < math.inf
     ):
         raise ValueError(f"`residual_scale` of the checkpoint must be None or > 0, got {scale!r}")
-    residuals = _residuals(state["residuals"], shapes, dense_names, workers, bool(config["error_feedback"]))
+    if feedback_names is None:
+        feedback_names = frozenset(shapes) - dense_names if config["error_feedback"] else frozenset()
+    residuals = _residuals(state["residuals"], shapes, dense_names, workers, feedback_names)
     if "parameters" in state:  # absent from older checkpoints
         _parameters(state["parameters"], shapes)
     mismatch = check_tree(fresh_state, state["compressor_state"], "compressor_state")
     if mismatch:
         raise ValueError(f"checkpoint does not match this engine: {mismatch}")
+    rule_states = _rule_states(state.get("rule_states", []), fresh_rule_states or [])
     meter = state["meter"]
     counters = {"dense_payload": state["dense_payload"], "dense_wire": state["dense_wire"]}
     if isinstance(meter, Mapping):
@@ -117,6 +130,7 @@ def validate_checkpoint(
         residual_scale=None if scale is None else float(scale),
         residuals=residuals,
         compressor_state=state["compressor_state"],
+        rule_states=rule_states,
         meter={"payload": [int(v) for v in meter["payload"]], "wire": [int(v) for v in meter["wire"]],
                "calls": int(meter["calls"])},
         dense_payload=[int(v) for v in state["dense_payload"]],
@@ -124,13 +138,25 @@ def validate_checkpoint(
     )
 
 
+def _rule_states(saved: Any, fresh: list[Any]) -> list[Any]:
+    """Each rule's compressor state against its fresh one (structure, shapes, dtypes)."""
+    if not isinstance(saved, list) or len(saved) != len(fresh):
+        got = len(saved) if isinstance(saved, list) else type(saved).__name__
+        raise ValueError(f"`rule_states` of the checkpoint must list {len(fresh)} states, got {got}")
+    for i, (want, got) in enumerate(zip(fresh, saved, strict=True)):
+        mismatch = check_tree(want, got, f"rule_states[{i}]")
+        if mismatch:
+            raise ValueError(f"checkpoint does not match this engine: {mismatch}")
+    return list(saved)
+
+
 def _residuals(
     residuals: Any, shapes: Mapping[str, torch.Size], dense_names: frozenset[str], workers: int,
-    error_feedback: bool,
+    feedback_names: frozenset[str],
 ) -> dict[str, torch.Tensor]:
     if not isinstance(residuals, Mapping):
         raise ValueError(f"`residuals` of the checkpoint must be a dict, got {type(residuals).__name__}")
-    if residuals and not error_feedback:
+    if residuals and not feedback_names:
         raise ValueError(
             f"`residuals` of the checkpoint must be empty without error feedback, got "
             f"{sorted(map(str, residuals))[:3]}"
@@ -142,7 +168,14 @@ def _residuals(
             got = tuple(res.shape) if isinstance(res, torch.Tensor) else type(res).__name__
             raise ValueError(f"residual {name!r} must match a parameter of shape {tuple(expected)}, got {got}")
         if name in dense_names:
-            raise ValueError(f"residual {name!r} must be absent: it is sent dense (`dense_1d`)")
+            raise ValueError(
+                f"residual {name!r} must be absent: it is sent dense (`dense_1d`, a dense rule "
+                f"or `min_numel`)"
+            )
+        if name not in feedback_names:
+            raise ValueError(
+                f"residual {name!r} must be absent: its compressor runs without error feedback"
+            )
         if res.dtype != torch.float32:
             raise ValueError(f"residual {name!r} must be float32, got {res.dtype}")
         if not all_finite([res]):

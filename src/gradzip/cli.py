@@ -147,6 +147,13 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--dense-1d", action="store_true",
                    help="send biases and normalisation weights (tensors of < 2 dimensions) "
                         "uncompressed")
+    o.add_argument("--rule", dest="rules", action="append", default=None,
+                   metavar="PATTERN=SPEC",
+                   help="per-parameter compressor: parameters whose name matches the glob "
+                        "PATTERN use SPEC (a compressor spec, or dense: exact); first match "
+                        "wins, others use --compressor (repeatable), e.g. '*.bias=dense'")
+    o.add_argument("--min-numel", type=int, default=0, metavar="N",
+                   help="all-reduce tensors of fewer than N entries exactly (default 0: off)")
     o.add_argument("--bptt", type=int, default=35, help="lm: truncated-BPTT length")
     o.add_argument("--text-level", choices=("word", "char"), default="word", help="lm tokens")
 
@@ -157,7 +164,8 @@ _RUN_FIELDS = (
     "checkpoint_every", "tensorboard",
     "accordion_rule", "level_schedule", "warmup_steps", "gentle",
     "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
-    "gamma", "clip", "scale_lr", "error_feedback", "dense_1d", "bptt", "text_level",
+    "gamma", "clip", "scale_lr", "error_feedback", "dense_1d", "rules",
+    "min_numel", "bptt", "text_level",
 )
 
 

@@ -73,11 +73,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradzip._ddp_thread import comm_thread, private_group
-from gradzip._validate import check_bool, check_choice
+from gradzip._validate import check_bool
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.spec import compressor_from_spec
-from gradzip.engine import NONFINITE_POLICIES, Engine
+from gradzip.engine import STATS_KEYS, Engine
+from gradzip.options import EngineOptions
 
 __all__ = ["GatheredState", "GradzipHookState", "gradzip_hook", "make_hook", "register"]
 
@@ -137,14 +138,10 @@ class GradzipHookState:
         named_params: ``(name, parameter)`` pairs of the wrapped module; buckets' parameters
             are matched to names by identity.
         compressor: a :class:`~gradzip.Compressor` (an Accordion included) or a spec string.
-        optimizer: read for the learning rate (adaptive compressors react to its drops).
-        error_feedback: ``None`` follows the compressor.
-        nonfinite: ``"skip"``, ``"zero"`` or ``"raise"`` (see :class:`~gradzip.Engine`).
         process_group: the group DDP reduces over; ``None`` is the world group.
-        grad_scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop, so residuals
-            follow its loss scale (see :class:`~gradzip.Engine`).
-        dense_1d: send biases and other tensors of fewer than two dimensions uncompressed
-            (see :class:`~gradzip.Engine`).
+        options: an :class:`~gradzip.EngineOptions` (error feedback, non-finite policy,
+            optimizer, grad scaler, ``dense_1d``, ``rules``, ``min_numel``: documented there).
+        **engine_options: the same options as keywords (they replace the record's fields).
         overlap: run each bucket's work on the communication thread while autograd computes
             later buckets (the default); ``False`` runs it inside the hook, synchronously.
 
@@ -157,32 +154,25 @@ class GradzipHookState:
         named_params: Iterable[tuple[str, torch.Tensor]],
         compressor: Compressor | str,
         *,
-        optimizer: torch.optim.Optimizer | None = None,
-        error_feedback: bool | None = None,
-        nonfinite: str = "skip",
         process_group: dist.ProcessGroup | None = None,
-        grad_scaler: Any = None,
-        dense_1d: bool = False,
         overlap: bool = True,
+        options: EngineOptions | None = None,
+        **engine_options: Any,
     ) -> None:
         pairs = _named_parameters(named_params)
         self.compressor = compressor_from_spec(compressor)
-        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        if error_feedback is not None and not isinstance(error_feedback, bool):
-            raise TypeError(f"`error_feedback` must be a bool or None, got {error_feedback!r}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"`optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
+        self.options = options = EngineOptions.build(options, **engine_options)
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 f"`process_group` must be a torch.distributed.ProcessGroup or None, "
                 f"got {type(process_group).__name__}"
             )
-        self.error_feedback = error_feedback
-        self.optimizer = optimizer
-        self.grad_scaler = grad_scaler
-        self.dense_1d = check_bool("dense_1d", dense_1d)
+        # The options' values, as attributes (read by frameworks' adapters and users).
+        self.error_feedback = options.error_feedback
+        self.nonfinite = options.nonfinite
+        self.optimizer = options.optimizer
+        self.grad_scaler = options.grad_scaler
+        self.dense_1d = options.dense_1d
         self.overlap = check_bool("overlap", overlap)
         self.process_group = process_group
         self.params: dict[str, torch.Tensor] = dict(pairs)
@@ -210,12 +200,8 @@ class GradzipHookState:
             engine = Engine(
                 {n: p.shape for n, p in self.params.items()},
                 self.compressor,
-                error_feedback=self.error_feedback,
                 collective=collective,
-                nonfinite=self.nonfinite,
-                optimizer=self.optimizer,
-                grad_scaler=self.grad_scaler,
-                dense_1d=self.dense_1d,
+                options=self.options,
             )
             self._engine = engine
             if self._pending is not None:
@@ -306,9 +292,8 @@ class GradzipHookState:
         ``current_levels(state)`` when it has one, e.g. an Accordion, else ``None``)."""
         self.wait()
         if self._engine is None:
-            keys = ("steps", "skipped_steps", "payload_bytes", "wire_bytes",
-                    "dense_payload_bytes", "dense_wire_bytes", "collective_calls")
-            return {**dict.fromkeys(keys, 0), "compression_rate": None, "levels": None}
+            # The same keys as once the engine exists (zeros: nothing was sent yet).
+            return {**dict.fromkeys(STATS_KEYS, 0), "compression_rate": None, "levels": None}
         raw = self._engine.stats
         out: dict[str, Any] = {
             key: (value[0] if isinstance(value, list) else value) for key, value in raw.items()
@@ -320,11 +305,20 @@ class GradzipHookState:
         return out
 
     def _levels(self) -> Any:
-        # Adaptive compressors may expose their current choice; others have none.
-        helper = getattr(self.compressor, "current_levels", None)
-        if callable(helper) and self._engine is not None:
-            return helper(self._engine.compressor_state)
-        return None
+        # Adaptive compressors may expose their current choice; others have none. With
+        # rules, the choices of every compressor that reports one are merged (names differ).
+        engine = self._engine
+        if engine is None:
+            return None
+        pairs = [(self.compressor, engine.compressor_state)] + [
+            (c, s) for c, s in zip(engine.rule_compressors, engine.rule_states, strict=True)
+        ]
+        found = None
+        for compressor, state in pairs:
+            helper = getattr(compressor, "current_levels", None)
+            if callable(helper):
+                found = {**(found or {}), **helper(state)}
+        return found
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -448,13 +442,10 @@ def make_hook(
     model_or_named_params: nn.Module | Iterable[tuple[str, torch.Tensor]],
     compressor: Compressor | str,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
-    error_feedback: bool | None = None,
-    nonfinite: str = "skip",
     process_group: dist.ProcessGroup | None = None,
-    grad_scaler: Any = None,
-    dense_1d: bool = False,
     overlap: bool = True,
+    options: EngineOptions | None = None,
+    **engine_options: Any,
 ) -> tuple[GradzipHookState, Any]:
     """The ``(state, hook)`` pair that ``ddp_model.register_comm_hook(state, hook)`` and
     Lightning's ``DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hook)`` take.
@@ -463,8 +454,9 @@ def make_hook(
         model_or_named_params: the module DDP wraps (or the DDP model, or its
             ``(name, parameter)`` pairs).
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"powersgd:rank=2"``.
-        optimizer, error_feedback, nonfinite, process_group, grad_scaler, dense_1d, overlap:
-            see :class:`GradzipHookState`.
+        process_group, overlap: see :class:`GradzipHookState`.
+        options, **engine_options: an :class:`~gradzip.EngineOptions` and/or its fields as
+            keywords (see :class:`~gradzip.EngineOptions`).
 
     Returns:
         ``(state, gradzip_hook)``.
@@ -473,9 +465,8 @@ def make_hook(
         TypeError, ValueError: invalid arguments, naming the parameter.
     """
     state = GradzipHookState(
-        _named_parameters(model_or_named_params), compressor, optimizer=optimizer,
-        error_feedback=error_feedback, nonfinite=nonfinite, process_group=process_group,
-        grad_scaler=grad_scaler, dense_1d=dense_1d, overlap=overlap,
+        _named_parameters(model_or_named_params), compressor, process_group=process_group,
+        overlap=overlap, options=EngineOptions.build(options, **engine_options),
     )
     return state, gradzip_hook
 
@@ -484,22 +475,21 @@ def register(
     ddp_model: DistributedDataParallel,
     compressor: Compressor | str,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
-    error_feedback: bool | None = None,
-    nonfinite: str = "skip",
     process_group: dist.ProcessGroup | None = None,
-    grad_scaler: Any = None,
-    dense_1d: bool = False,
     overlap: bool = True,
+    options: EngineOptions | None = None,
+    **engine_options: Any,
 ) -> GradzipHookState:
     """Register gradzip as ``ddp_model``'s communication hook (before the first backward).
 
     Args:
         ddp_model: a :class:`~torch.nn.parallel.DistributedDataParallel` model.
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
-        optimizer, error_feedback, nonfinite, grad_scaler, dense_1d, overlap: see
-            :class:`GradzipHookState`.
         process_group: defaults to the group ``ddp_model`` reduces over.
+        overlap: see :class:`GradzipHookState`.
+        options, **engine_options: an :class:`~gradzip.EngineOptions` and/or its fields as
+            keywords (``optimizer``, ``error_feedback``, ``nonfinite``, ``grad_scaler``,
+            ``dense_1d``, ``rules``, ``min_numel``; see :class:`~gradzip.EngineOptions`).
 
     Returns:
         The hook state: ``stats``, ``state_dict()`` (one file per rank), ``load_state_dict()``.
@@ -513,12 +503,12 @@ def register(
             f"`ddp_model` must be a torch.nn.parallel.DistributedDataParallel, "
             f"got {type(ddp_model).__name__}"
         )
+    options = EngineOptions.build(options, **engine_options)
     if process_group is None:
         process_group = getattr(ddp_model, "process_group", None)
     state, hook = make_hook(
-        ddp_model.module, compressor, optimizer=optimizer, error_feedback=error_feedback,
-        nonfinite=nonfinite, process_group=process_group, grad_scaler=grad_scaler,
-        dense_1d=dense_1d, overlap=overlap,
+        ddp_model.module, compressor, process_group=process_group, overlap=overlap,
+        options=options,
     )
     ddp_model.register_comm_hook(state, hook)
     log.debug("registered gradzip %s on %d parameters", state.compressor.spec(), len(state.params))

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradzip._validate import check_bool, check_choice, check_int
+from gradzip._validate import check_bool, check_int
 from gradzip.checkpoint import validate_checkpoint
 from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.comm.header import call_code, make_header, read_header, verify_configuration
@@ -18,14 +18,18 @@ from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
+from gradzip.options import MAIN_ROUTE, NONFINITE_POLICIES, EngineOptions
+from gradzip.routing import Router
 from gradzip.statecheck import bad_workers, check_tree, first_nonfinite
 
-__all__ = ["FORMAT_VERSION", "Engine"]
+__all__ = ["FORMAT_VERSION", "NONFINITE_POLICIES", "STATS_KEYS", "Engine"]
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-NONFINITE_POLICIES = ("skip", "zero", "raise")
+#: The keys of :attr:`Engine.stats`.
+STATS_KEYS = ("steps", "skipped_steps", "payload_bytes", "wire_bytes", "dense_payload_bytes",
+              "dense_wire_bytes", "collective_calls", "handshake_bytes")
 
 
 def _copy_tree(tree: Any) -> Any:
@@ -49,31 +53,13 @@ class Engine:
             or a mapping ``name -> shape`` (or ``name -> tensor``).
         compressor: a :class:`~gradzip.Compressor`, a spec string such as
             ``"topk:ratio=0.01"``, or an :class:`~gradzip.Accordion`.
-        error_feedback: keep and re-add what was not sent; ``None`` follows the compressor
-            (on for biased ones: all but none/fp16/bf16/qsgd).
         collective: where workers meet: a :class:`~gradzip.SimulatedGroup` (gradients then
             carry a leading worker axis) or a process group; default the world group, or a
             single worker when ``torch.distributed`` is not initialised.
-        nonfinite: what to do when any worker's gradient holds NaN/Inf, or compression
-            overflows (the gradient plus its residual, a scale, PowerSGD's factors, the
-            average or the compressor's state turn non-finite), decided identically on every
-            worker, with or without compression state. ``"skip"``: the whole step is rolled
-            back (residuals, warm starts, controllers as before it) and this call and every
-            later call of the step return NaN, so a ``GradScaler`` (or any finite check)
-            skips the optimizer step. ``"zero"``: the call is dropped (zeros returned, its
-            tensors' state as before the call) while the step's other calls stand.
-            ``"raise"``: ``FloatingPointError`` on every worker and the step is abandoned
-            (state as before it). ``stats["skipped_steps"]`` counts the steps handled by
-            ``"skip"`` or ``"zero"``.
-        optimizer: read for the learning rate (adaptive compressors react to its drops).
-        grad_scaler: a ``torch.amp.GradScaler`` whose scaled gradients this engine sees.
-            Residuals are kept at the loss scale they were made at; when the scaler changes
-            its scale they are multiplied by the ratio (a power of two: exact), so error
-            feedback re-adds what was not sent at the right magnitude.
-        dense_1d: send tensors of fewer than two dimensions (biases, normalisation weights)
-            uncompressed: one exact all-reduce per call, no error feedback, never seen by the
-            compressor, as PyTorch's PowerSGD hook and the Accordion reference code do. They
-            are few entries in a large model, and compressing them hard costs accuracy.
+        options: an :class:`~gradzip.EngineOptions` (error feedback, non-finite policy,
+            optimizer, grad scaler, ``dense_1d``, per-parameter ``rules``, ``min_numel``:
+            documented there).
+        **engine_options: the same options as keywords (they replace the record's fields).
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
@@ -88,12 +74,9 @@ class Engine:
         params: nn.Module | Iterable[tuple[str, torch.Tensor]] | Mapping[str, Any],
         compressor: Compressor | str,
         *,
-        error_feedback: bool | None = None,
         collective: Collective | None = None,
-        nonfinite: str = "skip",
-        optimizer: torch.optim.Optimizer | None = None,
-        grad_scaler: Any = None,
-        dense_1d: bool = False,
+        options: EngineOptions | None = None,
+        **engine_options: Any,
     ) -> None:
         self.params: dict[str, torch.Tensor] = {}
         if isinstance(params, nn.Module):
@@ -113,36 +96,33 @@ class Engine:
                 f"got {type(params).__name__}"
             )
         self.compressor = compressor_from_spec(compressor)
-        if error_feedback is None:
-            error_feedback = bool(getattr(self.compressor, "biased", True))
-        self.error_feedback = check_bool("error_feedback", error_feedback)
-        self.nonfinite = check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        self.dense_1d = check_bool("dense_1d", dense_1d)
+        self.options = options = EngineOptions.build(options, **engine_options)
+        self.error_feedback = options.feedback_for(self.compressor)
+        self.nonfinite = options.nonfinite
+        self.dense_1d = options.dense_1d
         if collective is not None and not isinstance(collective, Collective):
             raise TypeError(
                 f"`collective` must be a gradzip Collective, got {type(collective).__name__}"
             )
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"`optimizer` must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if grad_scaler is not None and not callable(getattr(grad_scaler, "get_scale", None)):
-            raise TypeError(
-                f"`grad_scaler` must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}"
-            )
-        self.optimizer = optimizer
-        self.grad_scaler = grad_scaler
+        self.optimizer = options.optimizer
+        self.grad_scaler = options.grad_scaler
         self.residual_scale: float | None = None
         self.comm = collective if collective is not None else default_collective()
         self.shapes: dict[str, torch.Size] = {n: torch.Size(s) for n, s in shapes.items()}
         self._order = {n: i for i, n in enumerate(self.shapes)}
-        self.dense_names = frozenset(n for n, s in self.shapes.items() if dense_1d and len(s) < 2)
+        self._router = Router(self.shapes, self.compressor, options)
+        self.dense_names = self._router.dense_names
+        #: Each rule's compressor (``None`` for a dense rule), in rule order.
+        self.rule_compressors = self._router.rule_compressors
+        self._feedback = self._router.feedback_names
         self.step = 0
         self.skipped_steps = 0
         self.dense_payload = [0] * self.comm.local_workers
         self.dense_wire = [0] * self.comm.local_workers
         self.residuals: dict[str, torch.Tensor] = {}
         self.compressor_state = self.compressor.init_state(self._compressed_shapes())
+        #: Each rule's compressor state (``{}`` for a dense rule), in rule order.
+        self.rule_states: list[Any] = self._router.fresh_rule_states()
         self._snapshot: tuple[Any, ...] | None = None
         self._poisoned = False  # "skip": an earlier call of this step was non-finite
         self._skipped = False  # the policy handled a call of this step
@@ -151,8 +131,32 @@ class Engine:
         self._verified = self.comm.simulated or self.comm.world_size == 1
         self.handshake_bytes = 0
 
+    # -- routing: which compressor reduces which tensor (see gradzip.routing) ---------------
     def _compressed_shapes(self) -> dict[str, torch.Size]:
-        return {n: s for n, s in self.shapes.items() if n not in self.dense_names}
+        return self._router.shapes_of(MAIN_ROUTE)
+
+    def _reduce_routed(self, jobs: list[Job]) -> None:
+        """Hand each compressor the jobs routed to it (a tensor's route is fixed at
+        construction and agreed across ranks by the handshake)."""
+        if not self.rule_compressors:
+            if jobs:
+                self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
+            return
+        self._router.reduce(jobs, self._states(), self.comm, self._context())
+
+    # Every compressor's state as one tree (snapshots, rollback, finiteness tests).
+    def _states(self) -> list[Any]:
+        return [self.compressor_state, *self.rule_states]
+
+    def _set_states(self, states: list[Any]) -> None:
+        self.compressor_state, self.rule_states = states[0], list(states[1:])
+
+    @staticmethod
+    def _state_tree(states: list[Any]) -> dict[str, Any]:
+        tree = {"compressor_state": states[0]}
+        if len(states) > 1:
+            tree["rule_states"] = {str(i): s for i, s in enumerate(states[1:])}
+        return tree
 
     # -- context ---------------------------------------------------------------------------
     @property
@@ -197,7 +201,12 @@ class Engine:
             "nonfinite": self.nonfinite,
             "dense_1d": str(self.dense_1d),
             "parameters": ";".join(f"{n}:{tuple(s)}" for n, s in sorted(self.shapes.items())),
+            "rules": "; ".join(self._rule_specs()),
+            "min_numel": str(self.options.min_numel),
         }
+
+    def _rule_specs(self) -> list[str]:
+        return [rule.describe() for rule in self.options.rules]
 
     def _verify_agreement(self) -> None:
         """Check once, before the first step, that every rank runs the same configuration on
@@ -258,7 +267,7 @@ class Engine:
                 self._verify_agreement()
             if self._snapshot is None:
                 self._follow_loss_scale()
-                self._snapshot = (_copy_tree(self.compressor_state), dict(self.residuals))
+                self._snapshot = (_copy_tree(self._states()), dict(self.residuals))
             out = self._reduce_call(names, grads, named_grads, finish_step, step)
         except BaseException:
             self._abort_step()
@@ -317,7 +326,7 @@ class Engine:
         # What "zero" restores: the state before this call (other policies go back to the
         # step's start, and leaves unchanged since then need no second finiteness test).
         before = (
-            (_copy_tree(self.compressor_state), dict(self.residuals))
+            (_copy_tree(self._states()), dict(self.residuals))
             if self.nonfinite == "zero" else self._snapshot
         )
         assert before is not None
@@ -326,7 +335,7 @@ class Engine:
             if name in self.dense_names:
                 dense.append(Job(name, g.to(torch.float32)))
             else:
-                residual = self.residuals.get(name) if self.error_feedback else None
+                residual = self.residuals.get(name) if name in self._feedback else None
                 # raw: the gradient before error feedback, for controllers that judge the
                 # training regime from it (Accordion); a reference, no copy.
                 jobs.append(Job(name, compensate(g, residual), raw=g))
@@ -339,8 +348,7 @@ class Engine:
                 "a gradient holds NaN or Inf",
             )
         dense_reduce(dense, self.comm)
-        if jobs:
-            self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
+        self._reduce_routed(jobs)
         dense_bytes = 4 * sum(j.numel for j in jobs + dense)
         for w in range(workers):
             self.dense_payload[w] += dense_bytes
@@ -352,12 +360,12 @@ class Engine:
         # Residuals are per worker: compressors guarantee they are finite whenever the
         # compensated gradient and the average are (see ``Compressor.reduce``).
         overflow = first_nonfinite(  # one host read for the average and the state together
-            {"average": averaged, "compressor_state": self.compressor_state}, "",
-            {"compressor_state": before[0]},
+            {"average": averaged, **self._state_tree(self._states())}, "",
+            self._state_tree(before[0]),
         )
         if overflow is None:
-            if self.error_feedback:
-                for job in jobs:
+            for job in jobs:
+                if job.name in self._feedback:
                     self.residuals[job.name] = job.leftover()
             if finish_step:
                 overflow = self._end_step(before[0])
@@ -371,10 +379,11 @@ class Engine:
             for job in sorted(jobs + dense, key=lambda j: self._order[j.name])
         }
 
-    def _end_step(self, before: Any) -> str | None:
-        """Run the compressor's end of step; where its state turns non-finite, the path."""
-        self.compressor.end_step(self.compressor_state, self._context())
-        return first_nonfinite(self.compressor_state, "compressor_state", before)
+    def _end_step(self, before: list[Any]) -> str | None:
+        """Run every compressor's end of step; where a state turns non-finite, the path."""
+        self._router.end_step(self._states(), self._context())
+        where = first_nonfinite(self._state_tree(self._states()), "", self._state_tree(before))
+        return None if where is None else where.lstrip(".")
 
     def _fill(
         self, names: list[str], named_grads: Mapping[str, torch.Tensor], value: float
@@ -410,19 +419,21 @@ class Engine:
         self._skipped = True
         if self.nonfinite == "skip":
             assert self._snapshot is not None
-            self.compressor_state = _copy_tree(self._snapshot[0])
+            self._set_states(_copy_tree(self._snapshot[0]))
             self.residuals = dict(self._snapshot[1])
             self._poisoned = True
             return self._fill(names, named_grads, float("nan"))
-        self.compressor_state, self.residuals = _copy_tree(before[0]), dict(before[1])
+        self._set_states(_copy_tree(before[0]))
+        self.residuals = dict(before[1])
         if finish_step and self._end_step(before[0]) is not None:
-            self.compressor_state = _copy_tree(before[0])  # the end of step itself overflows
+            self._set_states(_copy_tree(before[0]))  # the end of step itself overflows
         return self._fill(names, named_grads, 0.0)
 
     def _abort_step(self) -> None:
         """Put all state back to where the step began (after an exception inside it)."""
         if self._snapshot is not None:
-            self.compressor_state, self.residuals = self._snapshot
+            self._set_states(self._snapshot[0])
+            self.residuals = self._snapshot[1]
         self._reset_step()
 
     def _reset_step(self) -> None:
@@ -457,7 +468,7 @@ class Engine:
         """Cumulative counters: steps, skipped steps, payload and wire bytes per local worker
         (and what a dense fp32 all-reduce would have cost)."""
         meter = self.comm.meter
-        return {
+        stats = {
             "steps": self.step,
             "skipped_steps": self.skipped_steps,
             "payload_bytes": list(meter.payload),
@@ -467,6 +478,8 @@ class Engine:
             "collective_calls": meter.calls,
             "handshake_bytes": self.handshake_bytes,
         }
+        assert tuple(stats) == STATS_KEYS
+        return stats
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -481,6 +494,8 @@ class Engine:
             "compressor": self.compressor.spec(),
             "error_feedback": self.error_feedback,
             "dense_1d": self.dense_1d,
+            "rules": self._rule_specs(),
+            "min_numel": self.options.min_numel,
             "world_size": self.comm.world_size,
             "ranks": list(self.comm.local_ranks),
             "parameters": {n: list(s) for n, s in self.shapes.items()},
@@ -489,6 +504,7 @@ class Engine:
             "residual_scale": self.residual_scale,
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
             "compressor_state": _copy_tree(self.compressor_state),
+            "rule_states": _copy_tree(self.rule_states),
             "meter": self.comm.meter.snapshot(),
             "dense_payload": list(self.dense_payload),
             "dense_wire": list(self.dense_wire),
@@ -503,8 +519,8 @@ class Engine:
 
         Raises:
             TypeError: ``state`` is not a mapping.
-            ValueError: a missing key (named), another format version, compressor, world size,
-                rank or parameter set, a negative or fractional counter, a wrong shape or
+            ValueError: a missing key (named), another format version, compressor, rules,
+                world size, rank or parameter set, a negative or fractional counter, a wrong shape or
                 dtype, or a non-finite value (the first problem is named).
         """
         loaded = validate_checkpoint(
@@ -514,19 +530,24 @@ class Engine:
                 "compressor": self.compressor.spec(),
                 "error_feedback": self.error_feedback,
                 "dense_1d": self.dense_1d,
+                "rules": self._rule_specs(),
+                "min_numel": self.options.min_numel,
                 "world_size": self.comm.world_size,
                 "ranks": list(self.comm.local_ranks),
             },
             shapes=self.shapes,
             dense_names=self.dense_names,
+            feedback_names=self._feedback,
             workers=self.comm.local_workers,
             fresh_state=self.compressor.init_state(self._compressed_shapes()),
+            fresh_rule_states=self._router.fresh_rule_states(),
         )
         # Everything is valid: swap it in.
         self.step, self.skipped_steps = loaded.step, loaded.skipped_steps
         self.residual_scale = loaded.residual_scale
         self.residuals = loaded.residuals
         self.compressor_state = _copy_tree(loaded.compressor_state)
+        self.rule_states = _copy_tree(loaded.rule_states)
         self.comm.meter.load(loaded.meter)
         self.dense_payload, self.dense_wire = loaded.dense_payload, loaded.dense_wire
         self._reset_step()

@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import gradzip.ddp
+from gradzip.options import EngineOptions
 
-__all__ = ["ENGINE_OPTIONS", "hook_metrics", "missing_framework", "split_engine_options"]
+__all__ = ["ENGINE_OPTIONS", "hook_metrics", "missing_framework", "split_engine_options",
+           "with_optimizer"]
 
-# The keywords of gradzip.ddp.register that configure the hook (read from its signature, so
-# an option added there is accepted here too). `process_group` stays with the framework: the
-# hook reduces over the group the framework's DDP model was built with.
-ENGINE_OPTIONS: frozenset[str] = frozenset(
-    name
-    for name, parameter in inspect.signature(gradzip.ddp.register).parameters.items()
-    if parameter.kind is inspect.Parameter.KEYWORD_ONLY and name != "process_group"
-)
+# The keywords that configure the hook: the fields of the options record (so an option added
+# there is accepted here too), the record itself, and the hook's `overlap`. `process_group`
+# stays with the framework: the hook reduces over the group the framework's DDP model was
+# built with.
+ENGINE_OPTIONS: frozenset[str] = frozenset((*EngineOptions.names(), "options", "overlap"))
 
 
 def missing_framework(module: str, package: str, error: ImportError) -> ImportError:
@@ -53,9 +51,13 @@ def split_engine_options(
         ``(engine_options, other_options)``.
 
     Raises:
-        ValueError: a keyword that would register a second communication hook.
+        TypeError, ValueError: an invalid engine option (named), or a keyword that would
+            register a second communication hook.
     """
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
+    # Validated now, so a bad option fails where it is written, not at the first fit.
+    EngineOptions.build(engine.get("options"), **{
+        k: v for k, v in engine.items() if k not in ("options", "overlap")})
     other = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     for key in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"):
         if key in other:
@@ -64,6 +66,23 @@ def split_engine_options(
                 "the communication hook itself"
             )
     return engine, other
+
+
+def with_optimizer(engine_options: Mapping[str, Any], optimizer: Any) -> dict[str, Any]:
+    """``engine_options`` with the framework's ``optimizer`` unless the user gave one (as a
+    keyword, or inside an ``options`` record).
+
+    Args:
+        engine_options: the hook's keywords as the user gave them.
+        optimizer: the framework's optimizer (read for the learning rate), or ``None``.
+
+    Returns:
+        The keywords for :func:`gradzip.ddp.register`.
+    """
+    record = engine_options.get("options")
+    if "optimizer" in engine_options or (record is not None and record.optimizer is not None):
+        return dict(engine_options)
+    return {**engine_options, "optimizer": optimizer}
 
 
 def hook_metrics(state: gradzip.ddp.GradzipHookState, prefix: str = "gradzip/") -> dict[str, float]:

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradzip.ddp
 from gradzip.compressors.base import Compressor
+from gradzip.integrations._common import with_optimizer
 
 __all__ = ["register"]
 
@@ -50,9 +51,11 @@ def register(
         model: the ``DistributedDataParallel`` model ``accelerator.prepare`` returned (it is
             one with 2 or more processes on one device each).
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
-        **engine_options: the keywords of :func:`gradzip.ddp.register` (``error_feedback``,
-            ``nonfinite``, ``grad_scaler``, ``dense_1d``, ...). ``optimizer`` (read for the
-            learning rate) defaults to the one optimizer ``accelerator`` prepared, if one.
+        **engine_options: the keywords of :func:`gradzip.ddp.register`: the fields of
+            :class:`~gradzip.EngineOptions` (``error_feedback``, ``nonfinite``,
+            ``grad_scaler``, ``dense_1d``, ``rules``, ``min_numel``, ...), an ``options``
+            record, ``overlap``. ``optimizer`` (read for the learning rate) defaults to the
+            one optimizer ``accelerator`` prepared, if one.
 
     Returns:
         The hook state (``stats``, ``state_dict()``).
@@ -71,10 +74,9 @@ def register(
             f"(run with 2 or more processes, e.g. `accelerate launch`), got {type(model).__name__} "
             f"with {accelerator.num_processes} process(es)"
         )
-    if "optimizer" not in engine_options:
-        # Accelerate keeps the optimizers it prepared; with exactly one, it is this model's.
-        prepared = list(getattr(accelerator, "_optimizers", []))
-        engine_options["optimizer"] = prepared[0] if len(prepared) == 1 else None
+    # Accelerate keeps the optimizers it prepared; with exactly one, it is this model's.
+    prepared = list(getattr(accelerator, "_optimizers", []))
+    engine_options = with_optimizer(engine_options, prepared[0] if len(prepared) == 1 else None)
     state = gradzip.ddp.register(model, compressor, **engine_options)
     accelerator.register_for_checkpointing(state.gathered())
     log.debug("gradzip %s registered for Accelerate checkpoints", state.compressor.spec())

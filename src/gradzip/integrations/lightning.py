@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 import gradzip.ddp
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.spec import compressor_from_spec
-from gradzip.integrations._common import hook_metrics, split_engine_options
+from gradzip.integrations._common import hook_metrics, split_engine_options, with_optimizer
 
 __all__ = ["CHECKPOINT_KEY", "GradzipDDPStrategy", "GradzipFabricDDPStrategy"]
 
@@ -63,9 +63,10 @@ class GradzipDDPStrategy(DDPStrategy):
     Args:
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
         log_stats: log the counters to the trainer's loggers.
-        **options: the keywords of :func:`gradzip.ddp.register` (``error_feedback``,
-            ``nonfinite``, ``grad_scaler``, ``dense_1d``, ...; ``optimizer`` defaults to the
-            trainer's first optimizer) configure the hook; every other keyword goes to
+        **options: the fields of :class:`~gradzip.EngineOptions` (``error_feedback``,
+            ``nonfinite``, ``grad_scaler``, ``dense_1d``, ``rules``, ``min_numel``, ...;
+            ``optimizer`` defaults to the trainer's first optimizer), an ``options`` record
+            and ``overlap`` configure the hook; every other keyword goes to
             ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ``timeout``, ...).
 
     Attributes:
@@ -96,7 +97,7 @@ class GradzipDDPStrategy(DDPStrategy):
         # DDPStrategy.setup wraps the model before it builds the optimizers; registering here,
         # after both, lets the hook read the learning rate and still precede the first backward.
         assert isinstance(model, DistributedDataParallel), type(model)
-        options = {"optimizer": self.optimizers[0] if self.optimizers else None, **self.engine_options}
+        options = with_optimizer(self.engine_options, self.optimizers[0] if self.optimizers else None)
         self.hook_state = gradzip.ddp.register(model, self.compressor, **options)
         if self._restored is not None:
             restored, self._restored = self._restored, None
@@ -183,7 +184,7 @@ class GradzipFabricDDPStrategy(FabricDDPStrategy):
         ddp_model = super().setup_module(module)
         if self.hook_state is not None:
             raise RuntimeError("GradzipFabricDDPStrategy sets up one model; got a second one")
-        options = {"optimizer": self._optimizer, **self.engine_options}
+        options = with_optimizer(self.engine_options, self._optimizer)
         self.hook_state = gradzip.ddp.register(ddp_model, self.compressor, **options)
         return ddp_model
 

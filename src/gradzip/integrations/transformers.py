@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 import gradzip.ddp
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.spec import compressor_from_spec
-from gradzip.integrations._common import ENGINE_OPTIONS
+from gradzip.integrations._common import ENGINE_OPTIONS, split_engine_options, with_optimizer
 
 __all__ = ["GradzipCallback", "state_file"]
 
@@ -83,8 +83,9 @@ class GradzipCallback(TrainerCallback):
 
     Args:
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
-        **engine_options: the keywords of :func:`gradzip.ddp.register` (``error_feedback``,
-            ``nonfinite``, ``dense_1d``, ...); ``optimizer`` defaults to the Trainer's.
+        **engine_options: the fields of :class:`~gradzip.EngineOptions` (``error_feedback``,
+            ``nonfinite``, ``dense_1d``, ``rules``, ``min_numel``, ...), an ``options`` record,
+            ``overlap``; ``optimizer`` defaults to the Trainer's.
 
     Attributes:
         state: the :class:`~gradzip.ddp.GradzipHookState` once training began (``stats``).
@@ -99,6 +100,7 @@ class GradzipCallback(TrainerCallback):
             raise TypeError(
                 f"`engine_options` must be among {sorted(ENGINE_OPTIONS)}, got {unknown}"
             )
+        split_engine_options(engine_options, "GradzipCallback")  # validates the values
         self.compressor = compressor_from_spec(compressor)
         self.engine_options = engine_options
         self.state: gradzip.ddp.GradzipHookState | None = None
@@ -115,7 +117,7 @@ class GradzipCallback(TrainerCallback):
                 f"(2 or more processes, e.g. torchrun), got {type(model).__name__}"
             )
         if model is not self._ddp_model:  # a second train() on the same Trainer keeps its hook
-            options = {"optimizer": kwargs.get("optimizer"), **self.engine_options}
+            options = with_optimizer(self.engine_options, kwargs.get("optimizer"))
             self.state = gradzip.ddp.register(model, self.compressor, **options)
             self._ddp_model = model
         if resume is None and state.global_step > 0:

@@ -64,9 +64,8 @@ class SimStepper:
         self.model, self.task, self.device = model, task, device
         self.world = cfg.workers
         self.local_ranks = list(range(self.world))
-        self.engine = Engine(model, compressor, error_feedback=cfg.error_feedback,
-                             collective=SimulatedGroup(self.world), optimizer=optimizer,
-                             dense_1d=cfg.dense_1d)
+        self.engine = Engine(model, compressor, collective=SimulatedGroup(self.world),
+                             options=cfg.engine_options(optimizer))
         self.params = dict(self.engine.params)
         self.buffers = list(model.buffers())
         self.averaged: dict[str, Tensor] = {}
@@ -146,9 +145,8 @@ class DDPStepper:
         ids = [device.index] if device.type == "cuda" else None
         # Buffers (BatchNorm statistics) follow rank 0 at every forward: DDP's default.
         self.ddp = DistributedDataParallel(model, device_ids=ids)
-        self.hook = require_ddp().register(self.ddp, compressor, optimizer=optimizer,
-                                           error_feedback=cfg.error_feedback,
-                                           dense_1d=cfg.dense_1d)
+        self.hook = require_ddp().register(self.ddp, compressor,
+                                           options=cfg.engine_options(optimizer))
 
     def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
         for p in self.model.parameters():

@@ -32,6 +32,7 @@ from gradzip.comm.torch_dist import shutdown_process_group
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.spec import compressor_from_spec
 from gradzip.ops.random import stable_hash
+from gradzip.options import EngineOptions, Rule
 from gradzip.train.events import require_tensorboard
 from gradzip.train.loop import TrainLoop
 from gradzip.train.metrics import versions
@@ -93,7 +94,10 @@ class RunConfig:
         scale_lr: linear scaling of the LR with the number of workers.
         error_feedback: force error feedback on or off (default: the compressor's).
         dense_1d: send tensors of fewer than two dimensions (biases, normalisation weights)
-            uncompressed (see :class:`~gradzip.Engine`).
+            uncompressed (see :class:`~gradzip.EngineOptions`).
+        rules: per-parameter rules, ``"PATTERN=SPEC"`` each, first match wins (see
+            :class:`~gradzip.EngineOptions`), e.g. ``("*.bias=dense", "fc*=topk:ratio=0.1")``.
+        min_numel: tensors with fewer entries are all-reduced exactly (0: off).
         bptt: LM truncated-BPTT window.
         text_level: LM tokens: ``word`` or ``char``.
         limit_train: keep only this many training examples (LM: tokens), for quick runs.
@@ -137,6 +141,8 @@ class RunConfig:
     scale_lr: bool = True
     error_feedback: bool | None = None
     dense_1d: bool = False
+    rules: tuple[str, ...] = ()
+    min_numel: int = 0
     bptt: int = 35
     text_level: str = "word"
     limit_train: int | None = None
@@ -151,10 +157,21 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (tuples as lists)."""
         out = dataclasses.asdict(self)
-        for key in ("milestones", "accordion_batch"):
+        for key in ("milestones", "accordion_batch", "rules"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out
+
+    def engine_options(self, optimizer: torch.optim.Optimizer | None = None) -> EngineOptions:
+        """The options record of this run's engine (or DDP hook).
+
+        Args:
+            optimizer: read by the engine for the learning rate.
+        """
+        return EngineOptions(
+            error_feedback=self.error_feedback, optimizer=optimizer, dense_1d=self.dense_1d,
+            rules=tuple(Rule.parse(text) for text in self.rules), min_numel=self.min_numel,
+        )
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:
@@ -172,6 +189,8 @@ class RunConfig:
             values["milestones"] = _milestones(values["milestones"])
         if values.get("accordion_batch") is not None:
             values["accordion_batch"] = _batch_pair(values["accordion_batch"])
+        if "rules" in values:
+            values["rules"] = _rule_texts(values["rules"])
         return cls(**values)
 
     @classmethod
@@ -236,6 +255,17 @@ def _milestones(value: Any) -> tuple[float, ...]:
     if list(marks) != sorted(marks):
         raise ValueError(f"`milestones` must be non-decreasing, got {list(marks)}")
     return marks
+
+
+def _rule_texts(value: Any) -> tuple[str, ...]:
+    """``rules`` as a tuple of ``"PATTERN=SPEC"`` strings (None: no rules)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"`rules` must be a list of 'PATTERN=SPEC' strings, got {value!r}")
+    return tuple(v.strip() for v in value)
 
 
 def under_torchrun() -> bool:
@@ -323,6 +353,10 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     if cfg.error_feedback is not None:
         check_bool("error_feedback", cfg.error_feedback)
     check_bool("dense_1d", cfg.dense_1d)
+    check_int("min_numel", cfg.min_numel, minimum=0)
+    cfg = dataclasses.replace(cfg, rules=_rule_texts(cfg.rules))
+    for text in cfg.rules:
+        _prefixed("rule", Rule.parse, text)
     if cfg.nesterov and cfg.momentum == 0:
         raise ValueError("`nesterov` must be off when `momentum` is 0, got nesterov=True")
     check_choice("launcher", cfg.launcher, LAUNCHERS)

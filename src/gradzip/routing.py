@@ -1,0 +1,86 @@
+"""Which compressor reduces which tensor: the engine's main compressor and its rules'.
+
+A :class:`Router` is fixed when the engine is built (names, shapes and options decide every
+route, see :func:`gradzip.options.route`) and holds no state of its own: the compressors'
+states live in the engine, as one list indexed by route (``states[0]`` the main compressor's,
+``states[i + 1]`` rule ``i``'s, ``{}`` for a dense rule), so the engine snapshots, rolls back
+and checkpoints them all alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradzip.comm.base import Collective
+from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.options import DENSE_ROUTE, MAIN_ROUTE, EngineOptions, route
+
+__all__ = ["Router"]
+
+
+class Router:
+    """The routes of one engine's tensors and the calls into each compressor.
+
+    Args:
+        shapes: the engine's parameters.
+        compressor: the main compressor.
+        options: the engine's options (``rules``, ``min_numel``, ``dense_1d``,
+            ``error_feedback``).
+    """
+
+    def __init__(
+        self, shapes: Mapping[str, torch.Size], compressor: Compressor, options: EngineOptions
+    ) -> None:
+        self.shapes = dict(shapes)
+        self.compressor = compressor
+        #: Each rule's compressor (``None`` for a dense rule), in rule order.
+        self.rule_compressors: tuple[Compressor | None, ...] = tuple(
+            rule.compressor for rule in options.rules
+        )
+        self.routes = route(self.shapes, options)
+        #: Tensors sent by one exact all-reduce, without residual.
+        self.dense_names = frozenset(n for n, r in self.routes.items() if r == DENSE_ROUTE)
+        #: Tensors that keep a residual: error feedback is decided per compressor.
+        self.feedback_names = frozenset(
+            n for n, r in self.routes.items()
+            if r != DENSE_ROUTE and options.feedback_for(self.compressor_of(r))
+        )
+
+    def shapes_of(self, where: int) -> dict[str, torch.Size]:
+        """The tensors routed to ``where``."""
+        return {n: s for n, s in self.shapes.items() if self.routes[n] == where}
+
+    def compressor_of(self, where: int) -> Compressor:
+        """The compressor of route ``where`` (the main one or a rule's)."""
+        found = self.compressor if where == MAIN_ROUTE else self.rule_compressors[where - 1]
+        assert found is not None, where  # a dense rule's tensors take DENSE_ROUTE
+        return found
+
+    def fresh_rule_states(self) -> list[Any]:
+        """Each rule's fresh state (``{}`` for a dense rule)."""
+        return [
+            {} if c is None else c.init_state(self.shapes_of(i + 1))
+            for i, c in enumerate(self.rule_compressors)
+        ]
+
+    def in_use(self) -> list[int]:
+        """The compressors' routes in a fixed order, rules first, then the main one: every
+        rank issues their collectives in this same sequence."""
+        return [i + 1 for i, c in enumerate(self.rule_compressors) if c is not None] + [MAIN_ROUTE]
+
+    def reduce(
+        self, jobs: Sequence[Job], states: list[Any], comm: Collective, ctx: StepContext
+    ) -> None:
+        """Hand each compressor the jobs routed to it, with its state (``states[route]``)."""
+        for where in self.in_use():
+            mine = [j for j in jobs if self.routes[j.name] == where]
+            if mine:
+                self.compressor_of(where).reduce(mine, states[where], comm, ctx)
+
+    def end_step(self, states: list[Any], ctx: StepContext) -> None:
+        """Every compressor's end of step (also those that received no tensor this step)."""
+        for where in self.in_use():
+            self.compressor_of(where).end_step(states[where], ctx)
