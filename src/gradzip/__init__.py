@@ -13,11 +13,10 @@ from gradzip.compressors import (
     RandK,
     Sign,
     TopK,
-    compressor_from_spec,
-    describe_compressors,
 )
 from gradzip.control import Accordion, BatchPlan, BatchSizeController, Schedule, critical_regime
 from gradzip.engine import Engine
+from gradzip.spec import compressor_from_spec, describe_compressors
 
 __version__ = "0.1.0"
 

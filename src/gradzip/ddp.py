@@ -76,8 +76,8 @@ from gradzip._ddp_thread import comm_thread, private_group
 from gradzip._validate import check_bool, check_choice
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.engine import NONFINITE_POLICIES, Engine
+from gradzip.spec import compressor_from_spec
 
 __all__ = ["GatheredState", "GradzipHookState", "gradzip_hook", "make_hook", "register"]
 

@@ -15,17 +15,18 @@ of gentle tensors without changing a byte.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.none import NoCompression
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.control.records import controller
 from gradzip.control.rule import CRITICAL, STEADY
+from gradzip.spec import compressor_from_spec, controller_from_spec
 
 __all__ = ["DENSE", "TwoLevel", "build_levels", "sends_dense"]
 
@@ -87,6 +88,26 @@ class TwoLevel(Compressor):
 
     steady: Compressor | str
     critical: Compressor | str
+    #: ``key -> kind`` of the spec's parameters (see :data:`gradzip.spec.KINDS`).
+    spec_kinds: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def parse(cls, spec: str) -> Any:
+        """Rebuild from :meth:`spec` output (what :func:`gradzip.compressor_from_spec` does
+        for this controller's specs).
+
+        Raises:
+            ValueError: not of this controller's form, or a missing, unknown or invalid
+                parameter.
+        """
+        return controller_from_spec(cls, spec)
+
+    @classmethod
+    def from_spec(cls, spec: str) -> Any:
+        """Deprecated alias of :meth:`parse`."""
+        warnings.warn(f"{cls.__name__}.from_spec is deprecated; use {cls.__name__}.parse",
+                      DeprecationWarning, stacklevel=2)
+        return cls.parse(spec)
 
     @property
     def levels_pair(self) -> tuple[Compressor, Compressor]:

@@ -17,33 +17,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradzip import ddp as gradzip_ddp
 from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
+from gradzip.control.batch import BatchSizeController
+from gradzip.control.switch import TwoLevel
 from gradzip.engine import Engine
 from gradzip.train.metrics import MetricsWriter, progress_bar
-from gradzip.train.schedules import lr_at, set_lr
+from gradzip.train.schedules import lr_at, milestone_epochs, set_lr
 
-__all__ = ["DDPStepper", "SimStepper", "TrainLoop", "require_ddp"]
+__all__ = ["DDPStepper", "SimStepper", "TrainLoop"]
 
 log = logging.getLogger(__name__)
-
-
-def require_ddp() -> Any:
-    """The ``gradzip.ddp`` module, or a clear error where it is missing.
-
-    Raises:
-        ValueError: this installation has no DDP hook (the ``procs`` launcher needs it).
-    """
-    try:
-        from gradzip import ddp
-    except ImportError:
-        raise ValueError(
-            "`launcher` 'procs' needs gradzip.ddp, which this installation does not provide; "
-            "use launcher 'sim'"
-        ) from None
-    return ddp
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -146,7 +133,7 @@ class DDPStepper:
         ids = [device.index] if device.type == "cuda" else None
         # Buffers (BatchNorm statistics) follow rank 0 at every forward: DDP's default.
         self.ddp = DistributedDataParallel(model, device_ids=ids)
-        self.hook = require_ddp().register(self.ddp, compressor, optimizer=optimizer,
+        self.hook = gradzip_ddp.register(self.ddp, compressor, optimizer=optimizer,
                                            error_feedback=cfg.error_feedback,
                                            dense_1d=cfg.dense_1d)
 
@@ -245,18 +232,14 @@ class TrainLoop:
         cfg = self.cfg
         if cfg.accordion_batch is None:
             return None
-        from gradzip.train.runner import batch_controller_class
-
         small, large = cfg.accordion_batch
         examples = self.steps_per_epoch * cfg.batch_size * cfg.workers
-        return batch_controller_class()(
+        return BatchSizeController(
             small, large, micro_batch=cfg.batch_size, workers=cfg.workers, eta=cfg.eta,
             interval_samples=max(1, round(cfg.interval_epochs * examples)),
         )
 
     def _lr(self, epoch_float: float) -> float:
-        from gradzip.train.runner import milestone_epochs
-
         cfg = self.cfg
         return lr_at(epoch_float, base_lr=cfg.lr, warmup_epochs=cfg.warmup_epochs,
                      milestones=milestone_epochs(cfg), gamma=cfg.gamma, workers=cfg.workers,
@@ -276,10 +259,6 @@ class TrainLoop:
 
     def _accordion(self) -> tuple[Any, Any]:
         """(Accordion class, its state) when the compressor is an Accordion, else (None, None)."""
-        try:
-            from gradzip.control import TwoLevel  # Accordion or a level schedule
-        except ImportError:
-            return None, None
         state = self.stepper.compressor_state if self.stepper is not None else None
         if not isinstance(self.compressor, TwoLevel) or state is None:
             return None, None

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradzip.compressors.spec import parse_spec
 from gradzip.ops.random import generator_for
+from gradzip.spec import parse_spec
 from gradzip.train import data as D
 from gradzip.train.models import available_models, build_model
 
