@@ -22,7 +22,10 @@ from torch import Tensor, nn
 
 from gradzip.ops.random import generator_for
 from gradzip.spec import parse_spec
+from gradzip.train import cifar as C
 from gradzip.train import data as D
+from gradzip.train import tabular as TB
+from gradzip.train import text as T
 from gradzip.train.models import available_models, build_model
 
 __all__ = ["TASKS", "Defaults", "Task", "get_task", "parse_model_spec"]
@@ -190,7 +193,7 @@ class Cifar10Task(Task):
         kwargs: dict[str, Any] = {}
         if cfg.cache_dir is not None:
             kwargs["cache_dir"] = cfg.cache_dir
-        data = D.load_cifar10(cfg.data, **kwargs)
+        data = C.load_cifar10(cfg.data, **kwargs)
         return self._limit(data, cfg.limit_train, cfg.seed)
 
 
@@ -199,9 +202,9 @@ class LogRegTask(Task):
 
     def load(self, cfg: Any) -> D.TaskData:
         if cfg.data is None:
-            data = D.make_logreg_problem(n=2000, d=100, seed=cfg.seed)
+            data = TB.make_logreg_problem(n=2000, d=100, seed=cfg.seed)
         else:
-            data = D.load_libsvm(cfg.data, seed=cfg.seed)
+            data = TB.load_libsvm(cfg.data, seed=cfg.seed)
         return self._limit(data, cfg.limit_train, cfg.seed)
 
     def build_model(self, cfg: Any, data: Any) -> nn.Module:
@@ -218,7 +221,7 @@ class LanguageModelTask(Task):
     """
 
     def load(self, cfg: Any) -> D.LMData:
-        lm = D.load_text(cfg.data, level=cfg.text_level)
+        lm = T.load_text(cfg.data, level=cfg.text_level)
         if cfg.limit_train is not None:
             lm.train_ids = lm.train_ids[: cfg.limit_train]
         return lm
@@ -228,7 +231,7 @@ class LanguageModelTask(Task):
 
     def _stream(self, data: D.LMData, cfg: Any, world: int, rank: int) -> Tensor:
         per = len(data.train_ids) // world
-        return D.batchify(data.train_ids[rank * per:(rank + 1) * per], cfg.batch_size)
+        return T.batchify(data.train_ids[rank * per:(rank + 1) * per], cfg.batch_size)
 
     def steps_per_epoch(self, data: Any, cfg: Any, world: int) -> int:
         per = len(data.train_ids) // world
@@ -240,7 +243,7 @@ class LanguageModelTask(Task):
         return math.ceil((per // cfg.batch_size - 1) / cfg.bptt)
 
     def batches(self, data: Any, cfg: Any, world: int, rank: int, epoch: int) -> list[Any]:
-        return list(D.bptt_batches(self._stream(data, cfg, world, rank), cfg.bptt))
+        return list(T.bptt_batches(self._stream(data, cfg, world, rank), cfg.bptt))
 
     def init_carry(self, model: nn.Module, cfg: Any) -> Any:
         return model.init_hidden(cfg.batch_size)  # type: ignore[operator]
@@ -261,9 +264,9 @@ class LanguageModelTask(Task):
         columns = max(1, min(10, len(part) // 2))
         if len(part) < 2:
             return sums
-        stream = D.batchify(part, columns).to(next(model.parameters()).device)
+        stream = T.batchify(part, columns).to(next(model.parameters()).device)
         hidden = model.init_hidden(columns)  # type: ignore[operator]
-        for inp, tgt in D.bptt_batches(stream, cfg.bptt):
+        for inp, tgt in T.bptt_batches(stream, cfg.bptt):
             logits, hidden = model(inp, hidden)
             sums[0] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              tgt.reshape(-1), reduction="sum"))
