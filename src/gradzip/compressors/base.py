@@ -136,6 +136,28 @@ class Compressor(ABC):
         """
         return None
 
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """What a training log records about this compressor, from its state.
+
+        The one way a training loop learns about a compressor: it asks, and never inspects
+        types or state keys. Every key is optional:
+
+        * ``density``: fraction of gradient entries sent, where the configuration fixes it.
+        * ``density_parts``: ``(sent, offered)``, cumulative since the start, where it varies
+          (density over a span = difference of ``sent`` / difference of ``offered``).
+        * ``levels``: ``tensor name -> level`` for the next step (controllers).
+        * ``counts``: a controller's cumulative counts (``decisions``, ``critical_steps``,
+          ``steady_steps``, ...); a compressor reporting them offers
+          ``decisions(state, since)`` for its decision records.
+
+        Args:
+            state: this compressor's state (``engine.compressor_state``).
+
+        Returns:
+            Plain data (numbers, strings, dicts of them); empty by default.
+        """
+        return {}
+
     def spec(self) -> str:
         """The spec string that rebuilds this compressor."""
         key_of = {field: key for key, field in self.spec_aliases.items()}

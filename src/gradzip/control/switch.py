@@ -224,6 +224,30 @@ class TwoLevel(Compressor):
         """:meth:`levels`, for callers that ask any compressor for its current choice."""
         return TwoLevel.levels(state)
 
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Levels, counts, and the density where both levels tell one.
+
+        The density is summed over both levels' own counts where both count what they send
+        (threshold); where both have a fixed density (top-k, ``none`` as 1), it is their mean
+        over the tensor-steps reduced at each level (tensors sent dense at both levels left
+        out); else none.
+        """
+        steady, critical = self.levels_pair
+        counts = TwoLevel.counts(state)
+        out: dict[str, Any] = {"levels": TwoLevel.levels(state), "counts": counts}
+        parts = [level.report(state[key]) for level, key in ((steady, STEADY),
+                                                              (critical, CRITICAL))]
+        if all("density_parts" in p for p in parts):
+            sent, offered = zip(*(p["density_parts"] for p in parts), strict=True)
+            out["density_parts"] = (sum(sent), sum(offered))
+            return out
+        fixed = [1.0 if isinstance(level, NoCompression) else p.get("density")
+                 for level, p in zip((steady, critical), parts, strict=True)]
+        if fixed[0] is not None and fixed[1] is not None:
+            steps = (counts["steady_steps"], counts["critical_steps"])
+            out["density_parts"] = (fixed[0] * steps[0] + fixed[1] * steps[1], sum(steps))
+        return out
+
     @staticmethod
     def counts(state: Any) -> dict[str, Any]:
         """Cumulative counts: ``decisions`` taken, ``critical``/``steady`` choices (one per
