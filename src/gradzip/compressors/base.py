@@ -113,7 +113,17 @@ class Compressor(ABC):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        """Fill ``job.averaged`` and ``job.decoded`` for every job, using ``comm``.
+        """Fill ``job.averaged`` for every job, and hand error feedback its residual.
+
+        Residual contract (one for every compressor): for each job, set ``job.decoded`` (what
+        each local worker's own message decodes to; the engine then keeps
+        ``tensor - decoded``), or ``job.residual`` (``tensor - decoded`` itself, where it is
+        cheaper: a sparsifier's tensor with the sent entries zeroed, as
+        :func:`~gradzip.compressors.sparse.gather_sparse` and the threshold's one-pass
+        selection write it), or both (PowerSGD, which must test the residual's finiteness
+        before its last collective). Error feedback reads :meth:`Job.leftover` and
+        :meth:`Job.own_decoded`, which accept any of the three, so that
+        ``tensor == own_decoded + leftover`` per worker (the conformance suite checks it).
 
         Every worker must issue the same collectives with the same sizes, so any decision
         that shapes the exchange is taken from quantities identical on all workers.
