@@ -29,7 +29,7 @@ import torch
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.control.levels import check_levels
+from gradzip.control.level_order import check_level_order
 from gradzip.control.records import (
     LOG_POINTS,
     MODEL,
@@ -133,7 +133,7 @@ class Accordion(TwoLevel):
         steady, critical = build_levels("Accordion", self.steady, self.critical)
         object.__setattr__(self, "steady", steady)
         object.__setattr__(self, "critical", critical)
-        check_levels(steady, critical)
+        check_level_order(steady, critical)
         object.__setattr__(self, "eta", check_real("eta", self.eta, low=0, low_open=True))
         interval = check_int("interval", self.interval, minimum=1)
         object.__setattr__(self, "interval", interval)
@@ -163,7 +163,7 @@ class Accordion(TwoLevel):
 
     def spec(self) -> str:
         """A stable, readable description, stored in checkpoints and compared on load."""
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         return format_call(self.spec_name, {
             "steady": steady.spec(), "critical": critical.spec(), "eta": repr(self.eta),
             "interval": self.interval, "per_layer": self.per_layer, "lr_drop": self.lr_drop,

@@ -20,7 +20,7 @@ import torch
 from gradzip._validate import check_int
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.control.levels import check_levels
+from gradzip.control.level_order import check_level_order
 from gradzip.control.records import MODEL, force_critical, key_levels, record, set_levels
 from gradzip.control.rule import CRITICAL, STEADY, is_lr_drop
 from gradzip.control.switch import TwoLevel, build_levels
@@ -131,7 +131,7 @@ class Schedule(TwoLevel):
                                           names=("aggressive", "gentle"))
         object.__setattr__(self, "gentle", gentle)
         object.__setattr__(self, "aggressive", aggressive)
-        check_levels(aggressive, gentle)
+        check_level_order(aggressive, gentle)
         steps = _ranges("gentle_steps", self.gentle_steps, _step)
         if self.gentle_epochs is not None:
             if steps:
@@ -151,7 +151,7 @@ class Schedule(TwoLevel):
         object.__setattr__(self, "biased", bool(gentle.biased or aggressive.biased))
 
     @property
-    def levels_pair(self) -> tuple[Compressor, Compressor]:
+    def level_compressors(self) -> tuple[Compressor, Compressor]:
         """``(aggressive, gentle)``: the steady and critical levels of the shared state."""
         return self.aggressive, self.gentle  # type: ignore[return-value]
 

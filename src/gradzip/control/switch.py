@@ -110,13 +110,18 @@ class TwoLevel(Compressor):
         return cls.parse(spec)
 
     @property
-    def levels_pair(self) -> tuple[Compressor, Compressor]:
-        """``(steady, critical)`` as compressors."""
+    def level_compressors(self) -> tuple[Compressor, Compressor]:
+        """``(steady, critical)``: the compressors of the aggressive and the gentle level."""
         return cast(Compressor, self.steady), cast(Compressor, self.critical)
+
+    @property
+    def levels_pair(self) -> tuple[Compressor, Compressor]:
+        """Former name of :attr:`level_compressors`."""
+        return self.level_compressors
 
     def fixed_names(self, shapes: Mapping[str, torch.Size]) -> list[str]:
         """The tensors both levels send dense (they take no decision), sorted."""
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         return sorted(n for n, s in shapes.items()
                       if sends_dense(steady, s) and sends_dense(critical, s))
 
@@ -130,7 +135,7 @@ class TwoLevel(Compressor):
             level: every deciding tensor's level at the start.
             extra: further controller entries of the subclass.
         """
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         fixed = self.fixed_names(shapes)
         reasons = {"first": 0, "lr_drop": 0, "norm_change": 0, "steady": 0, "schedule": 0}
         for r in first:
@@ -161,7 +166,7 @@ class TwoLevel(Compressor):
     def _run_levels(self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective,
                     ctx: StepContext) -> None:
         """Reduce every job at its tensor's level and count tensor-steps per level."""
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         ctrl = state["controller"]
         level = ctrl["level"]
         unknown = [j.name for j in jobs if j.name not in level]
@@ -184,7 +189,7 @@ class TwoLevel(Compressor):
 
     def _end_levels(self, state: dict[str, Any], ctx: StepContext) -> None:
         """Both levels' ``end_step``; the step count and the last learning rate."""
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         steady.end_step(state[STEADY], ctx)
         critical.end_step(state[CRITICAL], ctx)
         ctrl = state["controller"]
@@ -232,7 +237,7 @@ class TwoLevel(Compressor):
         over the tensor-steps reduced at each level (tensors sent dense at both levels left
         out); else none.
         """
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         counts = TwoLevel.counts(state)
         out: dict[str, Any] = {"levels": TwoLevel.levels(state), "counts": counts}
         parts = [level.report(state[key]) for level, key in ((steady, STEADY),
