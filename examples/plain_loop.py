@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     compressor: gradzip.Compressor | str = args.compressor
     steps_per_epoch = len(data.train) // (args.workers * args.batch_size)
     if args.accordion:
-        compressor = gradzip.Accordion.from_specs(
+        compressor = gradzip.Accordion(
             args.compressor, args.accordion, interval=steps_per_epoch
         )
     engine = gradzip.Engine(model, compressor, collective=gradzip.SimulatedGroup(args.workers),

@@ -70,7 +70,7 @@ def build_compressor(args: argparse.Namespace) -> gradzip.Compressor | str:
     if args.accordion is None:
         return args.compressor
     # --compressor is the aggressive (steady) level, --accordion the gentle (critical) one.
-    return gradzip.Accordion.from_specs(
+    return gradzip.Accordion(
         args.compressor, args.accordion, eta=args.eta, interval=args.interval
     )
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from gradzip.spec import CONTROLLERS, REGISTRY, parse_spec
+
 # One entry per compressor (two for the two threshold modes). Values are chosen so that every
 # compressing spec really compresses the shapes below with 4 workers.
-SPECS = [
+EXAMPLES = [
     "none",
     "fp16",
     "bf16",
@@ -20,7 +22,19 @@ SPECS = [
     # Accordion is a compressor too; a short interval makes the tests cross a level switch.
     "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.5,interval=2,per_layer=True,lr_drop=True)",
     "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,eta=0.5,interval=1,per_layer=False,lr_drop=True)",
+    "schedule(gentle=none,aggressive=topk:ratio=0.05,gentle_steps=0-1;4-5,after_drop=0)",
 ]
+
+
+def _name(spec: str) -> str:
+    head = spec.split("(", 1)[0]
+    return head if head in CONTROLLERS else parse_spec(spec)[0]
+
+
+#: Every spec the suite runs: the examples above, and every registered compressor that has
+#: none, with its defaults (so a compressor added to the registry is tested without a line
+#: here).
+SPECS = EXAMPLES + [name for name in REGISTRY if name not in {_name(s) for s in EXAMPLES}]
 
 # Whether the compressor is exact for the same inputs on every backend (all are: randomness
 # comes from keyed generators), and how close the average of decoded messages must be to the

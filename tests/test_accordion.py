@@ -84,18 +84,22 @@ def test_accordion_validates(kwargs: dict, exc: type, message: str) -> None:
 
 
 def test_spec_round_trip_from_specs_and_bias(caplog: pytest.LogCaptureFixture) -> None:
-    acc = Accordion.from_specs("powersgd:rank=1", "powersgd:rank=4", 0.5, 100)
+    acc = Accordion("powersgd:rank=1", "powersgd:rank=4", 0.5, 100)
+    with pytest.warns(DeprecationWarning, match="from_specs is deprecated"):
+        assert Accordion.from_specs("powersgd:rank=1", "powersgd:rank=4", 0.5, 100) == acc
+    with pytest.warns(DeprecationWarning, match="from_spec is deprecated"):
+        assert Accordion.from_spec(acc.spec()) == acc
     spec = ("accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=100,"
             "per_layer=True,lr_drop=True,window=10,signal=raw,lr_hold=interval)")
     assert acc.spec() == spec == str(acc)
-    assert Accordion.from_spec(spec) == acc
+    assert Accordion.parse(spec) == acc
     nested = Accordion(PowerSGD(matrix_rank=1, power_iterations=2), "none", interval=7, per_layer=False)
-    assert Accordion.from_spec(nested.spec()) == nested
+    assert Accordion.parse(nested.spec()) == nested
     assert acc.biased and Accordion("topk:ratio=0.01", "none").biased
     assert not Accordion("qsgd:levels=2", "qsgd:levels=16").biased
     assert not Accordion("fp16", "none").biased
     with pytest.raises(ValueError, match="must look like 'accordion"):
-        Accordion.from_spec("topk:ratio=0.1")
+        Accordion.parse("topk:ratio=0.1")
     with caplog.at_level(logging.WARNING):
         Accordion("topk:ratio=0.5", "topk:ratio=0.01")  # swapped levels: legal, but warned
     assert "looks more aggressive" in caplog.text

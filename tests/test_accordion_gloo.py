@@ -27,7 +27,7 @@ SHAPES = {n: g.shape[1:] for n, g in grads_for(0, 1).items()}
 
 
 def build(spec: str) -> Any:
-    return Accordion.from_spec(spec) if spec.startswith("accordion") else compressor_from_spec(spec)
+    return Accordion.parse(spec) if spec.startswith("accordion") else compressor_from_spec(spec)
 
 
 def lambdas(state: dict[str, Any]) -> list[float]:

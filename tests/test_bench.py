@@ -19,7 +19,7 @@ from gradzip import bench
 from gradzip.bench import micro, replay, table
 from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Job, StepContext
-from gradzip.compressors.spec import compressor_from_spec
+from gradzip.spec import compressor_from_spec
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 

@@ -13,6 +13,12 @@ from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.comm.header import HEADER_BYTES
 from gradzip.compressors.base import Job, StepContext
 from gradzip.engine import _copy_tree
+from gradzip.spec import CONTROLLERS, REGISTRY
+
+
+def test_every_registered_compressor_and_controller_is_covered() -> None:
+    names = {gradzip.compressor_from_spec(s).spec_name for s in SPECS}
+    assert names == set(REGISTRY) | set(CONTROLLERS)
 
 
 def engine_for(spec: str, workers: int = 4) -> gradzip.Engine:

@@ -20,8 +20,8 @@ import torch
 from gradzip import Engine
 from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.compressors.base import Job, StepContext
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.ops.select import _topk_narrowed, topk_abs
+from gradzip.spec import compressor_from_spec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

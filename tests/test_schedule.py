@@ -49,14 +49,14 @@ def test_spec_round_trip_epochs_and_warmup() -> None:
     assert sched.gentle_steps == ((0, 15), (30, 40))
     spec = "schedule(gentle=powersgd:rank=4,aggressive=powersgd:rank=1,gentle_steps=0-15;30-40,after_drop=0)"
     assert sched.spec() == spec
-    assert compressor_from_spec(spec) == sched == Schedule.from_spec(spec)
+    assert compressor_from_spec(spec) == sched == Schedule.parse(spec)
     warm = Schedule.warmup("topk:ratio=0.01", steps=100)
     assert warm.spec() == "schedule(gentle=none,aggressive=topk,gentle_steps=0-100,after_drop=0)"
     assert warm.biased and gradzip.Schedule is Schedule
     with pytest.raises(ValueError, match="`steps` must be >= 1, got 0"):
         Schedule.warmup("topk:ratio=0.01", steps=0)
     with pytest.raises(ValueError, match="must give integer steps"):
-        Schedule.from_spec("schedule(gentle=none,aggressive=topk:ratio=0.1,gentle_steps=0-x)")
+        Schedule.parse("schedule(gentle=none,aggressive=topk:ratio=0.1,gentle_steps=0-x)")
 
 
 def test_parse_level_schedule() -> None:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import gradzip
-from gradzip.compressors.spec import REGISTRY
+from gradzip.spec import REGISTRY
 
 KEYS = ["ratio", "seed", "lam", "budget", "rank", "power_iterations", "min_compression_rate",
         "warm_start", "levels", "bucket_size", "k", "x"]

@@ -13,12 +13,11 @@ from gradzip.compressors import (
     RandK,
     Sign,
     TopK,
-    compressor_from_spec,
-    describe_compressors,
 )
 from gradzip.control import Accordion, BatchPlan, BatchSizeController, Schedule, critical_regime
 from gradzip.engine import Engine
 from gradzip.options import EngineOptions, Rule
+from gradzip.spec import compressor_from_spec, describe_compressors
 
 __version__ = "0.1.0"
 

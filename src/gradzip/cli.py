@@ -230,14 +230,14 @@ def _progress(quiet: bool) -> bool:
 
 
 def _parse_override(text: str) -> tuple[str, Any]:
-    from gradzip.compressors.spec import _parse_value
+    from gradzip.spec import parse_value
 
     key, eq, value = text.partition("=")
     key = key.strip().replace("-", "_")
     if not eq or not key:
         raise ValueError(f"`--set` must be KEY=VALUE, got {text!r}")
     value = value.strip()
-    return key, (None if value.lower() in ("none", "null") else _parse_value(value))
+    return key, (None if value.lower() in ("none", "null") else parse_value(value))
 
 
 # -- commands ---------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from gradzip.compressors.spec import describe_compressors
+    from gradzip.spec import describe_compressors
     from gradzip.train.compare import list_presets
     from gradzip.train.models import available_models
     from gradzip.train.tasks import TASKS

@@ -76,9 +76,9 @@ from gradzip._ddp_thread import comm_thread, private_group
 from gradzip._validate import check_bool
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.engine import STATS_KEYS, Engine
 from gradzip.options import EngineOptions
+from gradzip.spec import compressor_from_spec
 
 __all__ = ["GatheredState", "GradzipHookState", "gradzip_hook", "make_hook", "register"]
 

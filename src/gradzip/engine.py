@@ -15,11 +15,11 @@ from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.comm.header import call_code, make_header, read_header, verify_configuration
 from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
 from gradzip.options import MAIN_ROUTE, NONFINITE_POLICIES, EngineOptions
 from gradzip.routing import Router
+from gradzip.spec import compressor_from_spec
 from gradzip.statecheck import bad_workers, check_tree, first_nonfinite
 
 __all__ = ["FORMAT_VERSION", "NONFINITE_POLICIES", "STATS_KEYS", "Engine"]

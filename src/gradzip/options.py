@@ -28,7 +28,7 @@ import torch
 
 from gradzip._validate import check_bool, check_choice, check_int
 from gradzip.compressors.base import Compressor
-from gradzip.compressors.spec import compressor_from_spec
+from gradzip.spec import compressor_from_spec
 
 __all__ = ["DENSE", "DENSE_ROUTE", "MAIN_ROUTE", "NONFINITE_POLICIES", "EngineOptions", "Rule",
            "route"]

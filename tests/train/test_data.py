@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import pickle
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -411,31 +410,3 @@ def test_iter_batches() -> None:
     assert [len(y) for _, y in batches] == [3, 3, 3]
     assert torch.equal(torch.cat([y for _, y in batches]), idx[:9])
     assert len(list(D.iter_batches(split, idx, 3, drop_last=False))) == 4
-
-
-# ---------------------------------------------------------------- re-exports
-
-
-def test_data_module_re_exports_the_loader_modules() -> None:
-    modules = {"cifar": C, "text": T, "tabular": TB}
-    owners = {"CIFAR10_CLASSES": "cifar", "IMAGE_EXTENSIONS": "cifar", "load_cifar10": "cifar",
-              "UNK": "text", "EOS": "text", "load_text": "text", "batchify": "text",
-              "bptt_batches": "text", "load_libsvm": "tabular", "make_logreg_problem": "tabular"}
-    for name, owner in owners.items():
-        assert getattr(D, name) is getattr(modules[owner], name), name
-        assert name in D.__all__ and name in dir(D)
-    assert all(hasattr(D, name) for name in D.__all__)
-    with pytest.raises(AttributeError, match="no attribute 'not_a_loader'"):
-        D.not_a_loader  # noqa: B018
-
-
-def test_loader_modules_import_cleanly_in_any_order() -> None:
-    code = ("import importlib, sys\n"
-            "for first in ('cifar', 'text', 'tabular', 'data'):\n"
-            "    for key in [k for k in sys.modules if k.startswith('gradzip.train')]:\n"
-            "        del sys.modules[key]\n"
-            "    importlib.import_module('gradzip.train.' + first)\n"
-            "    from gradzip.train.data import load_cifar10, load_libsvm, load_text\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, result.stderr

@@ -33,8 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradzip._validate import check_int, check_real
 from gradzip.comm.launch import run_processes
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.ddp import register
+from gradzip.spec import compressor_from_spec
 from gradzip.train.models import build_model
 
 __all__ = ["HOOK_CONFIGS", "HookRow", "run_hooks"]

@@ -40,9 +40,9 @@ from gradzip._validate import check_int
 from gradzip.bench.common import Heap
 from gradzip.bench.replay import RecordedGroup, record_messages
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.ops import select
 from gradzip.ops.random import generator_for
+from gradzip.spec import compressor_from_spec
 
 __all__ = ["DEFAULT_NUMELS", "MICRO_SPECS", "MicroRow", "jobs_for", "powersgd_layout", "run_micro"]
 

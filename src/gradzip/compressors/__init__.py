@@ -1,4 +1,9 @@
-"""Compression algorithms, one per module, and spec-string construction."""
+"""Compression algorithms, one per module (spec strings and the registry: :mod:`gradzip.spec`)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
 
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.lowprec import BF16, FP16
@@ -7,12 +12,6 @@ from gradzip.compressors.powersgd import PowerSGD
 from gradzip.compressors.qsgd import QSGD
 from gradzip.compressors.randk import RandK
 from gradzip.compressors.sign import Sign
-from gradzip.compressors.spec import (
-    REGISTRY,
-    compressor_from_spec,
-    describe_compressors,
-    parse_spec,
-)
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
 
@@ -20,7 +19,6 @@ __all__ = [
     "BF16",
     "FP16",
     "QSGD",
-    "REGISTRY",
     "Compressor",
     "HardThreshold",
     "Job",
@@ -30,7 +28,18 @@ __all__ = [
     "Sign",
     "StepContext",
     "TopK",
-    "compressor_from_spec",
-    "describe_compressors",
-    "parse_spec",
 ]
+
+#: Names that moved to :mod:`gradzip.spec`; reachable here, with a warning, for one release.
+_MOVED = ("REGISTRY", "compressor_from_spec", "describe_compressors", "parse_spec")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        # Imported on first use: the grammar builds on this package, not the reverse.
+        import gradzip.spec
+
+        warnings.warn(f"gradzip.compressors.{name} moved to gradzip.spec.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(gradzip.spec, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

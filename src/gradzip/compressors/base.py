@@ -113,7 +113,17 @@ class Compressor(ABC):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        """Fill ``job.averaged`` and ``job.decoded`` for every job, using ``comm``.
+        """Fill ``job.averaged`` for every job, and hand error feedback its residual.
+
+        Residual contract (one for every compressor): for each job, set ``job.decoded`` (what
+        each local worker's own message decodes to; the engine then keeps
+        ``tensor - decoded``), or ``job.residual`` (``tensor - decoded`` itself, where it is
+        cheaper: a sparsifier's tensor with the sent entries zeroed, as
+        :func:`~gradzip.compressors.sparse.gather_sparse` and the threshold's one-pass
+        selection write it), or both (PowerSGD, which must test the residual's finiteness
+        before its last collective). Error feedback reads :meth:`Job.leftover` and
+        :meth:`Job.own_decoded`, which accept any of the three, so that
+        ``tensor == own_decoded + leftover`` per worker (the conformance suite checks it).
 
         Every worker must issue the same collectives with the same sizes, so any decision
         that shapes the exchange is taken from quantities identical on all workers.
@@ -135,6 +145,28 @@ class Compressor(ABC):
         Stateless compressors have nothing to do here; adaptive ones update their controllers.
         """
         return None
+
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """What a training log records about this compressor, from its state.
+
+        The one way a training loop learns about a compressor: it asks, and never inspects
+        types or state keys. Every key is optional:
+
+        * ``density``: fraction of gradient entries sent, where the configuration fixes it.
+        * ``density_parts``: ``(sent, offered)``, cumulative since the start, where it varies
+          (density over a span = difference of ``sent`` / difference of ``offered``).
+        * ``levels``: ``tensor name -> level`` for the next step (controllers).
+        * ``counts``: a controller's cumulative counts (``decisions``, ``critical_steps``,
+          ``steady_steps``, ...); a compressor reporting them offers
+          ``decisions(state, since)`` for its decision records.
+
+        Args:
+            state: this compressor's state (``engine.compressor_state``).
+
+        Returns:
+            Plain data (numbers, strings, dicts of them); empty by default.
+        """
+        return {}
 
     def spec(self) -> str:
         """The spec string that rebuilds this compressor."""

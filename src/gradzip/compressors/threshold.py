@@ -144,6 +144,12 @@ class HardThreshold(Compressor):
             comm,
         )
 
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Entries sent and offered by all workers since the start (completed steps)."""
+        if "sent" not in state:
+            return {}
+        return {"density_parts": (int(state["sent"]), int(state["offered"]))}
+
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
         state["sent"] += state["step_sent"]
         state["offered"] += state["step_offered"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -40,6 +40,10 @@ class TopK(Compressor):
     def k_for(self, numel: int) -> int:
         """Entries kept in a tensor of ``numel`` entries."""
         return max(1, min(numel, int(self.ratio * numel)))
+
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The configured density (tensors sent dense are not counted apart)."""
+        return {"density": self.ratio}
 
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext

@@ -19,7 +19,7 @@ References:
 from __future__ import annotations
 
 import math
-import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -29,7 +29,7 @@ import torch
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.control.levels import check_levels
+from gradzip.control.level_order import check_level_order
 from gradzip.control.records import (
     LOG_POINTS,
     MODEL,
@@ -40,19 +40,17 @@ from gradzip.control.records import (
 )
 from gradzip.control.rule import CRITICAL, LR_HOLDS, decide, is_lr_drop
 from gradzip.control.switch import TwoLevel, build_levels
+from gradzip.spec import format_call, register_controller
 
 __all__ = ["LOG_POINTS", "MODEL", "SIGNALS", "LR_HOLDS", "Accordion"]
 
 
-_KEYS = ("steady", "critical", "eta", "interval", "per_layer", "lr_drop", "window", "signal",
-         "lr_hold")
-_SPEC = re.compile(r"^\s*accordion\s*\((.*)\)\s*$", re.DOTALL)
-_SPLIT = re.compile(r",(?=\s*(?:" + "|".join(_KEYS) + r")\s*=)")
 #: What the norms are taken of: each worker's gradient before error feedback (the paper's
 #: code), or the worker average of what was sent (gradzip's first rule).
 SIGNALS = ("raw", "sent")
 
 
+@register_controller
 @dataclass(frozen=True)
 class Accordion(TwoLevel):
     """Adaptive compression: a gentle level in critical regimes, an aggressive one otherwise.
@@ -126,12 +124,16 @@ class Accordion(TwoLevel):
     signal: str = "raw"
     lr_hold: str = "interval"
     spec_name: ClassVar[str] = "accordion"
+    spec_kinds: ClassVar[dict[str, str]] = {
+        "steady": "level", "critical": "level", "eta": "float", "interval": "int",
+        "per_layer": "bool", "lr_drop": "bool", "window": "int", "signal": "str",
+        "lr_hold": "str"}
 
     def __post_init__(self) -> None:
         steady, critical = build_levels("Accordion", self.steady, self.critical)
         object.__setattr__(self, "steady", steady)
         object.__setattr__(self, "critical", critical)
-        check_levels(steady, critical)
+        check_level_order(steady, critical)
         object.__setattr__(self, "eta", check_real("eta", self.eta, low=0, low_open=True))
         interval = check_int("interval", self.interval, minimum=1)
         object.__setattr__(self, "interval", interval)
@@ -154,58 +156,18 @@ class Accordion(TwoLevel):
         interval: int = 100,
         **options: Any,
     ) -> Accordion:
-        """Build from the CLI's ``--compressor SPEC --accordion SPEC`` pair.
-
-        Args:
-            compressor_spec: the steady (aggressive) level.
-            accordion_spec: the critical (gentle) level, or ``"none"``.
-            eta, interval: as for the constructor.
-            options: ``per_layer``, ``lr_drop``, ``window``, ``signal``, ``lr_hold``.
-        """
+        """Deprecated: call ``Accordion(steady, critical, eta=..., interval=...)``."""
+        warnings.warn("Accordion.from_specs is deprecated; call Accordion(steady, critical, ...)",
+                      DeprecationWarning, stacklevel=2)
         return cls(compressor_spec, accordion_spec, eta=eta, interval=interval, **options)
-
-    @classmethod
-    def from_spec(cls, spec: str) -> Accordion:
-        """Rebuild from :meth:`spec` output, e.g.
-        ``"accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=100)"``.
-
-        Raises:
-            ValueError: not of that form, or a missing, unknown or invalid parameter.
-        """
-        match = _SPEC.match(spec) if isinstance(spec, str) else None
-        if match is None:
-            raise ValueError(f"`spec` must look like 'accordion(steady=...,critical=...)', got {spec!r}")
-        kwargs: dict[str, Any] = {}
-        for item in _SPLIT.split(match.group(1)):
-            key, eq, value = (part.strip() for part in item.partition("="))
-            if not eq or key not in _KEYS or key in kwargs:
-                raise ValueError(
-                    f"`spec` parameters must be distinct among {', '.join(_KEYS)}, got {item!r}"
-                )
-            kwargs[key] = value
-        if "steady" not in kwargs or "critical" not in kwargs:
-            raise ValueError(f"`spec` must give both steady= and critical=, got {spec!r}")
-        for key, convert in (("eta", float), ("interval", int), ("window", int)):
-            if key in kwargs:
-                try:
-                    kwargs[key] = convert(kwargs[key])
-                except ValueError:
-                    raise ValueError(f"`{key}` must be a number, got {kwargs[key]!r}") from None
-        for key in ("per_layer", "lr_drop"):
-            if key in kwargs:
-                if kwargs[key] not in ("True", "False", "true", "false"):
-                    raise ValueError(f"`{key}` must be True or False, got {kwargs[key]!r}")
-                kwargs[key] = kwargs[key].lower() == "true"
-        return cls(**kwargs)
 
     def spec(self) -> str:
         """A stable, readable description, stored in checkpoints and compared on load."""
-        steady, critical = self.levels_pair
-        return (
-            f"accordion(steady={steady.spec()},critical={critical.spec()},eta={self.eta!r},"
-            f"interval={self.interval},per_layer={self.per_layer},lr_drop={self.lr_drop},"
-            f"window={self.window},signal={self.signal},lr_hold={self.lr_hold})"
-        )
+        steady, critical = self.level_compressors
+        return format_call(self.spec_name, {
+            "steady": steady.spec(), "critical": critical.spec(), "eta": repr(self.eta),
+            "interval": self.interval, "per_layer": self.per_layer, "lr_drop": self.lr_drop,
+            "window": self.window, "signal": self.signal, "lr_hold": self.lr_hold})
 
     # -- state -----------------------------------------------------------------------------
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:

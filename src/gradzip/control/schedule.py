@@ -20,15 +20,14 @@ import torch
 from gradzip._validate import check_int
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.control.levels import check_levels
+from gradzip.control.level_order import check_level_order
 from gradzip.control.records import MODEL, force_critical, key_levels, record, set_levels
 from gradzip.control.rule import CRITICAL, STEADY, is_lr_drop
 from gradzip.control.switch import TwoLevel, build_levels
+from gradzip.spec import format_call, format_ranges, register_controller
 
 __all__ = ["Schedule", "parse_level_schedule"]
 
-_SPEC = re.compile(r"^\s*schedule\s*\((.*)\)\s*$", re.DOTALL)
-_SPLIT = re.compile(r",(?=\s*(?:gentle|aggressive|gentle_steps|after_drop)\s*=)")
 _PART = re.compile(r"^\s*(gentle|aggressive)\s*:\s*([0-9.]+)\s*-\s*([0-9.]+)\s*$")
 
 
@@ -85,6 +84,7 @@ def parse_level_schedule(text: str) -> list[tuple[float, float]]:
     return [(a, b) for kind, a, b in parts if kind == "gentle"]
 
 
+@register_controller
 @dataclass(frozen=True)
 class Schedule(TwoLevel):
     """A fixed timing of levels: ``gentle`` during the given step ranges, ``aggressive``
@@ -123,13 +123,15 @@ class Schedule(TwoLevel):
     steps_per_epoch: int | None = None
     after_drop: int = 0
     spec_name: ClassVar[str] = "schedule"
+    spec_kinds: ClassVar[dict[str, str]] = {
+        "gentle": "level", "aggressive": "level", "gentle_steps": "ranges", "after_drop": "int"}
 
     def __post_init__(self) -> None:
         aggressive, gentle = build_levels("Schedule", self.aggressive, self.gentle,
                                           names=("aggressive", "gentle"))
         object.__setattr__(self, "gentle", gentle)
         object.__setattr__(self, "aggressive", aggressive)
-        check_levels(aggressive, gentle)
+        check_level_order(aggressive, gentle)
         steps = _ranges("gentle_steps", self.gentle_steps, _step)
         if self.gentle_epochs is not None:
             if steps:
@@ -149,7 +151,7 @@ class Schedule(TwoLevel):
         object.__setattr__(self, "biased", bool(gentle.biased or aggressive.biased))
 
     @property
-    def levels_pair(self) -> tuple[Compressor, Compressor]:
+    def level_compressors(self) -> tuple[Compressor, Compressor]:
         """``(aggressive, gentle)``: the steady and critical levels of the shared state."""
         return self.aggressive, self.gentle  # type: ignore[return-value]
 
@@ -174,40 +176,9 @@ class Schedule(TwoLevel):
     # -- identity --------------------------------------------------------------------------
     def spec(self) -> str:
         """``schedule(gentle=...,aggressive=...,gentle_steps=0-500;900-1000,after_drop=0)``."""
-        ranges = ";".join(f"{a}-{b}" for a, b in self.gentle_steps)
-        return (f"schedule(gentle={self.gentle.spec()},aggressive={self.aggressive.spec()},"
-                f"gentle_steps={ranges},after_drop={self.after_drop})")
-
-    @classmethod
-    def from_spec(cls, spec: str) -> Schedule:
-        """Rebuild from :meth:`spec` output.
-
-        Raises:
-            ValueError: not of that form, or a missing, unknown or invalid parameter.
-        """
-        match = _SPEC.match(spec) if isinstance(spec, str) else None
-        if match is None:
-            raise ValueError(f"`spec` must look like 'schedule(gentle=...,aggressive=...)', got {spec!r}")
-        kwargs: dict[str, Any] = {}
-        for item in _SPLIT.split(match.group(1)):
-            key, eq, value = (part.strip() for part in item.partition("="))
-            if not eq or key in kwargs or key not in ("gentle", "aggressive", "gentle_steps",
-                                                       "after_drop"):
-                raise ValueError(f"`spec` parameters must be distinct among gentle, aggressive, "
-                                 f"gentle_steps, after_drop, got {item!r}")
-            kwargs[key] = value
-        if "gentle" not in kwargs or "aggressive" not in kwargs:
-            raise ValueError(f"`spec` must give both gentle= and aggressive=, got {spec!r}")
-        try:
-            if "gentle_steps" in kwargs:
-                text = kwargs["gentle_steps"]
-                kwargs["gentle_steps"] = [tuple(int(x) for x in part.split("-"))
-                                          for part in text.split(";") if part.strip()]
-            if "after_drop" in kwargs:
-                kwargs["after_drop"] = int(kwargs["after_drop"])
-        except ValueError:
-            raise ValueError(f"`spec` must give integer steps, got {spec!r}") from None
-        return cls(**kwargs)
+        return format_call(self.spec_name, {
+            "gentle": self.gentle.spec(), "aggressive": self.aggressive.spec(),
+            "gentle_steps": format_ranges(self.gentle_steps), "after_drop": self.after_drop})
 
     # -- the schedule ----------------------------------------------------------------------
     def gentle_at(self, step: int) -> bool:

@@ -15,17 +15,18 @@ of gentle tensors without changing a byte.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.none import NoCompression
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.control.records import controller
 from gradzip.control.rule import CRITICAL, STEADY
+from gradzip.spec import compressor_from_spec, controller_from_spec
 
 __all__ = ["DENSE", "TwoLevel", "build_levels", "sends_dense"]
 
@@ -87,15 +88,40 @@ class TwoLevel(Compressor):
 
     steady: Compressor | str
     critical: Compressor | str
+    #: ``key -> kind`` of the spec's parameters (see :data:`gradzip.spec.KINDS`).
+    spec_kinds: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def parse(cls, spec: str) -> Any:
+        """Rebuild from :meth:`spec` output (what :func:`gradzip.compressor_from_spec` does
+        for this controller's specs).
+
+        Raises:
+            ValueError: not of this controller's form, or a missing, unknown or invalid
+                parameter.
+        """
+        return controller_from_spec(cls, spec)
+
+    @classmethod
+    def from_spec(cls, spec: str) -> Any:
+        """Deprecated alias of :meth:`parse`."""
+        warnings.warn(f"{cls.__name__}.from_spec is deprecated; use {cls.__name__}.parse",
+                      DeprecationWarning, stacklevel=2)
+        return cls.parse(spec)
+
+    @property
+    def level_compressors(self) -> tuple[Compressor, Compressor]:
+        """``(steady, critical)``: the compressors of the aggressive and the gentle level."""
+        return cast(Compressor, self.steady), cast(Compressor, self.critical)
 
     @property
     def levels_pair(self) -> tuple[Compressor, Compressor]:
-        """``(steady, critical)`` as compressors."""
-        return cast(Compressor, self.steady), cast(Compressor, self.critical)
+        """Former name of :attr:`level_compressors`."""
+        return self.level_compressors
 
     def fixed_names(self, shapes: Mapping[str, torch.Size]) -> list[str]:
         """The tensors both levels send dense (they take no decision), sorted."""
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         return sorted(n for n, s in shapes.items()
                       if sends_dense(steady, s) and sends_dense(critical, s))
 
@@ -109,7 +135,7 @@ class TwoLevel(Compressor):
             level: every deciding tensor's level at the start.
             extra: further controller entries of the subclass.
         """
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         fixed = self.fixed_names(shapes)
         reasons = {"first": 0, "lr_drop": 0, "norm_change": 0, "steady": 0, "schedule": 0}
         for r in first:
@@ -140,7 +166,7 @@ class TwoLevel(Compressor):
     def _run_levels(self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective,
                     ctx: StepContext) -> None:
         """Reduce every job at its tensor's level and count tensor-steps per level."""
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         ctrl = state["controller"]
         level = ctrl["level"]
         unknown = [j.name for j in jobs if j.name not in level]
@@ -163,7 +189,7 @@ class TwoLevel(Compressor):
 
     def _end_levels(self, state: dict[str, Any], ctx: StepContext) -> None:
         """Both levels' ``end_step``; the step count and the last learning rate."""
-        steady, critical = self.levels_pair
+        steady, critical = self.level_compressors
         steady.end_step(state[STEADY], ctx)
         critical.end_step(state[CRITICAL], ctx)
         ctrl = state["controller"]
@@ -202,6 +228,30 @@ class TwoLevel(Compressor):
     def current_levels(self, state: Any) -> dict[str, str]:
         """:meth:`levels`, for callers that ask any compressor for its current choice."""
         return TwoLevel.levels(state)
+
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Levels, counts, and the density where both levels tell one.
+
+        The density is summed over both levels' own counts where both count what they send
+        (threshold); where both have a fixed density (top-k, ``none`` as 1), it is their mean
+        over the tensor-steps reduced at each level (tensors sent dense at both levels left
+        out); else none.
+        """
+        steady, critical = self.level_compressors
+        counts = TwoLevel.counts(state)
+        out: dict[str, Any] = {"levels": TwoLevel.levels(state), "counts": counts}
+        parts = [level.report(state[key]) for level, key in ((steady, STEADY),
+                                                              (critical, CRITICAL))]
+        if all("density_parts" in p for p in parts):
+            sent, offered = zip(*(p["density_parts"] for p in parts), strict=True)
+            out["density_parts"] = (sum(sent), sum(offered))
+            return out
+        fixed = [1.0 if isinstance(level, NoCompression) else p.get("density")
+                 for level, p in zip((steady, critical), parts, strict=True)]
+        if fixed[0] is not None and fixed[1] is not None:
+            steps = (counts["steady_steps"], counts["critical_steps"])
+            out["density_parts"] = (fixed[0] * steps[0] + fixed[1] * steps[1], sum(steps))
+        return out
 
     @staticmethod
     def counts(state: Any) -> dict[str, Any]:

@@ -35,8 +35,8 @@ from torch.optim import Optimizer
 
 import gradzip.ddp
 from gradzip.compressors.base import Compressor
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.integrations._common import hook_metrics, split_engine_options, with_optimizer
+from gradzip.spec import compressor_from_spec
 
 __all__ = ["CHECKPOINT_KEY", "GradzipDDPStrategy", "GradzipFabricDDPStrategy"]
 

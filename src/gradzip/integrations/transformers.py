@@ -38,8 +38,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import gradzip.ddp
 from gradzip.compressors.base import Compressor
-from gradzip.compressors.spec import compressor_from_spec
 from gradzip.integrations._common import ENGINE_OPTIONS, split_engine_options, with_optimizer
+from gradzip.spec import compressor_from_spec
 
 __all__ = ["GradzipCallback", "state_file"]
 

@@ -1,27 +1,22 @@
 """Shared data layer for gradzip training: containers, digits, sharding, batching, augmentation.
 
 Everything keeps whole data sets as tensors in RAM; only ``torch`` and ``numpy`` are needed.
-The data set loaders live in sibling modules and are re-exported here, so that
-``from gradzip.train.data import load_cifar10`` keeps working:
+The other data set loaders build on this module and live beside it (import them from there):
 
 - :mod:`gradzip.train.cifar`: CIFAR-10 and 32x32 ImageFolder trees (decoding needs Pillow).
-- :mod:`gradzip.train.text`: text corpora, :func:`batchify`, :func:`bptt_batches`.
+- :mod:`gradzip.train.text`: text corpora, ``batchify``, ``bptt_batches``.
 - :mod:`gradzip.train.tabular`: LIBSVM files and a synthetic logistic-regression problem.
-
-Those modules import the containers from this one, so the re-exports are resolved lazily, on
-first access, and importing any of the modules first never meets a partly initialised module.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.resources
 import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,68 +24,20 @@ from torch import Tensor
 
 from gradzip._validate import check_int, check_real
 
-if TYPE_CHECKING:
-    from gradzip.train.cifar import CIFAR10_CLASSES, IMAGE_EXTENSIONS, load_cifar10
-    from gradzip.train.tabular import load_libsvm, make_logreg_problem
-    from gradzip.train.text import EOS, UNK, batchify, bptt_batches, load_text
-
 __all__ = [
-    "CIFAR10_CLASSES",
-    "EOS",
-    "IMAGE_EXTENSIONS",
     "LMData",
     "PathLike",
     "TaskData",
     "TensorSplit",
-    "UNK",
     "augment_batch",
-    "batchify",
-    "bptt_batches",
     "iter_batches",
-    "load_cifar10",
     "load_digits",
-    "load_libsvm",
-    "load_text",
-    "make_logreg_problem",
     "shard_indices",
 ]
 
 logger = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
-
-# Public names defined in the loader modules -> the module that defines them.
-_REEXPORTS = {
-    "CIFAR10_CLASSES": "gradzip.train.cifar",
-    "IMAGE_EXTENSIONS": "gradzip.train.cifar",
-    "load_cifar10": "gradzip.train.cifar",
-    "EOS": "gradzip.train.text",
-    "UNK": "gradzip.train.text",
-    "batchify": "gradzip.train.text",
-    "bptt_batches": "gradzip.train.text",
-    "load_text": "gradzip.train.text",
-    "load_libsvm": "gradzip.train.tabular",
-    "make_logreg_problem": "gradzip.train.tabular",
-}
-
-
-def __getattr__(name: str) -> Any:
-    """Resolve a re-exported loader name from its module on first access.
-
-    Raises:
-        AttributeError: ``name`` is neither defined here nor re-exported.
-    """
-    module = _REEXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_REEXPORTS))
-
 
 @dataclass
 class TensorSplit:

@@ -17,33 +17,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from gradzip import ddp as gradzip_ddp
 from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Compressor
-from gradzip.compressors.threshold import HardThreshold
-from gradzip.compressors.topk import TopK
+from gradzip.control.batch import BatchSizeController
 from gradzip.engine import Engine
 from gradzip.train.metrics import MetricsWriter, progress_bar
-from gradzip.train.schedules import lr_at, set_lr
+from gradzip.train.schedules import lr_at, milestone_epochs, set_lr
 
-__all__ = ["DDPStepper", "SimStepper", "TrainLoop", "require_ddp"]
+__all__ = ["DDPStepper", "SimStepper", "TrainLoop"]
 
 log = logging.getLogger(__name__)
-
-
-def require_ddp() -> Any:
-    """The ``gradzip.ddp`` module, or a clear error where it is missing.
-
-    Raises:
-        ValueError: this installation has no DDP hook (the ``procs`` launcher needs it).
-    """
-    try:
-        from gradzip import ddp
-    except ImportError:
-        raise ValueError(
-            "`launcher` 'procs' needs gradzip.ddp, which this installation does not provide; "
-            "use launcher 'sim'"
-        ) from None
-    return ddp
 
 
 def _to(batch: Any, device: torch.device) -> Any:
@@ -145,8 +129,8 @@ class DDPStepper:
         ids = [device.index] if device.type == "cuda" else None
         # Buffers (BatchNorm statistics) follow rank 0 at every forward: DDP's default.
         self.ddp = DistributedDataParallel(model, device_ids=ids)
-        self.hook = require_ddp().register(self.ddp, compressor,
-                                           options=cfg.engine_options(optimizer))
+        self.hook = gradzip_ddp.register(self.ddp, compressor,
+                                         options=cfg.engine_options(optimizer))
 
     def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
         for p in self.model.parameters():
@@ -243,18 +227,14 @@ class TrainLoop:
         cfg = self.cfg
         if cfg.accordion_batch is None:
             return None
-        from gradzip.train.runner import batch_controller_class
-
         small, large = cfg.accordion_batch
         examples = self.steps_per_epoch * cfg.batch_size * cfg.workers
-        return batch_controller_class()(
+        return BatchSizeController(
             small, large, micro_batch=cfg.batch_size, workers=cfg.workers, eta=cfg.eta,
             interval_samples=max(1, round(cfg.interval_epochs * examples)),
         )
 
     def _lr(self, epoch_float: float) -> float:
-        from gradzip.train.runner import milestone_epochs
-
         cfg = self.cfg
         return lr_at(epoch_float, base_lr=cfg.lr, warmup_epochs=cfg.warmup_epochs,
                      milestones=milestone_epochs(cfg), gamma=cfg.gamma, workers=cfg.workers,
@@ -272,27 +252,25 @@ class TrainLoop:
         plan = ctl.begin_step(base_lr=lr * ctl.small / unit)
         return plan.micro_batches, float(plan.lr)
 
-    def _accordion(self) -> tuple[Any, Any]:
-        """(Accordion class, its state) when the compressor is an Accordion, else (None, None)."""
-        try:
-            from gradzip.control import TwoLevel  # Accordion or a level schedule
-        except ImportError:
-            return None, None
+    def _report(self) -> dict[str, Any]:
+        """The compressor's own report (see ``Compressor.report``); empty before training."""
         state = self.stepper.compressor_state if self.stepper is not None else None
-        if not isinstance(self.compressor, TwoLevel) or state is None:
-            return None, None
-        return TwoLevel, state
+        if self.compressor is None or state is None:
+            return {}
+        return self.compressor.report(state)
 
     def _track_decisions(self) -> None:
-        """Append Accordion's latest decision records to the run's log when new."""
-        cls, state = self._accordion()
-        if cls is None:
+        """Append a controller's latest decision records to the run's log when new."""
+        counts = self._report().get("counts")
+        if counts is None:
             return
-        count = cls.counts(state)["decisions"]
+        count = counts["decisions"]
         if count != self._decision_count:
             # Every point since the last poll: one step can hold two (an LR drop seen in an
             # interval's last step), and the latest alone would miss the drop's records.
-            self.decisions.extend(cls.decisions(state, since=self._decision_count))
+            state = self.stepper.compressor_state  # type: ignore[union-attr]
+            self.decisions.extend(self.compressor.decisions(  # type: ignore[union-attr]
+                state, since=self._decision_count))
             self._decision_count = count
 
     def _bytes(self) -> dict[str, int]:
@@ -306,16 +284,15 @@ class TrainLoop:
         return dict(zip(("payload_bytes", "wire_bytes", "dense_payload_bytes",
                          "dense_wire_bytes"), vals, strict=True))
 
-    def _density(self, prev: tuple[int, int]) -> tuple[float | None, tuple[int, int]]:
-        """Fraction of gradient entries sent in the epoch, where that is meaningful."""
-        comp, state = self.compressor, self.stepper.compressor_state if self.stepper else None
-        if isinstance(comp, HardThreshold) and isinstance(state, dict) and "sent" in state:
-            now = (int(state["sent"]), int(state["offered"]))
+    def _density(self, prev: tuple[Any, Any]) -> tuple[float | None, tuple[Any, Any]]:
+        """Fraction of gradient entries sent in the epoch, where the compressor reports one."""
+        report = self._report()
+        parts = report.get("density_parts")
+        if parts is not None:
+            now = (parts[0], parts[1])
             offered = now[1] - prev[1]
             return ((now[0] - prev[0]) / offered if offered else None), now
-        if isinstance(comp, TopK):
-            return comp.ratio, prev
-        return None, prev
+        return report.get("density"), prev
 
     def _evaluate(self) -> Tensor:
         assert self.stepper is not None
@@ -329,14 +306,14 @@ class TrainLoop:
     def _control_fields(self, marks: dict[str, Any]) -> dict[str, Any]:
         """Accordion and batch-size fields of an epoch record; updates ``marks`` in place."""
         rec: dict[str, Any] = {}
-        cls, state = self._accordion()
-        if cls is not None:
-            counts = cls.counts(state)
+        report = self._report()
+        if "counts" in report:
+            counts = report["counts"]
             crit = counts["critical_steps"] - marks.get("critical_steps", 0)
             steady = counts["steady_steps"] - marks.get("steady_steps", 0)
             marks.update(critical_steps=counts["critical_steps"],
                          steady_steps=counts["steady_steps"])
-            levels = cls.levels(state)
+            levels = report["levels"]
             rec["critical"] = sum(v == "critical" for v in levels.values())
             # Fraction of (tensor, step) pairs of this epoch reduced at the critical level.
             rec["critical_fraction"] = crit / max(crit + steady, 1)
@@ -356,9 +333,9 @@ class TrainLoop:
     def summary_fields(self) -> dict[str, Any]:
         """Controller counters for ``summary.json`` (empty without Accordion)."""
         out: dict[str, Any] = {}
-        cls, state = self._accordion()
-        if cls is not None:
-            out["accordion_counts"] = cls.counts(state)
+        counts = self._report().get("counts")
+        if counts is not None:
+            out["accordion_counts"] = counts
         if self.batch_controller is not None:
             out["batch_counts"] = {**self.batch_controller.counts,
                                    "samples": self.batch_controller.samples}

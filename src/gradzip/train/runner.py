@@ -30,14 +30,16 @@ import torch
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.torch_dist import shutdown_process_group
 from gradzip.compressors.base import Compressor
-from gradzip.compressors.spec import compressor_from_spec
+from gradzip.control import Accordion, BatchSizeController, Schedule, parse_level_schedule
 from gradzip.ops.random import stable_hash
 from gradzip.options import EngineOptions, Rule
+from gradzip.spec import compressor_from_spec
 from gradzip.train.events import require_tensorboard
 from gradzip.train.loop import TrainLoop
 from gradzip.train.metrics import versions
 from gradzip.train.resume import Checkpointer, Plan, agree, open_out_dir, plan_out_dir
 from gradzip.train.rundir import Manifest, check_out_dir, load_rank_file
+from gradzip.train.schedules import milestone_epochs
 from gradzip.train.tasks import get_task, parse_model_spec
 
 __all__ = ["LAUNCHERS", "RunConfig", "build_compressor", "resolve_config", "run", "under_torchrun"]
@@ -273,26 +275,6 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _control_attr(name: str, option: str) -> Any:
-    """``gradzip.control.<name>``, or a one-line configuration error where it is missing."""
-    try:
-        import gradzip.control as control
-    except ImportError:
-        raise ValueError(
-            f"`{option}` needs gradzip.control, which this installation does not provide"
-        ) from None
-    return getattr(control, name)
-
-
-def _accordion_class() -> Any:
-    return _control_attr("Accordion", "accordion")
-
-
-def batch_controller_class() -> Any:
-    """The batch-size controller class (Accordion's rule applied to the batch size)."""
-    return _control_attr("BatchSizeController", "accordion_batch")
-
-
 def _batch_pair(value: Any) -> tuple[int, int]:
     if isinstance(value, str):
         try:
@@ -367,13 +349,12 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
     _prefixed("compressor", compressor_from_spec, cfg.compressor)
     if cfg.accordion is not None:
         _prefixed("accordion", compressor_from_spec, cfg.accordion)
-        _prefixed("accordion", _accordion_class().from_specs, cfg.compressor, cfg.accordion,
-                  eta=cfg.eta, interval=1)
+        _prefixed("accordion", Accordion, cfg.compressor, cfg.accordion, eta=cfg.eta, interval=1)
     _check_schedule(cfg)
     if cfg.accordion_batch is not None:
         small, large = _batch_pair(cfg.accordion_batch)
         cfg = dataclasses.replace(cfg, accordion_batch=(small, large))
-        _prefixed("accordion_batch", batch_controller_class(), small, large,
+        _prefixed("accordion_batch", BatchSizeController, small, large,
                   micro_batch=cfg.batch_size, workers=cfg.workers, interval_samples=1)
     if cfg.data is None and task.needs_data:
         raise ValueError(f"`data` must be given for task {task.name!r} ({task.description})")
@@ -411,10 +392,9 @@ def _check_schedule(cfg: RunConfig) -> None:
         raise ValueError("`gentle` needs `level_schedule` or `warmup_steps`, got "
                          f"gentle={cfg.gentle!r}")
     if cfg.level_schedule is not None:
-        _prefixed("level_schedule", _control_attr("parse_level_schedule", "level_schedule"),
-                  cfg.level_schedule)
+        _prefixed("level_schedule", parse_level_schedule, cfg.level_schedule)
     if scheduled:
-        _prefixed("gentle", _control_attr("Schedule", "level_schedule"), cfg.gentle or "none", cfg.compressor, gentle_steps=[(0, 1)])
+        _prefixed("gentle", Schedule, cfg.gentle or "none", cfg.compressor, gentle_steps=[(0, 1)])
 
 
 def _prefixed(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -425,33 +405,24 @@ def _prefixed(option: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise type(exc)(f"--{option.replace('_', '-')}: {exc}") from None
 
 
-def milestone_epochs(cfg: RunConfig) -> list[float]:
-    """Milestones in epochs: values below 1 are fractions of ``cfg.epochs``."""
-    assert cfg.milestones is not None and cfg.epochs is not None
-    return [m * cfg.epochs if m < 1 else float(m) for m in cfg.milestones]
-
-
 def build_compressor(cfg: RunConfig, steps_per_epoch: int) -> Compressor:
     """The run's compressor; with ``accordion`` an Accordion switching between the two specs,
     deciding every ``interval_epochs`` epochs (converted to optimizer steps)."""
-    schedule = _control_attr("Schedule", "level_schedule")
     if cfg.level_schedule is not None:
-        parse = _control_attr("parse_level_schedule", "level_schedule")
-        return schedule(cfg.gentle or "none", cfg.compressor, steps_per_epoch=steps_per_epoch,
-                        gentle_epochs=parse(cfg.level_schedule))
+        return Schedule(cfg.gentle or "none", cfg.compressor, steps_per_epoch=steps_per_epoch,
+                        gentle_epochs=parse_level_schedule(cfg.level_schedule))
     if cfg.warmup_steps > 0:
-        return schedule.warmup(cfg.compressor, steps=cfg.warmup_steps, gentle=cfg.gentle or "none")
+        return Schedule.warmup(cfg.compressor, steps=cfg.warmup_steps, gentle=cfg.gentle or "none")
     if cfg.accordion is None:
         return compressor_from_spec(cfg.compressor)
-    accordion = _accordion_class()
     assert cfg.interval_epochs is not None
     interval = max(1, round(cfg.interval_epochs * steps_per_epoch))
     if cfg.accordion_rule == "first":
-        return accordion.from_specs(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval,
-                                    window=interval, signal="sent", lr_hold="boundary")
+        return Accordion(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval,
+                         window=interval, signal="sent", lr_hold="boundary")
     # The paper's code sums one epoch before each decision (its intervals are ten epochs).
-    return accordion.from_specs(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval,
-                                window=min(interval, steps_per_epoch))
+    return Accordion(cfg.compressor, cfg.accordion, eta=cfg.eta, interval=interval,
+                     window=min(interval, steps_per_epoch))
 
 
 def summarize(cfg: RunConfig, metric: str, history: list[dict[str, Any]],
@@ -627,10 +598,6 @@ def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False) -> dict
     started = time.perf_counter()
     cfg = resolve_config(cfg)
     check_bool("resume", resume)
-    if cfg.launcher != "sim":
-        from gradzip.train.loop import require_ddp
-
-        require_ddp()
     if under_torchrun():
         return _run_torchrun(cfg, progress, started, resume)
     plan = plan_out_dir(cfg, resume)

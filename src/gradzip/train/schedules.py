@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -99,3 +100,10 @@ def batch_scaled_lr(base_lr: float, batch: int, reference_batch: int) -> float:
     check_int("batch", batch, minimum=1)
     check_int("reference_batch", reference_batch, minimum=1)
     return base * batch / reference_batch
+
+
+def milestone_epochs(cfg: Any) -> list[float]:
+    """Milestones of a resolved run configuration in epochs: values below 1 are fractions of
+    ``cfg.epochs``."""
+    assert cfg.milestones is not None and cfg.epochs is not None
+    return [m * cfg.epochs if m < 1 else float(m) for m in cfg.milestones]

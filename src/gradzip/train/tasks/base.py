@@ -1,4 +1,4 @@
-"""The task registry: what a run trains, on which data, with which defaults.
+"""What every training task is: its defaults, its model, its batches, its evaluation.
 
 A task knows how to load its data, build its default model, split one epoch into per-worker
 mini-batches (disjoint shards, reshuffled every epoch from the seed), compute a worker's loss,
@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gradzip.compressors.spec import parse_spec
 from gradzip.ops.random import generator_for
+from gradzip.spec import parse_spec
 from gradzip.train import data as D
 from gradzip.train.models import available_models, build_model
 
-__all__ = ["TASKS", "Defaults", "Task", "get_task", "parse_model_spec"]
+__all__ = ["Defaults", "Task", "new_model", "parse_model_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def parse_model_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name, kwargs
 
 
-def _new_model(spec: str, num_classes: int, seed: int, **extra: Any) -> nn.Module:
+def new_model(spec: str, num_classes: int, seed: int, **extra: Any) -> nn.Module:
     """Build a model whose initial weights depend only on ``seed`` (global RNG left as it was)."""
     name, kwargs = parse_model_spec(spec)
     kwargs = {**extra, **kwargs}
@@ -111,7 +111,7 @@ class Task:
 
     def build_model(self, cfg: Any, data: Any) -> nn.Module:
         """The model of ``cfg.model``, initialised from ``cfg.seed``."""
-        return _new_model(cfg.model, data.num_classes, cfg.seed)
+        return new_model(cfg.model, data.num_classes, cfg.seed)
 
     @staticmethod
     def _limit(data: D.TaskData, limit: int | None, seed: int) -> D.TaskData:
@@ -174,148 +174,3 @@ class Task:
         """Turn summed evaluation counts into ``{"test_loss", metric}``."""
         count = max(float(sums[2]), 1.0)
         return {"test_loss": float(sums[0]) / count, "accuracy": float(sums[1]) / count}
-
-
-class DigitsTask(Task):
-    """8x8 handwritten digits, embedded in the package: no download."""
-
-    def load(self, cfg: Any) -> D.TaskData:
-        return self._limit(D.load_digits(seed=cfg.seed), cfg.limit_train, cfg.seed)
-
-
-class Cifar10Task(Task):
-    """CIFAR-10 from ``--data``: the python release or an ImageFolder tree (dir or .tar.gz)."""
-
-    def load(self, cfg: Any) -> D.TaskData:
-        kwargs: dict[str, Any] = {}
-        if cfg.cache_dir is not None:
-            kwargs["cache_dir"] = cfg.cache_dir
-        data = D.load_cifar10(cfg.data, **kwargs)
-        return self._limit(data, cfg.limit_train, cfg.seed)
-
-
-class LogRegTask(Task):
-    """Logistic regression on a LIBSVM file (``--data``) or a generated separable problem."""
-
-    def load(self, cfg: Any) -> D.TaskData:
-        if cfg.data is None:
-            data = D.make_logreg_problem(n=2000, d=100, seed=cfg.seed)
-        else:
-            data = D.load_libsvm(cfg.data, seed=cfg.seed)
-        return self._limit(data, cfg.limit_train, cfg.seed)
-
-    def build_model(self, cfg: Any, data: Any) -> nn.Module:
-        extra = {"num_features": int(data.train.x[0].numel())} if cfg.model.startswith("logreg") else {}
-        return _new_model(cfg.model, data.num_classes, cfg.seed, **extra)
-
-
-class LanguageModelTask(Task):
-    """Word- (or char-) level language modelling with an LSTM; truncated BPTT; perplexity.
-
-    The training stream is cut into ``world`` contiguous parts, one per worker, each arranged
-    in ``batch_size`` columns; every epoch walks the windows in order with the hidden state
-    carried across windows (reset at the start of each epoch).
-    """
-
-    def load(self, cfg: Any) -> D.LMData:
-        lm = D.load_text(cfg.data, level=cfg.text_level)
-        if cfg.limit_train is not None:
-            lm.train_ids = lm.train_ids[: cfg.limit_train]
-        return lm
-
-    def build_model(self, cfg: Any, data: Any) -> nn.Module:
-        return _new_model(cfg.model, len(data.vocab), cfg.seed)
-
-    def _stream(self, data: D.LMData, cfg: Any, world: int, rank: int) -> Tensor:
-        per = len(data.train_ids) // world
-        return D.batchify(data.train_ids[rank * per:(rank + 1) * per], cfg.batch_size)
-
-    def steps_per_epoch(self, data: Any, cfg: Any, world: int) -> int:
-        per = len(data.train_ids) // world
-        if per // cfg.batch_size < 2:
-            raise ValueError(
-                f"`batch_size` must leave at least 2 tokens per column of each worker's "
-                f"{per} tokens, got {cfg.batch_size}"
-            )
-        return math.ceil((per // cfg.batch_size - 1) / cfg.bptt)
-
-    def batches(self, data: Any, cfg: Any, world: int, rank: int, epoch: int) -> list[Any]:
-        return list(D.bptt_batches(self._stream(data, cfg, world, rank), cfg.bptt))
-
-    def init_carry(self, model: nn.Module, cfg: Any) -> Any:
-        return model.init_hidden(cfg.batch_size)  # type: ignore[operator]
-
-    def loss(self, model: nn.Module, batch: Any, carry: Any) -> tuple[Tensor, Any]:
-        inp, tgt = batch
-        logits, hidden = model(inp, carry)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
-        # Truncated BPTT: the next window starts from this state without its history. (The
-        # model may be wrapped in DDP, so no model method is used here.)
-        return loss, tuple(h.detach() for h in hidden)
-
-    @torch.no_grad()
-    def eval_sums(self, model: nn.Module, data: Any, cfg: Any, world: int, rank: int) -> Tensor:
-        per = len(data.valid_ids) // world
-        part = data.valid_ids[rank * per:(rank + 1) * per]
-        sums = torch.zeros(3, dtype=torch.float64)
-        columns = max(1, min(10, len(part) // 2))
-        if len(part) < 2:
-            return sums
-        stream = D.batchify(part, columns).to(next(model.parameters()).device)
-        hidden = model.init_hidden(columns)  # type: ignore[operator]
-        for inp, tgt in D.bptt_batches(stream, cfg.bptt):
-            logits, hidden = model(inp, hidden)
-            sums[0] += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                             tgt.reshape(-1), reduction="sum"))
-            sums[2] += tgt.numel()
-        return sums
-
-    def metrics(self, sums: Tensor) -> dict[str, float]:
-        loss = float(sums[0]) / max(float(sums[2]), 1.0)
-        return {"test_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
-
-
-TASKS: dict[str, Task] = {
-    t.name: t
-    for t in (
-        DigitsTask(
-            "digits", "8x8 handwritten digits (embedded, 1797 images, 80/20 split), small CNN",
-            Defaults(model="digitsnet", epochs=12, batch_size=16, lr=0.025, weight_decay=1e-4,
-                     warmup_epochs=1.0, milestones=(0.5, 0.75), interval_epochs=2.0,
-                     threads=1),
-            models=("digitsnet", "logreg"),
-        ),
-        Cifar10Task(
-            "cifar10", "CIFAR-10 from --data (python release or ImageFolder dir/.tar.gz)",
-            Defaults(model="resnet20", epochs=300, batch_size=128, lr=0.1, weight_decay=1e-4,
-                     warmup_epochs=5.0, milestones=(0.5, 0.75), interval_epochs=10.0),
-            needs_data=True, augment=True,
-            models=("resnet8", "resnet14", "resnet20", "resnet18", "vgg-tiny", "vgg11",
-                    "vgg16", "vgg19"),
-        ),
-        LanguageModelTask(
-            "lm", "language model on a text file or dir (--data), 2-layer LSTM, perplexity",
-            Defaults(model="lstm", epochs=90, batch_size=20, lr=1.25, momentum=0.0,
-                     warmup_epochs=5.0, milestones=(60.0, 80.0), interval_epochs=5.0,
-                     clip=0.25),
-            metric="perplexity", needs_data=True, models=("lstm",),
-        ),
-        LogRegTask(
-            "logreg", "logistic regression: LIBSVM file (--data) or a generated problem",
-            Defaults(model="logreg", epochs=10, batch_size=32, lr=0.1, momentum=0.0,
-                     milestones=(0.5, 0.75), interval_epochs=2.0, threads=1),
-            models=("logreg",),
-        ),
-    )
-}
-
-
-def get_task(name: str) -> Task:
-    """The registered task called ``name``.
-
-    Raises:
-        ValueError: unknown name.
-    """
-    if name not in TASKS:
-        raise ValueError(f"`task` must be one of {', '.join(TASKS)}, got {name!r}")
-    return TASKS[name]

@@ -1,4 +1,6 @@
-"""Sanity checks on a pair of compression levels (which one is gentler)."""
+"""Which of two compression levels is the gentler one: a warning when a controller's gentle
+level looks more aggressive than its aggressive one (QSGD's `levels` field is a knob here,
+like `ratio` or `matrix_rank`)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import math
 from gradzip.compressors.base import Compressor
 from gradzip.compressors.none import NoCompression
 
-__all__ = ["check_levels", "gentleness"]
+__all__ = ["check_level_order", "gentleness"]
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ def gentleness(compressor: Compressor) -> tuple[str, float] | None:
     return None
 
 
-def check_levels(steady: Compressor, critical: Compressor) -> None:
+def check_level_order(steady: Compressor, critical: Compressor) -> None:
     """Warn when the critical level looks more aggressive than the steady one.
 
     Swapped levels are legal (the controller does what it is told) but almost always a
