@@ -246,7 +246,11 @@ class GradzipHookState:
     def _reduce_bucket(
         self, engine: Engine, named: dict[str, torch.Tensor], finish_step: bool
     ) -> None:
-        averaged = engine.reduce(named, finish_step=finish_step)
+        # DDP checked at construction that every rank holds the same parameters and hands
+        # every rank the same buckets in the same order (rebuilt buckets follow rank 0's
+        # order), so the payload's layout is identical on every rank: the header may ride in
+        # it (see gradzip.comm.header).
+        averaged = engine.reduce(named, finish_step=finish_step, same_layout=True)
         for name, grad in named.items():
             grad.copy_(averaged[name])
 

@@ -12,7 +12,13 @@ from torch import nn
 from gradzip._validate import check_bool, check_choice, check_int
 from gradzip.checkpoint import validate_checkpoint
 from gradzip.comm.base import Collective, allreduce_wire_bytes
-from gradzip.comm.header import call_code, make_header, read_header, verify_configuration
+from gradzip.comm.header import (
+    HeaderRider,
+    call_code,
+    make_header,
+    read_header,
+    verify_configuration,
+)
 from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.spec import compressor_from_spec
@@ -39,6 +45,15 @@ def _copy_tree(tree: Any) -> Any:
 
 # The structural comparison of state trees (kept under its old name for callers and tests).
 _first_mismatch = check_tree
+
+
+def _zero_rows(tensor: torch.Tensor, bad: list[bool]) -> torch.Tensor:
+    """A copy of ``tensor[L, ...]`` with the rows of the workers marked bad set to zero."""
+    out = tensor.clone()
+    for w, is_bad in enumerate(bad):
+        if is_bad:
+            out[w] = 0.0
+    return out
 
 
 class Engine:
@@ -212,13 +227,16 @@ class Engine:
         *,
         finish_step: bool = True,
         step: int | None = None,
+        same_layout: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Average gradients over all workers through the compressor.
 
         Every call first exchanges a small fixed-size header (see :mod:`gradzip.comm.header`)
         so that ranks making different calls (another step, another call of the step, another
         set of tensors or shapes) fail together with a clear error instead of aborting in a
-        size-mismatched collective or averaging different steps.
+        size-mismatched collective or averaging different steps. With ``same_layout=True``
+        the header rides inside the call's first payload message instead (no collective of
+        its own).
 
         Args:
             named_grads: ``name -> gradient`` (with a leading worker axis in a simulated
@@ -228,6 +246,12 @@ class Engine:
             step: the caller's step number (e.g. the training loop's index), optional. When
                 given it is part of the header, so a rank that skipped a whole step is caught
                 at its next call; the engine's own counters catch everything else.
+            same_layout: the caller guarantees that every rank's call passes tensors of the
+                same names and shapes whenever the ranks are in step (a DDP hook: DDP checks
+                its parameters across ranks and hands every rank the same buckets in the same
+                order). Ranks out of step are still detected; ranks whose tensors differ
+                would send payloads of different sizes (gloo aborts the process), which is
+                why this is off by default.
 
         Returns:
             ``name -> averaged gradient`` in each gradient's dtype, identical on all workers.
@@ -244,6 +268,7 @@ class Engine:
         if not isinstance(named_grads, Mapping):
             raise TypeError(f"`named_grads` must be a mapping name -> tensor, got {type(named_grads).__name__}")
         check_bool("finish_step", finish_step)
+        check_bool("same_layout", same_layout)
         if step is not None:
             step = check_int("step", step, minimum=0)
         try:
@@ -259,7 +284,7 @@ class Engine:
             if self._snapshot is None:
                 self._follow_loss_scale()
                 self._snapshot = (_copy_tree(self.compressor_state), dict(self.residuals))
-            out = self._reduce_call(names, grads, named_grads, finish_step, step)
+            out = self._reduce_call(names, grads, named_grads, finish_step, step, same_layout)
         except BaseException:
             self._abort_step()
             raise
@@ -281,25 +306,31 @@ class Engine:
             self.residuals = {n: r * ratio for n, r in self.residuals.items()}
         self.residual_scale = scale
 
+    def _call_code(self, names: list[str], finish_step: bool, user_step: int | None) -> int:
+        set_code = sum(self._name_codes[n] for n in names) % (1 << 64)
+        return call_code(self.step, self._call, finish_step, user_step, set_code, len(names))
+
+    def _out_of_step(self, names: list[str], finish_step: bool, user_step: int | None) -> None:
+        shown = ", ".join(f"{n}{tuple(self.shapes[n])}" for n in names[:4])
+        raise RuntimeError(
+            f"ranks are out of step: rank {self.comm.first_rank} makes call {self._call} of "
+            f"step {self.step} (finish_step={finish_step}, step={user_step}) with "
+            f"{len(names)} tensors [{shown}{', ...' if len(names) > 4 else ''}], and at "
+            f"least one other rank makes a different call (another step or call of the "
+            f"step, or another set of tensors or shapes); every rank must make the same "
+            f"sequence of reduce calls with the same tensors. The step was abandoned."
+        )
+
     def _exchange_header(
         self, names: list[str], finish_step: bool, user_step: int | None, bad: list[bool]
     ) -> bool:
         """Check that every rank makes this very call; return whether any worker's
         compensated gradient is non-finite (so every worker applies the policy alike)."""
-        set_code = sum(self._name_codes[n] for n in names) % (1 << 64)
-        code = call_code(self.step, self._call, finish_step, user_step, set_code, len(names))
+        code = self._call_code(names, finish_step, user_step)
         total = self.comm.all_reduce(make_header(code, bad))
         agreed, nonfinite = read_header(total, self.comm.world_size)
         if not agreed:
-            shown = ", ".join(f"{n}{tuple(self.shapes[n])}" for n in names[:4])
-            raise RuntimeError(
-                f"ranks are out of step: rank {self.comm.first_rank} makes call {self._call} of "
-                f"step {self.step} (finish_step={finish_step}, step={user_step}) with "
-                f"{len(names)} tensors [{shown}{', ...' if len(names) > 4 else ''}], and at "
-                f"least one other rank makes a different call (another step or call of the "
-                f"step, or another set of tensors or shapes); every rank must make the same "
-                f"sequence of reduce calls with the same tensors. The step was abandoned."
-            )
+            self._out_of_step(names, finish_step, user_step)
         return nonfinite
 
     def _reduce_call(
@@ -309,8 +340,11 @@ class Engine:
         named_grads: Mapping[str, torch.Tensor],
         finish_step: bool,
         user_step: int | None,
+        same_layout: bool = False,
     ) -> dict[str, torch.Tensor]:
         workers, world = self.comm.local_workers, self.comm.world_size
+        # Every rank knows it is poisoned together (the earlier call's count was agreed), so
+        # every rank sends the separate header here, whatever ``same_layout`` says.
         if self._poisoned:  # an earlier call of this step was non-finite ("skip")
             self._exchange_header(names, finish_step, user_step, [False] * workers)
             return self._fill(names, named_grads, float("nan"))
@@ -331,14 +365,34 @@ class Engine:
         # The compensated gradient, not only the incoming one: a finite gradient plus a finite
         # residual can overflow, and that must not reach the compressor or the state.
         bad = bad_workers([j.tensor for j in jobs + dense], workers)
-        if self._exchange_header(names, finish_step, user_step, bad):
-            return self._on_nonfinite(
-                names, named_grads, before, finish_step,
-                "a gradient holds NaN or Inf",
+        if same_layout:
+            # The agreement rides in the payload, so it is known only after the compressor
+            # has started sending: a worker whose gradient is non-finite sends zeros instead
+            # (compressors are handed finite tensors only; the result is discarded by the
+            # policy on every worker alike, and zeros keep every message's size).
+            if any(bad):
+                jobs = [Job(j.name, _zero_rows(j.tensor, bad)) for j in jobs]
+                dense = [Job(j.name, _zero_rows(j.tensor, bad)) for j in dense]
+            rider = HeaderRider(
+                self.comm, self._call_code(names, finish_step, user_step), bad,
+                lambda: self._out_of_step(names, finish_step, user_step),
             )
-        dense_reduce(dense, self.comm)
-        if jobs:
-            self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
+            dense_reduce(dense, rider)
+            if jobs:
+                self.compressor.reduce(jobs, self.compressor_state, rider, self._context())
+            if rider.finish():
+                return self._on_nonfinite(
+                    names, named_grads, before, finish_step, "a gradient holds NaN or Inf",
+                )
+        else:
+            if self._exchange_header(names, finish_step, user_step, bad):
+                return self._on_nonfinite(
+                    names, named_grads, before, finish_step,
+                    "a gradient holds NaN or Inf",
+                )
+            dense_reduce(dense, self.comm)
+            if jobs:
+                self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
         dense_bytes = 4 * sum(j.numel for j in jobs + dense)
         for w in range(workers):
             self.dense_payload[w] += dense_bytes

@@ -25,14 +25,19 @@ it can abort the process. The header is metered like any other message.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from gradzip.comm.base import Collective, allgather_wire_bytes
+from gradzip.ops.flat import to_device
 from gradzip.ops.random import stable_hash
 
-__all__ = ["HEADER_BYTES", "call_code", "make_header", "read_header", "verify_configuration"]
+__all__ = [
+    "HEADER_BYTES", "HeaderRider", "call_code", "make_header", "read_header", "rider_bytes",
+    "rider_digit_bits",
+    "verify_configuration",
+]
 
 HEADER_FIELDS = 3
 HEADER_BYTES = 8 * HEADER_FIELDS
@@ -88,3 +93,144 @@ def verify_configuration(comm: Collective, fields: Mapping[str, str]) -> int:
                 f"compressor, options and parameters"
             )
     return allgather_wire_bytes(mine.numel() * 8, comm.world_size)
+
+
+def _exact_limit(dtype: torch.dtype) -> int | None:
+    """The largest ``M`` such that every integer in ``[0, M]`` is exact in ``dtype``."""
+    if dtype == torch.bool or dtype.is_complex:
+        return None
+    if dtype.is_floating_point:
+        return round(2.0 / torch.finfo(dtype).eps)  # 2 ** (mantissa bits + 1)
+    return int(torch.iinfo(dtype).max)
+
+
+def rider_digit_bits(dtype: torch.dtype, world_size: int, *, summed: bool) -> int | None:
+    """Bits per digit of the code riding in a message of ``dtype``, or ``None`` where the
+    header cannot ride (see the module docstring)."""
+    limit = _exact_limit(dtype)
+    if limit is None or world_size > limit:
+        return None
+    for bits in range(_CODE_BITS, 0, -1):
+        top = (1 << bits) - 1
+        if (world_size * top * top if summed and bits > 1 else top) <= limit:
+            return bits
+    return None
+
+
+def rider_bytes(dtype: torch.dtype, world_size: int, *, summed: bool) -> int | None:
+    """Bytes per worker the header adds to a message of ``dtype`` it rides in (``None``:
+    it cannot ride there and is sent apart, :data:`HEADER_BYTES`)."""
+    bits = rider_digit_bits(dtype, world_size, summed=summed)
+    if bits is None:
+        return None
+    digits = -(-_CODE_BITS // bits)
+    per_digit = 2 if summed and bits > 1 else 1
+    return (digits * per_digit + 1) * torch.empty((), dtype=dtype).element_size()
+
+
+def _digits(code: int, bits: int) -> list[int]:
+    return [(code >> shift) & ((1 << bits) - 1) for shift in range(0, _CODE_BITS, bits)]
+
+
+class HeaderRider(Collective):
+    """The engine's collective for one call, carrying the header in its first message.
+
+    Used only where the caller guarantees the payload's layout is identical on every rank
+    (see the module docstring). Metering goes to the wrapped collective's meter: the extra
+    elements are counted as the bytes they are.
+
+    Args:
+        comm: the collective the call would use.
+        code: this call's code (:func:`call_code`).
+        nonfinite: per local worker, whether its compensated gradient holds NaN or Inf.
+        refuse: called (it raises) when the ranks' codes differ, before any further
+            collective.
+    """
+
+    def __init__(
+        self,
+        comm: Collective,
+        code: int,
+        nonfinite: Sequence[bool],
+        refuse: Callable[[], None],
+    ) -> None:
+        # No super().__init__: the meter is the wrapped collective's own.
+        self.comm, self.code, self.nonfinite, self.refuse = comm, code, list(nonfinite), refuse
+        self.world_size, self.local_workers = comm.world_size, comm.local_workers
+        self.first_rank, self.meter, self.simulated = comm.first_rank, comm.meter, comm.simulated
+        self.bad: bool | None = None  # some worker's gradient is non-finite (once known)
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never reached
+        raise NotImplementedError
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never reached
+        raise NotImplementedError
+
+    def _rows(self, values: list[int], x: torch.Tensor) -> torch.Tensor:
+        rows = torch.tensor([[*values, int(bad)] for bad in self.nonfinite], dtype=x.dtype)
+        return to_device(rows, x.device)
+
+    def _separate(self) -> None:
+        total = self.comm.all_reduce(make_header(self.code, self.nonfinite))
+        agreed, self.bad = read_header(total, self.world_size)
+        if not agreed:
+            self.refuse()
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` (the first call appends the header, reads it and strips it)."""
+        if self.bad is not None:
+            return self.comm.all_reduce(x)
+        self._check(x)
+        bits = rider_digit_bits(x.dtype, self.world_size, summed=True)
+        if bits is None:
+            self._separate()
+            return self.comm.all_reduce(x)
+        digits = _digits(self.code, bits)
+        values = [v for d in digits for v in ((d, d * d) if bits > 1 else (d,))]
+        flat = x.reshape(self.local_workers, -1)
+        total = self.comm.all_reduce(torch.cat([flat, self._rows(values, x)], dim=1))
+        n = flat.shape[1]
+        sums = [int(v) for v in total[n:].tolist()]
+        world, agreed = self.world_size, True
+        step = 2 if bits > 1 else 1
+        for i in range(0, len(values), step):
+            s1, s2 = sums[i], sums[i + step - 1]
+            agreed &= world * s2 == s1 * s1
+        self.bad = sums[-1] > 0
+        if not agreed:
+            self.refuse()
+        return total[:n].reshape(x.shape[1:])
+
+    def all_gather(
+        self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True
+    ) -> torch.Tensor:
+        """Gather ``x`` (the first call appends the header, reads it and strips it)."""
+        if self.bad is not None or not metered:
+            return self.comm.all_gather(x, payload, metered=metered)
+        self._check(x)
+        bits = rider_digit_bits(x.dtype, self.world_size, summed=False)
+        if bits is None:
+            self._separate()
+            return self.comm.all_gather(x, payload, metered=metered)
+        digits = _digits(self.code, bits)
+        flat = x.reshape(self.local_workers, -1)
+        extra = (len(digits) + 1) * x.element_size()
+        if payload is None:
+            payload = [flat.shape[1] * x.element_size()] * self.local_workers
+        gathered = self.comm.all_gather(
+            torch.cat([flat, self._rows(digits, x)], dim=1), [p + extra for p in payload]
+        )
+        n = flat.shape[1]
+        seen = [[int(v) for v in row] for row in gathered[:, n:].tolist()]
+        self.bad = any(row[-1] > 0 for row in seen)
+        if any(row[:-1] != digits for row in seen):
+            self.refuse()
+        return gathered[:, :n].reshape(self.world_size, *x.shape[1:])
+
+    def finish(self) -> bool:
+        """After the call's last collective: whether some worker's gradient is non-finite
+        (exchanging the separate header now if no collective carried it)."""
+        if self.bad is None:
+            self._separate()
+        assert self.bad is not None
+        return self.bad
