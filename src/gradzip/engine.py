@@ -13,6 +13,7 @@ from gradzip._validate import check_bool, check_choice, check_int
 from gradzip.checkpoint import validate_checkpoint
 from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.comm.header import (
+    HEADER_BYTES,
     HeaderRider,
     call_code,
     make_header,
@@ -22,9 +23,10 @@ from gradzip.comm.header import (
 from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.spec import compressor_from_spec
+from gradzip.deferred import any_nonfinite, changed_tensors, where_tree
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
-from gradzip.statecheck import bad_workers, check_tree, first_nonfinite
+from gradzip.statecheck import bad_workers, check_tree, finite_rows, first_nonfinite
 
 __all__ = ["FORMAT_VERSION", "Engine"]
 
@@ -45,6 +47,10 @@ def _copy_tree(tree: Any) -> Any:
 
 # The structural comparison of state trees (kept under its old name for callers and tests).
 _first_mismatch = check_tree
+
+
+def _or(flag: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more if flag is None else flag | more
 
 
 def _zero_rows(tensor: torch.Tensor, bad: list[bool]) -> torch.Tensor:
@@ -162,6 +168,14 @@ class Engine:
         self._poisoned = False  # "skip": an earlier call of this step was non-finite
         self._skipped = False  # the policy handled a call of this step
         self._call = 0  # calls made so far in this step
+        # Decisions kept on the device (``_reduce_on_device``): this step's "skip" flag,
+        # "zero" flag, ranks-out-of-step flag (0-d bool tensors), and skipped steps not yet
+        # added to ``skipped_steps``. ``_device_decisions`` forces that path off CUDA too.
+        self._poison_dev: torch.Tensor | None = None
+        self._handled_dev: torch.Tensor | None = None
+        self._desync_dev: torch.Tensor | None = None
+        self._skipped_pending: torch.Tensor | None = None
+        self._device_decisions = False
         self._name_codes = {n: stable_hash("tensor", n, tuple(s)) for n, s in self.shapes.items()}
         self._verified = self.comm.simulated or self.comm.world_size == 1
         self.handshake_bytes = 0
@@ -343,6 +357,9 @@ class Engine:
         same_layout: bool = False,
     ) -> dict[str, torch.Tensor]:
         workers, world = self.comm.local_workers, self.comm.world_size
+        on_device = self._decides_on_device(names, grads, same_layout)
+        if not on_device and self._poison_dev is not None:
+            self._settle_device_flags()  # this call decides on the host: bring them over
         # Every rank knows it is poisoned together (the earlier call's count was agreed), so
         # every rank sends the separate header here, whatever ``same_layout`` says.
         if self._poisoned:  # an earlier call of this step was non-finite ("skip")
@@ -362,6 +379,10 @@ class Engine:
             else:
                 residual = self.residuals.get(name) if self.error_feedback else None
                 jobs.append(Job(name, compensate(g, residual)))
+        if on_device:
+            return self._reduce_on_device(
+                names, jobs, dense, named_grads, before, finish_step, user_step, same_layout
+            )
         # The compensated gradient, not only the incoming one: a finite gradient plus a finite
         # residual can overflow, and that must not reach the compressor or the state.
         bad = bad_workers([j.tensor for j in jobs + dense], workers)
@@ -423,6 +444,192 @@ class Engine:
             for job in sorted(jobs + dense, key=lambda j: self._order[j.name])
         }
 
+    # -- decisions kept on the device (see gradzip.deferred) -------------------------------
+    def _decides_on_device(
+        self, names: list[str], grads: list[torch.Tensor], same_layout: bool
+    ) -> bool:
+        """Whether this call keeps its non-finite decisions on the device (no host read).
+
+        Only where every condition holds: the tensors live on CUDA (on the CPU a host read
+        costs nothing, and the host path sends less after a non-finite call); the policy
+        is not ``"raise"`` (an exception needs the host to know now); the compressor's
+        collectives have shape-determined sizes and tolerate non-finite input
+        (``device_decisions``), so ranks may learn of a non-finite gradient after its
+        message was sent; nothing needs the header read before the payload (every worker is
+        in this process, or the header rides in a payload of guaranteed layout); and every
+        compressed tensor has a residual to restore (steady state).
+        """
+        if not (self._device_decisions or (grads and grads[0].is_cuda)):
+            return False
+        if self.nonfinite == "raise" or not self.compressor.device_decisions or not grads:
+            return False
+        if not (same_layout or self.comm.simulated or self.comm.world_size == 1):
+            return False
+        if self._poisoned:  # decided on the host already: the host path goes on
+            return False
+        if not self.error_feedback:
+            return True
+        target = self.residuals if self.nonfinite == "zero" else self._snapshot[1]  # type: ignore[index]
+        return all(n in target for n in names if n not in self.dense_names)
+
+    def _reduce_on_device(
+        self,
+        names: list[str],
+        jobs: list[Job],
+        dense: list[Job],
+        named_grads: Mapping[str, torch.Tensor],
+        before: tuple[Any, dict[str, torch.Tensor]],
+        finish_step: bool,
+        user_step: int | None,
+        same_layout: bool,
+    ) -> dict[str, torch.Tensor]:
+        """One call whose non-finite decisions stay on the device (``_decides_on_device``).
+
+        The same results, state and counters as the host path, bit for bit, by
+        ``torch.where`` on a 0-d flag: ``"skip"`` masks this and every later call of the step
+        with NaN and, at the step's end, restores every residual and state tensor the step
+        changed; ``"zero"`` masks the call with zeros and restores its own residuals and
+        state at once. Differences: no warning is logged (``stats["skipped_steps"]`` still
+        counts), and a call made after a non-finite one sends its payload (the host path
+        sends only the header), so byte counts differ in such steps. Ranks out of step
+        (only possible in a real group, with the header riding) raise at the end of the
+        step, on every rank, with the step abandoned.
+        """
+        workers, world = self.comm.local_workers, self.comm.world_size
+        tensors = [j.tensor for j in jobs + dense]
+        device = tensors[0].device
+        ok = finite_rows(tensors, workers)
+        comm: Collective = self.comm
+        rider = None
+        if same_layout:
+            rider = HeaderRider(
+                self.comm, self._call_code(names, finish_step, user_step), ~ok,
+                lambda: self._out_of_step(names, finish_step, user_step),
+            )
+            comm = rider
+        else:
+            # Every worker is in this process (``_decides_on_device``), so they make the same
+            # call by construction and their non-finite agreement is the local "any". The
+            # header is counted as the real group would send it, so byte counts match.
+            wire = allreduce_wire_bytes(HEADER_BYTES, world)
+            self.comm.meter.add([HEADER_BYTES] * workers, [wire] * workers)
+        dense_reduce(dense, comm)
+        if jobs:
+            self.compressor.reduce(jobs, self.compressor_state, comm, self._context())
+        if rider is not None:
+            bad = rider.finish_on_device(device)
+            if rider.disagree is not None and not (self.comm.simulated or world == 1):
+                self._desync_dev = _or(self._desync_dev, rider.disagree)
+        else:
+            bad = ~ok.all()
+        dense_bytes = 4 * sum(j.numel for j in jobs + dense)
+        for w in range(workers):
+            self.dense_payload[w] += dense_bytes
+            self.dense_wire[w] += allreduce_wire_bytes(dense_bytes, world)
+        averaged = [job.averaged for job in jobs + dense]
+        changed = changed_tensors(self.compressor_state, before[0])
+        if changed is None:  # a compressor's bug; the step is abandoned
+            raise RuntimeError(
+                f"{self.compressor.spec()} changed its state in a way a device rollback "
+                "cannot undo; it must not declare device_decisions"
+            )
+        flag = bad | any_nonfinite([*averaged, *changed], device)  # type: ignore[list-item]
+        if self.error_feedback:
+            for job in jobs:
+                rest = job.leftover()
+                if self.nonfinite == "zero":
+                    rest = torch.where(flag, before[1][job.name], rest)
+                self.residuals[job.name] = rest
+        if self.nonfinite == "zero":
+            self.compressor_state = where_tree(flag, before[0], self.compressor_state)
+            self._handled_dev = _or(self._handled_dev, flag)
+            mask, fill = flag, 0.0
+        else:
+            self._poison_dev = _or(self._poison_dev, flag)
+            mask, fill = self._poison_dev, float("nan")
+        if finish_step:
+            self._finish_on_device(device)
+        return {
+            job.name: torch.where(mask, fill, job.averaged.to(named_grads[job.name].dtype))  # type: ignore[union-attr]
+            for job in sorted(jobs + dense, key=lambda j: self._order[j.name])
+        }
+
+    def _finish_on_device(self, device: torch.device) -> None:
+        """The end of a step whose decisions are on the device: the compressor's end of step,
+        the rollback of ``"skip"``, the skipped-step count; then the one host read of a step
+        whose header rode in a real group (ranks out of step)."""
+        start = self.compressor_state
+        self.compressor.end_step(self.compressor_state, self._context())
+        changed = changed_tensors(self.compressor_state, start)
+        if changed is None:
+            raise RuntimeError(
+                f"{self.compressor.spec()} changed its state at the end of a step in a way a "
+                "device rollback cannot undo; it must not declare device_decisions"
+            )
+        end_bad = any_nonfinite(changed, device)
+        if self.nonfinite == "zero":
+            self.compressor_state = where_tree(end_bad, start, self.compressor_state)
+            handled = _or(self._handled_dev, end_bad)
+        else:
+            assert self._snapshot is not None
+            poison = _or(self._poison_dev, end_bad)
+            snap_state, snap_res = self._snapshot
+            if any(n not in snap_res for n in self.residuals):
+                # A residual made this step by a call that decided on the host has nothing to
+                # go back to on the device: decide on the host (first steps only).
+                if bool(poison):
+                    self.compressor_state = _copy_tree(snap_state)
+                    self.residuals = dict(snap_res)
+            else:
+                self.compressor_state = where_tree(poison, snap_state, self.compressor_state)
+                self.residuals = {
+                    n: r if r is snap_res[n] else torch.where(poison, snap_res[n], r)
+                    for n, r in self.residuals.items()
+                }
+            handled = poison
+        count = handled.to(torch.int64)
+        self._skipped_pending = count if self._skipped_pending is None else self._skipped_pending + count
+        self._poison_dev = self._handled_dev = None
+        if self._desync_dev is not None:
+            # Why only now: with the header riding in a payload of guaranteed layout, and
+            # collectives whose sizes the shapes decide, ranks out of step exchange messages of
+            # equal sizes (nothing aborts); reading once per step instead of once per call
+            # keeps the host from waiting on every bucket. Every rank reads the same sums.
+            desync, self._desync_dev = bool(self._desync_dev), None
+            if desync:
+                raise RuntimeError(
+                    f"ranks are out of step: at least one call of step {self.step} on rank "
+                    f"{self.comm.first_rank} differed from another rank's (another step or "
+                    f"call of the step); every rank must make the same sequence of reduce "
+                    f"calls. Found at the step's end; the step was abandoned."
+                )
+
+    def _settle_device_flags(self) -> None:
+        """Bring this step's device flags to the host (a host read), as if every earlier call
+        of the step had decided on the host."""
+        poison, handled = self._poison_dev, self._handled_dev
+        self._poison_dev = self._handled_dev = None
+        if handled is not None and bool(handled):
+            self._skipped = True
+        if poison is not None and bool(poison):
+            assert self._snapshot is not None
+            self.compressor_state = _copy_tree(self._snapshot[0])
+            self.residuals = dict(self._snapshot[1])
+            self._poisoned = self._skipped = True
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps handled by the ``"skip"`` or ``"zero"`` policy (reading it after steps that
+        decided on the device makes the host wait for them)."""
+        if self._skipped_pending is not None:
+            self._skipped_host += int(self._skipped_pending)
+            self._skipped_pending = None
+        return self._skipped_host
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_host, self._skipped_pending = int(value), None
+
     def _end_step(self, before: Any) -> str | None:
         """Run the compressor's end of step; where its state turns non-finite, the path."""
         self.compressor.end_step(self.compressor_state, self._context())
@@ -479,6 +686,7 @@ class Engine:
 
     def _reset_step(self) -> None:
         self._snapshot = None
+        self._poison_dev = self._handled_dev = self._desync_dev = None
         self._poisoned = False
         self._skipped = False
         self._call = 0

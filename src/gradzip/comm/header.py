@@ -128,6 +128,10 @@ def rider_bytes(dtype: torch.dtype, world_size: int, *, summed: bool) -> int | N
     return (digits * per_digit + 1) * torch.empty((), dtype=dtype).element_size()
 
 
+#: Riding all-reduces whose header the device can check exactly in float64.
+_DEVICE_CHECKED = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _digits(code: int, bits: int) -> list[int]:
     return [(code >> shift) & ((1 << bits) - 1) for shift in range(0, _CODE_BITS, bits)]
 
@@ -139,10 +143,17 @@ class HeaderRider(Collective):
     (see the module docstring). Metering goes to the wrapped collective's meter: the extra
     elements are counted as the bytes they are.
 
+    With ``nonfinite`` a device tensor, a riding all-reduce in fp32, fp16 or bf16 is checked
+    on the device without a host read: :attr:`bad_flag` (some worker's gradient is
+    non-finite) and :attr:`disagree` (the ranks' codes differ) are then 0-d bool tensors,
+    for the caller to act on with ``torch.where`` and to read later. Every other case (an
+    all-gather, the separate header) reads on the host as above.
+
     Args:
         comm: the collective the call would use.
         code: this call's code (:func:`call_code`).
-        nonfinite: per local worker, whether its compensated gradient holds NaN or Inf.
+        nonfinite: per local worker, whether its compensated gradient holds NaN or Inf (a
+            list, or an ``[L]`` bool tensor for the device check).
         refuse: called (it raises) when the ranks' codes differ, before any further
             collective.
     """
@@ -151,14 +162,30 @@ class HeaderRider(Collective):
         self,
         comm: Collective,
         code: int,
-        nonfinite: Sequence[bool],
+        nonfinite: Sequence[bool] | torch.Tensor,
         refuse: Callable[[], None],
     ) -> None:
         # No super().__init__: the meter is the wrapped collective's own.
-        self.comm, self.code, self.nonfinite, self.refuse = comm, code, list(nonfinite), refuse
+        self.comm, self.code, self.refuse = comm, code, refuse
+        self.flags = nonfinite if isinstance(nonfinite, torch.Tensor) else None
+        self._listed = None if self.flags is not None else list(nonfinite)  # type: ignore[arg-type]
         self.world_size, self.local_workers = comm.world_size, comm.local_workers
         self.first_rank, self.meter, self.simulated = comm.first_rank, comm.meter, comm.simulated
-        self.bad: bool | None = None  # some worker's gradient is non-finite (once known)
+        self.bad: bool | None = None  # some worker's gradient is non-finite (read on the host)
+        self.bad_flag: torch.Tensor | None = None  # the same, checked on the device
+        self.disagree: torch.Tensor | None = None  # the codes differ (device check only)
+
+    @property
+    def nonfinite(self) -> list[bool]:
+        """The local flags as a list (a host read when they live on the device)."""
+        if self._listed is None:
+            assert self.flags is not None
+            self._listed = [bool(v) for v in self.flags.tolist()]
+        return self._listed
+
+    @property
+    def done(self) -> bool:
+        return self.bad is not None or self.bad_flag is not None
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never reached
         raise NotImplementedError
@@ -167,6 +194,9 @@ class HeaderRider(Collective):
         raise NotImplementedError
 
     def _rows(self, values: list[int], x: torch.Tensor) -> torch.Tensor:
+        if self.flags is not None and self._listed is None:  # built on the device
+            fixed = to_device(torch.tensor([values] * self.local_workers, dtype=x.dtype), x.device)
+            return torch.cat([fixed, self.flags.to(device=x.device, dtype=x.dtype)[:, None]], 1)
         rows = torch.tensor([[*values, int(bad)] for bad in self.nonfinite], dtype=x.dtype)
         return to_device(rows, x.device)
 
@@ -178,7 +208,7 @@ class HeaderRider(Collective):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` (the first call appends the header, reads it and strips it)."""
-        if self.bad is not None:
+        if self.done:
             return self.comm.all_reduce(x)
         self._check(x)
         bits = rider_digit_bits(x.dtype, self.world_size, summed=True)
@@ -187,12 +217,21 @@ class HeaderRider(Collective):
             return self.comm.all_reduce(x)
         digits = _digits(self.code, bits)
         values = [v for d in digits for v in ((d, d * d) if bits > 1 else (d,))]
+        world, step = self.world_size, 2 if bits > 1 else 1
         flat = x.reshape(self.local_workers, -1)
         total = self.comm.all_reduce(torch.cat([flat, self._rows(values, x)], dim=1))
         n = flat.shape[1]
+        if self.flags is not None and self._listed is None and x.dtype in _DEVICE_CHECKED:
+            # In float64 every sum and product here is exact: sums are at most
+            # ``W * (2 ** k - 1) ** 2 <= 2 ** 24`` and ``W <= 2 ** 24``, so ``s1 ** 2`` and
+            # ``W * s2`` stay below ``2 ** 48``.
+            tail = total[n:].to(torch.float64)
+            s1, s2 = tail[0:-1:step], tail[step - 1 : -1 : step]
+            self.disagree = ~(world * s2 == s1 * s1).all()
+            self.bad_flag = tail[-1] > 0
+            return total[:n].reshape(x.shape[1:])
         sums = [int(v) for v in total[n:].tolist()]
-        world, agreed = self.world_size, True
-        step = 2 if bits > 1 else 1
+        agreed = True
         for i in range(0, len(values), step):
             s1, s2 = sums[i], sums[i + step - 1]
             agreed &= world * s2 == s1 * s1
@@ -205,7 +244,7 @@ class HeaderRider(Collective):
         self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True
     ) -> torch.Tensor:
         """Gather ``x`` (the first call appends the header, reads it and strips it)."""
-        if self.bad is not None or not metered:
+        if self.done or not metered:
             return self.comm.all_gather(x, payload, metered=metered)
         self._check(x)
         bits = rider_digit_bits(x.dtype, self.world_size, summed=False)
@@ -230,7 +269,18 @@ class HeaderRider(Collective):
     def finish(self) -> bool:
         """After the call's last collective: whether some worker's gradient is non-finite
         (exchanging the separate header now if no collective carried it)."""
-        if self.bad is None:
+        if not self.done:
             self._separate()
-        assert self.bad is not None
+        if self.bad is None:
+            assert self.bad_flag is not None
+            self.bad = bool(self.bad_flag)
         return self.bad
+
+    def finish_on_device(self, device: torch.device) -> torch.Tensor:
+        """:meth:`finish` as a 0-d bool tensor on ``device``, without a host read where the
+        header rode in a device-checked all-reduce."""
+        if not self.done:
+            self._separate()
+        if self.bad_flag is None:
+            self.bad_flag = torch.full((), bool(self.bad), dtype=torch.bool, device=device)
+        return self.bad_flag

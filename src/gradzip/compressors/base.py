@@ -100,6 +100,11 @@ class Compressor(ABC):
     biased: ClassVar[bool] = True
     #: spec-string key -> field name, for keys shorter than the field's name.
     spec_aliases: ClassVar[dict[str, str]] = {}
+    #: ``reduce`` makes the host wait for no device work, the sizes of its collectives depend
+    #: on the tensors' shapes only, and it accepts non-finite input (the result is then
+    #: non-finite, never an error): the engine may then keep its non-finite decisions on
+    #: the device (see :class:`~gradzip.Engine`).
+    device_decisions: ClassVar[bool] = False
 
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
         """Fresh state for tensors of the given shapes (plain data and tensors only)."""

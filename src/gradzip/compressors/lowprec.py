@@ -17,6 +17,7 @@ __all__ = ["BF16", "FP16"]
 
 class _LowPrecision(Compressor):
     biased: ClassVar[bool] = False
+    device_decisions: ClassVar[bool] = True
     dtype: ClassVar[torch.dtype] = torch.float16
 
     def reduce(
