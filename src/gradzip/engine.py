@@ -377,8 +377,12 @@ class Engine:
             if name in self.dense_names:
                 dense.append(Job(name, g.to(torch.float32)))
             else:
-                residual = self.residuals.get(name) if self.error_feedback else None
-                jobs.append(Job(name, compensate(g, residual)))
+                if self.error_feedback:
+                    jobs.append(Job(name, compensate(g, self.residuals.get(name))))
+                else:
+                    # No residual is ever kept from it, and compressors only read a job's
+                    # tensor: the gradient itself (in fp32) serves, no copy.
+                    jobs.append(Job(name, g.to(torch.float32)))
         if on_device:
             return self._reduce_on_device(
                 names, jobs, dense, named_grads, before, finish_step, user_step, same_layout

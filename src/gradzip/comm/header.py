@@ -136,6 +136,11 @@ def _digits(code: int, bits: int) -> list[int]:
     return [(code >> shift) & ((1 << bits) - 1) for shift in range(0, _CODE_BITS, bits)]
 
 
+def _summed_values(code: int, bits: int) -> list[int]:
+    """The header elements riding in an all-reduce, the non-finite count excepted."""
+    return [v for d in _digits(code, bits) for v in ((d, d * d) if bits > 1 else (d,))]
+
+
 class HeaderRider(Collective):
     """The engine's collective for one call, carrying the header in its first message.
 
@@ -215,13 +220,17 @@ class HeaderRider(Collective):
         if bits is None:
             self._separate()
             return self.comm.all_reduce(x)
-        digits = _digits(self.code, bits)
-        values = [v for d in digits for v in ((d, d * d) if bits > 1 else (d,))]
-        world, step = self.world_size, 2 if bits > 1 else 1
+        values = _summed_values(self.code, bits)
         flat = x.reshape(self.local_workers, -1)
-        total = self.comm.all_reduce(torch.cat([flat, self._rows(values, x)], dim=1))
         n = flat.shape[1]
-        if self.flags is not None and self._listed is None and x.dtype in _DEVICE_CHECKED:
+        riding = torch.cat([flat, self._rows(values, x)], dim=1)
+        return self._sum_riding(riding, n, bits).reshape(x.shape[1:])
+
+    def _sum_riding(self, riding: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+        """All-reduce ``riding`` (``[L, n + header]``), check the header, return ``[n]``."""
+        total = self.comm.all_reduce(riding)
+        world, step = self.world_size, 2 if bits > 1 else 1
+        if self.flags is not None and self._listed is None and riding.dtype in _DEVICE_CHECKED:
             # In float64 every sum and product here is exact: sums are at most
             # ``W * (2 ** k - 1) ** 2 <= 2 ** 24`` and ``W <= 2 ** 24``, so ``s1 ** 2`` and
             # ``W * s2`` stay below ``2 ** 48``.
@@ -229,16 +238,27 @@ class HeaderRider(Collective):
             s1, s2 = tail[0:-1:step], tail[step - 1 : -1 : step]
             self.disagree = ~(world * s2 == s1 * s1).all()
             self.bad_flag = tail[-1] > 0
-            return total[:n].reshape(x.shape[1:])
+            return total[:n]
         sums = [int(v) for v in total[n:].tolist()]
-        agreed = True
-        for i in range(0, len(values), step):
-            s1, s2 = sums[i], sums[i + step - 1]
-            agreed &= world * s2 == s1 * s1
+        agreed = all(
+            world * sums[i + step - 1] == sums[i] * sums[i] for i in range(0, len(sums) - 1, step)
+        )
         self.bad = sums[-1] > 0
         if not agreed:
             self.refuse()
-        return total[:n].reshape(x.shape[1:])
+        return total[:n]
+
+    def all_reduce_cat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`all_reduce` of the parts' concatenation, the header rows appended in the
+        same copy (the first call only)."""
+        if self.done or not parts:
+            return super().all_reduce_cat(parts)
+        bits = rider_digit_bits(parts[0].dtype, self.world_size, summed=True)
+        if bits is None:
+            return super().all_reduce_cat(parts)
+        rows = self._rows(_summed_values(self.code, bits), parts[0])
+        riding = torch.cat([*(p.reshape(self.local_workers, -1) for p in parts), rows], dim=1)
+        return self._sum_riding(riding, riding.shape[1] - rows.shape[1], bits)
 
     def all_gather(
         self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True

@@ -18,7 +18,7 @@ import torch
 
 from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.feedback import residual_after
-from gradzip.ops.flat import flatten_workers, split_flat
+from gradzip.ops.flat import split_flat
 
 __all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "sparse_pays"]
 
@@ -155,8 +155,7 @@ def dense_reduce(jobs: Sequence[Job], comm: Collective) -> None:
     """Exact average of every job's tensor with one all-reduce of one flat buffer."""
     if not jobs:
         return
-    flat = flatten_workers([j.tensor for j in jobs], comm.local_workers)
-    total = comm.all_reduce(flat) / comm.world_size
+    total = comm.all_reduce_cat([j.tensor for j in jobs]) / comm.world_size
     for job, part in zip(jobs, split_flat(total, [j.numel for j in jobs]), strict=True):
         job.averaged = part.reshape(job.shape)
         job.decoded = job.tensor
