@@ -250,7 +250,10 @@ def train_simulated(spec: str, *, steps: int, workers: int = 2, micro_batches: i
                 nn.functional.mse_loss(model(x), y).backward()
             for n, p in named:
                 per_worker[n].append(p.grad.clone())
-        averaged = engine.reduce({n: torch.stack(g) for n, g in per_worker.items()})
+        # same_layout as the DDP hook passes: the header rides in the payload, so the messages
+        # (and their bytes) are the hook's.
+        averaged = engine.reduce({n: torch.stack(g) for n, g in per_worker.items()},
+                                 same_layout=True)
         for n, p in named:
             p.grad = averaged[n]
         opt.step()

@@ -21,6 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import torch
+
+from gradzip.comm.header import rider_bytes
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -580,7 +583,9 @@ def test_step_worker_times_every_configuration_over_real_gloo(tmp_path):
     for r in rec["ranks"]:
         assert all(len(v) == 2 and min(v) > 0 for v in r["seconds"].values())
     hook = rec["ranks"][0]["hook_bytes_per_step"]
-    assert hook["gradzip-none"]["wire_bytes"] == rec["grad_bytes"]  # 2 workers: ring = 1x
+    # 2 workers: ring = 1x; plus each bucket's call header, riding in its all-reduce.
+    header = rider_bytes(torch.float32, 2, summed=True)
+    assert hook["gradzip-none"]["wire_bytes"] == rec["grad_bytes"] + buckets["gradzip-none"] * header
     assert 0 < hook["gradzip-powersgd-r4"]["wire_bytes"] < rec["grad_bytes"]
     rows, _ = steps.summarise(rec)
     assert {r["config"] for r in rows} == set(rec["configs"])

@@ -285,7 +285,10 @@ def _simulated_hook(steps: int) -> dict[str, Any]:
             nn.functional.mse_loss(model(x), y).backward()
             for n, p in named:
                 per_worker[n].append(p.grad.clone())
-        for n, avg in engine.reduce({n: torch.stack(g) for n, g in per_worker.items()}).items():
+        # same_layout: as the hook, whose buckets DDP verified identical on every rank, the
+        # call header rides in the first payload message.
+        grads = {n: torch.stack(g) for n, g in per_worker.items()}
+        for n, avg in engine.reduce(grads, same_layout=True).items():
             dict(named)[n].grad = avg
         opt.step()
     return {"params": flat_params(model), "stats": engine.stats,

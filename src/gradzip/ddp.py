@@ -33,16 +33,21 @@ Why it is shaped this way (each point is a failure of hooks keyed differently):
   finishes the engine's step; micro-batches under ``ddp_model.no_sync()`` never reach the hook,
   so ``stats["steps"]`` counts optimizer steps under gradient accumulation.
 * **Non-finite gradients** (``nonfinite="skip"``, the default): every rank agrees that some
-  gradient holds NaN/Inf, all compression state rolls back to where the step began and the
-  bucket is filled with NaN, so a ``GradScaler`` (or any finite check) skips the step.
+  gradient holds NaN/Inf (a count in the bucket's header), all compression state rolls back to
+  where the step began and the bucket is filled with NaN, so a ``GradScaler`` (or any finite
+  check) skips the step. On CUDA, with ``none``, ``fp16``, ``bf16``, ``randk`` or
+  ``powersgd``, that decision stays on the device (``torch.where``, no host read per
+  bucket); the headers' agreement is read once per step, at the last bucket.
 
 Byte counts in :attr:`GradzipHookState.stats` (cumulative, for this rank):
 
 * ``payload_bytes``: the bytes of every message this rank contributed to a collective
   (compressed values, indices, sizes exchanged before a padded all-gather, PowerSGD's ``P`` and
-  ``Q`` factors and the tensors sent dense beside them, and the 4-byte non-finite flag that is
-  all-reduced per bucket when compression state exists). The one-off configuration
-  handshake before the first step is counted apart, in ``handshake_bytes``.
+  ``Q`` factors and the tensors sent dense beside them, and each bucket's call header: a few
+  elements appended to the bucket's first collective, since DDP guarantees every rank the same
+  buckets (see :mod:`gradzip.comm.header`), so ``none``, ``fp16`` and ``bf16`` make one
+  collective per bucket). The one-off configuration handshake before the first step is
+  counted apart, in ``handshake_bytes``.
 * ``wire_bytes``: what a ring algorithm makes this rank send for those messages
   (``2 (W-1)/W`` times the message for an all-reduce, ``(W-1)`` times the padded message for
   an all-gather).
@@ -232,7 +237,11 @@ class GradzipHookState:
     def _reduce_bucket(
         self, engine: Engine, named: dict[str, torch.Tensor], finish_step: bool
     ) -> None:
-        averaged = engine.reduce(named, finish_step=finish_step)
+        # DDP checked at construction that every rank holds the same parameters and hands
+        # every rank the same buckets in the same order (rebuilt buckets follow rank 0's
+        # order), so the payload's layout is identical on every rank: the header may ride in
+        # it (see gradzip.comm.header).
+        averaged = engine.reduce(named, finish_step=finish_step, same_layout=True)
         for name, grad in named.items():
             grad.copy_(averaged[name])
 

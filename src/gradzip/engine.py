@@ -12,15 +12,23 @@ from torch import nn
 from gradzip._validate import check_bool, check_int
 from gradzip.checkpoint import validate_checkpoint
 from gradzip.comm.base import Collective, allreduce_wire_bytes
-from gradzip.comm.header import call_code, make_header, read_header, verify_configuration
+from gradzip.comm.header import (
+    HEADER_BYTES,
+    HeaderRider,
+    call_code,
+    make_header,
+    read_header,
+    verify_configuration,
+)
 from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.deferred import any_nonfinite, changed_tensors, where_tree
 from gradzip.feedback import compensate
 from gradzip.ops.random import stable_hash
 from gradzip.options import MAIN_ROUTE, NONFINITE_POLICIES, EngineOptions
 from gradzip.routing import Router
 from gradzip.spec import compressor_from_spec
-from gradzip.statecheck import bad_workers, check_tree, first_nonfinite
+from gradzip.statecheck import bad_workers, check_tree, finite_rows, first_nonfinite
 
 __all__ = ["FORMAT_VERSION", "NONFINITE_POLICIES", "STATS_KEYS", "Engine"]
 
@@ -43,6 +51,19 @@ def _copy_tree(tree: Any) -> Any:
 
 # The structural comparison of state trees (kept under its old name for callers and tests).
 _first_mismatch = check_tree
+
+
+def _or(flag: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    return more if flag is None else flag | more
+
+
+def _zero_rows(tensor: torch.Tensor, bad: list[bool]) -> torch.Tensor:
+    """A copy of ``tensor[L, ...]`` with the rows of the workers marked bad set to zero."""
+    out = tensor.clone()
+    for w, is_bad in enumerate(bad):
+        if is_bad:
+            out[w] = 0.0
+    return out
 
 
 class Engine:
@@ -127,6 +148,14 @@ class Engine:
         self._poisoned = False  # "skip": an earlier call of this step was non-finite
         self._skipped = False  # the policy handled a call of this step
         self._call = 0  # calls made so far in this step
+        # Decisions kept on the device (``_reduce_on_device``): this step's "skip" flag,
+        # "zero" flag, ranks-out-of-step flag (0-d bool tensors), and skipped steps not yet
+        # added to ``skipped_steps``. ``_device_decisions`` forces that path off CUDA too.
+        self._poison_dev: torch.Tensor | None = None
+        self._handled_dev: torch.Tensor | None = None
+        self._desync_dev: torch.Tensor | None = None
+        self._skipped_pending: torch.Tensor | None = None
+        self._device_decisions = False
         self._name_codes = {n: stable_hash("tensor", n, tuple(s)) for n, s in self.shapes.items()}
         self._verified = self.comm.simulated or self.comm.world_size == 1
         self.handshake_bytes = 0
@@ -135,14 +164,15 @@ class Engine:
     def _compressed_shapes(self) -> dict[str, torch.Size]:
         return self._router.shapes_of(MAIN_ROUTE)
 
-    def _reduce_routed(self, jobs: list[Job]) -> None:
+    def _reduce_routed(self, jobs: list[Job], comm: Collective) -> None:
         """Hand each compressor the jobs routed to it (a tensor's route is fixed at
-        construction and agreed across ranks by the handshake)."""
+        construction and agreed across ranks by the handshake), exchanging through ``comm``
+        (the engine's collective, or one that carries the call header in the payload)."""
         if not self.rule_compressors:
             if jobs:
-                self.compressor.reduce(jobs, self.compressor_state, self.comm, self._context())
+                self.compressor.reduce(jobs, self.compressor_state, comm, self._context())
             return
-        self._router.reduce(jobs, self._states(), self.comm, self._context())
+        self._router.reduce(jobs, self._states(), comm, self._context())
 
     # Every compressor's state as one tree (snapshots, rollback, finiteness tests).
     def _states(self) -> list[Any]:
@@ -221,13 +251,16 @@ class Engine:
         *,
         finish_step: bool = True,
         step: int | None = None,
+        same_layout: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Average gradients over all workers through the compressor.
 
         Every call first exchanges a small fixed-size header (see :mod:`gradzip.comm.header`)
         so that ranks making different calls (another step, another call of the step, another
         set of tensors or shapes) fail together with a clear error instead of aborting in a
-        size-mismatched collective or averaging different steps.
+        size-mismatched collective or averaging different steps. With ``same_layout=True``
+        the header rides inside the call's first payload message instead (no collective of
+        its own).
 
         Args:
             named_grads: ``name -> gradient`` (with a leading worker axis in a simulated
@@ -237,6 +270,12 @@ class Engine:
             step: the caller's step number (e.g. the training loop's index), optional. When
                 given it is part of the header, so a rank that skipped a whole step is caught
                 at its next call; the engine's own counters catch everything else.
+            same_layout: the caller guarantees that every rank's call passes tensors of the
+                same names and shapes whenever the ranks are in step (a DDP hook: DDP checks
+                its parameters across ranks and hands every rank the same buckets in the same
+                order). Ranks out of step are still detected; ranks whose tensors differ
+                would send payloads of different sizes (gloo aborts the process), which is
+                why this is off by default.
 
         Returns:
             ``name -> averaged gradient`` in each gradient's dtype, identical on all workers.
@@ -253,6 +292,7 @@ class Engine:
         if not isinstance(named_grads, Mapping):
             raise TypeError(f"`named_grads` must be a mapping name -> tensor, got {type(named_grads).__name__}")
         check_bool("finish_step", finish_step)
+        check_bool("same_layout", same_layout)
         if step is not None:
             step = check_int("step", step, minimum=0)
         try:
@@ -268,7 +308,7 @@ class Engine:
             if self._snapshot is None:
                 self._follow_loss_scale()
                 self._snapshot = (_copy_tree(self._states()), dict(self.residuals))
-            out = self._reduce_call(names, grads, named_grads, finish_step, step)
+            out = self._reduce_call(names, grads, named_grads, finish_step, step, same_layout)
         except BaseException:
             self._abort_step()
             raise
@@ -290,25 +330,31 @@ class Engine:
             self.residuals = {n: r * ratio for n, r in self.residuals.items()}
         self.residual_scale = scale
 
+    def _call_code(self, names: list[str], finish_step: bool, user_step: int | None) -> int:
+        set_code = sum(self._name_codes[n] for n in names) % (1 << 64)
+        return call_code(self.step, self._call, finish_step, user_step, set_code, len(names))
+
+    def _out_of_step(self, names: list[str], finish_step: bool, user_step: int | None) -> None:
+        shown = ", ".join(f"{n}{tuple(self.shapes[n])}" for n in names[:4])
+        raise RuntimeError(
+            f"ranks are out of step: rank {self.comm.first_rank} makes call {self._call} of "
+            f"step {self.step} (finish_step={finish_step}, step={user_step}) with "
+            f"{len(names)} tensors [{shown}{', ...' if len(names) > 4 else ''}], and at "
+            f"least one other rank makes a different call (another step or call of the "
+            f"step, or another set of tensors or shapes); every rank must make the same "
+            f"sequence of reduce calls with the same tensors. The step was abandoned."
+        )
+
     def _exchange_header(
         self, names: list[str], finish_step: bool, user_step: int | None, bad: list[bool]
     ) -> bool:
         """Check that every rank makes this very call; return whether any worker's
         compensated gradient is non-finite (so every worker applies the policy alike)."""
-        set_code = sum(self._name_codes[n] for n in names) % (1 << 64)
-        code = call_code(self.step, self._call, finish_step, user_step, set_code, len(names))
+        code = self._call_code(names, finish_step, user_step)
         total = self.comm.all_reduce(make_header(code, bad))
         agreed, nonfinite = read_header(total, self.comm.world_size)
         if not agreed:
-            shown = ", ".join(f"{n}{tuple(self.shapes[n])}" for n in names[:4])
-            raise RuntimeError(
-                f"ranks are out of step: rank {self.comm.first_rank} makes call {self._call} of "
-                f"step {self.step} (finish_step={finish_step}, step={user_step}) with "
-                f"{len(names)} tensors [{shown}{', ...' if len(names) > 4 else ''}], and at "
-                f"least one other rank makes a different call (another step or call of the "
-                f"step, or another set of tensors or shapes); every rank must make the same "
-                f"sequence of reduce calls with the same tensors. The step was abandoned."
-            )
+            self._out_of_step(names, finish_step, user_step)
         return nonfinite
 
     def _reduce_call(
@@ -318,8 +364,14 @@ class Engine:
         named_grads: Mapping[str, torch.Tensor],
         finish_step: bool,
         user_step: int | None,
+        same_layout: bool = False,
     ) -> dict[str, torch.Tensor]:
         workers, world = self.comm.local_workers, self.comm.world_size
+        on_device = self._decides_on_device(names, grads, same_layout)
+        if not on_device and self._poison_dev is not None:
+            self._settle_device_flags()  # this call decides on the host: bring them over
+        # Every rank knows it is poisoned together (the earlier call's count was agreed), so
+        # every rank sends the separate header here, whatever ``same_layout`` says.
         if self._poisoned:  # an earlier call of this step was non-finite ("skip")
             self._exchange_header(names, finish_step, user_step, [False] * workers)
             return self._fill(names, named_grads, float("nan"))
@@ -335,20 +387,47 @@ class Engine:
             if name in self.dense_names:
                 dense.append(Job(name, g.to(torch.float32)))
             else:
-                residual = self.residuals.get(name) if name in self._feedback else None
-                # raw: the gradient before error feedback, for controllers that judge the
-                # training regime from it (Accordion); a reference, no copy.
-                jobs.append(Job(name, compensate(g, residual), raw=g))
+                if name in self._feedback:
+                    # raw: the gradient before error feedback, for controllers that judge the
+                    # training regime from it (Accordion); a reference, no copy.
+                    jobs.append(Job(name, compensate(g, self.residuals.get(name)), raw=g))
+                else:
+                    # No residual is ever kept from it, and compressors only read a job's
+                    # tensor: the gradient itself (in fp32) serves, no copy.
+                    jobs.append(Job(name, g.to(torch.float32), raw=g))
+        if on_device:
+            return self._reduce_on_device(
+                names, jobs, dense, named_grads, before, finish_step, user_step, same_layout
+            )
         # The compensated gradient, not only the incoming one: a finite gradient plus a finite
         # residual can overflow, and that must not reach the compressor or the state.
         bad = bad_workers([j.tensor for j in jobs + dense], workers)
-        if self._exchange_header(names, finish_step, user_step, bad):
-            return self._on_nonfinite(
-                names, named_grads, before, finish_step,
-                "a gradient holds NaN or Inf",
+        if same_layout:
+            # The agreement rides in the payload, so it is known only after the compressor
+            # has started sending: a worker whose gradient is non-finite sends zeros instead
+            # (compressors are handed finite tensors only; the result is discarded by the
+            # policy on every worker alike, and zeros keep every message's size).
+            if any(bad):
+                jobs = [Job(j.name, _zero_rows(j.tensor, bad)) for j in jobs]
+                dense = [Job(j.name, _zero_rows(j.tensor, bad)) for j in dense]
+            rider = HeaderRider(
+                self.comm, self._call_code(names, finish_step, user_step), bad,
+                lambda: self._out_of_step(names, finish_step, user_step),
             )
-        dense_reduce(dense, self.comm)
-        self._reduce_routed(jobs)
+            dense_reduce(dense, rider)
+            self._reduce_routed(jobs, rider)
+            if rider.finish():
+                return self._on_nonfinite(
+                    names, named_grads, before, finish_step, "a gradient holds NaN or Inf",
+                )
+        else:
+            if self._exchange_header(names, finish_step, user_step, bad):
+                return self._on_nonfinite(
+                    names, named_grads, before, finish_step,
+                    "a gradient holds NaN or Inf",
+                )
+            dense_reduce(dense, self.comm)
+            self._reduce_routed(jobs, self.comm)
         dense_bytes = 4 * sum(j.numel for j in jobs + dense)
         for w in range(workers):
             self.dense_payload[w] += dense_bytes
@@ -384,6 +463,194 @@ class Engine:
         self._router.end_step(self._states(), self._context())
         where = first_nonfinite(self._state_tree(self._states()), "", self._state_tree(before))
         return None if where is None else where.lstrip(".")
+
+    # -- decisions kept on the device (see gradzip.deferred) -------------------------------
+    def _decides_on_device(
+        self, names: list[str], grads: list[torch.Tensor], same_layout: bool
+    ) -> bool:
+        """Whether this call keeps its non-finite decisions on the device (no host read).
+
+        Only where every condition holds: the tensors live on CUDA (on the CPU a host read
+        costs nothing, and the host path sends less after a non-finite call); the policy
+        is not ``"raise"`` (an exception needs the host to know now); the compressor's
+        collectives have shape-determined sizes and tolerate non-finite input
+        (``device_decisions``), so ranks may learn of a non-finite gradient after its
+        message was sent; nothing needs the header read before the payload (every worker is
+        in this process, or the header rides in a payload of guaranteed layout); and every
+        compressed tensor has a residual to restore (steady state).
+        """
+        if not (self._device_decisions or (grads and grads[0].is_cuda)):
+            return False
+        if self.rule_compressors:  # several compressors' states: decided on the host
+            return False
+        if self.nonfinite == "raise" or not self.compressor.device_decisions or not grads:
+            return False
+        if not (same_layout or self.comm.simulated or self.comm.world_size == 1):
+            return False
+        if self._poisoned:  # decided on the host already: the host path goes on
+            return False
+        if not self.error_feedback:
+            return True
+        target = self.residuals if self.nonfinite == "zero" else self._snapshot[1]  # type: ignore[index]
+        return all(n in target for n in names if n not in self.dense_names)
+
+    def _reduce_on_device(
+        self,
+        names: list[str],
+        jobs: list[Job],
+        dense: list[Job],
+        named_grads: Mapping[str, torch.Tensor],
+        before: tuple[Any, dict[str, torch.Tensor]],
+        finish_step: bool,
+        user_step: int | None,
+        same_layout: bool,
+    ) -> dict[str, torch.Tensor]:
+        """One call whose non-finite decisions stay on the device (``_decides_on_device``).
+
+        The same results, state and counters as the host path, bit for bit, by
+        ``torch.where`` on a 0-d flag: ``"skip"`` masks this and every later call of the step
+        with NaN and, at the step's end, restores every residual and state tensor the step
+        changed; ``"zero"`` masks the call with zeros and restores its own residuals and
+        state at once. Differences: no warning is logged (``stats["skipped_steps"]`` still
+        counts), and a call made after a non-finite one sends its payload (the host path
+        sends only the header), so byte counts differ in such steps. Ranks out of step
+        (only possible in a real group, with the header riding) raise at the end of the
+        step, on every rank, with the step abandoned.
+        """
+        workers, world = self.comm.local_workers, self.comm.world_size
+        tensors = [j.tensor for j in jobs + dense]
+        device = tensors[0].device
+        ok = finite_rows(tensors, workers)
+        comm: Collective = self.comm
+        rider = None
+        if same_layout:
+            rider = HeaderRider(
+                self.comm, self._call_code(names, finish_step, user_step), ~ok,
+                lambda: self._out_of_step(names, finish_step, user_step),
+            )
+            comm = rider
+        else:
+            # Every worker is in this process (``_decides_on_device``), so they make the same
+            # call by construction and their non-finite agreement is the local "any". The
+            # header is counted as the real group would send it, so byte counts match.
+            wire = allreduce_wire_bytes(HEADER_BYTES, world)
+            self.comm.meter.add([HEADER_BYTES] * workers, [wire] * workers)
+        dense_reduce(dense, comm)
+        if jobs:
+            self.compressor.reduce(jobs, self.compressor_state, comm, self._context())
+        if rider is not None:
+            bad = rider.finish_on_device(device)
+            if rider.disagree is not None and not (self.comm.simulated or world == 1):
+                self._desync_dev = _or(self._desync_dev, rider.disagree)
+        else:
+            bad = ~ok.all()
+        dense_bytes = 4 * sum(j.numel for j in jobs + dense)
+        for w in range(workers):
+            self.dense_payload[w] += dense_bytes
+            self.dense_wire[w] += allreduce_wire_bytes(dense_bytes, world)
+        averaged = [job.averaged for job in jobs + dense]
+        changed = changed_tensors(self.compressor_state, before[0][0])
+        if changed is None:  # a compressor's bug; the step is abandoned
+            raise RuntimeError(
+                f"{self.compressor.spec()} changed its state in a way a device rollback "
+                "cannot undo; it must not declare device_decisions"
+            )
+        flag = bad | any_nonfinite([*averaged, *changed], device)  # type: ignore[list-item]
+        if self.error_feedback:
+            for job in jobs:
+                rest = job.leftover()
+                if self.nonfinite == "zero":
+                    rest = torch.where(flag, before[1][job.name], rest)
+                self.residuals[job.name] = rest
+        if self.nonfinite == "zero":
+            self.compressor_state = where_tree(flag, before[0][0], self.compressor_state)
+            self._handled_dev = _or(self._handled_dev, flag)
+            mask, fill = flag, 0.0
+        else:
+            self._poison_dev = _or(self._poison_dev, flag)
+            mask, fill = self._poison_dev, float("nan")
+        if finish_step:
+            self._finish_on_device(device)
+        return {
+            job.name: torch.where(mask, fill, job.averaged.to(named_grads[job.name].dtype))  # type: ignore[union-attr]
+            for job in sorted(jobs + dense, key=lambda j: self._order[j.name])
+        }
+
+    def _finish_on_device(self, device: torch.device) -> None:
+        """The end of a step whose decisions are on the device: the compressor's end of step,
+        the rollback of ``"skip"``, the skipped-step count; then the one host read of a step
+        whose header rode in a real group (ranks out of step)."""
+        start = self.compressor_state
+        self.compressor.end_step(self.compressor_state, self._context())
+        changed = changed_tensors(self.compressor_state, start)
+        if changed is None:
+            raise RuntimeError(
+                f"{self.compressor.spec()} changed its state at the end of a step in a way a "
+                "device rollback cannot undo; it must not declare device_decisions"
+            )
+        end_bad = any_nonfinite(changed, device)
+        if self.nonfinite == "zero":
+            self.compressor_state = where_tree(end_bad, start, self.compressor_state)
+            handled = _or(self._handled_dev, end_bad)
+        else:
+            assert self._snapshot is not None
+            poison = _or(self._poison_dev, end_bad)
+            snap_state, snap_res = self._snapshot
+            if any(n not in snap_res for n in self.residuals):
+                # A residual made this step by a call that decided on the host has nothing to
+                # go back to on the device: decide on the host (first steps only).
+                if bool(poison):
+                    self._set_states(_copy_tree(snap_state))
+                    self.residuals = dict(snap_res)
+            else:
+                self.compressor_state = where_tree(poison, snap_state[0], self.compressor_state)
+                self.residuals = {
+                    n: r if r is snap_res[n] else torch.where(poison, snap_res[n], r)
+                    for n, r in self.residuals.items()
+                }
+            handled = poison
+        count = handled.to(torch.int64)
+        self._skipped_pending = count if self._skipped_pending is None else self._skipped_pending + count
+        self._poison_dev = self._handled_dev = None
+        if self._desync_dev is not None:
+            # Why only now: with the header riding in a payload of guaranteed layout, and
+            # collectives whose sizes the shapes decide, ranks out of step exchange messages of
+            # equal sizes (nothing aborts); reading once per step instead of once per call
+            # keeps the host from waiting on every bucket. Every rank reads the same sums.
+            desync, self._desync_dev = bool(self._desync_dev), None
+            if desync:
+                raise RuntimeError(
+                    f"ranks are out of step: at least one call of step {self.step} on rank "
+                    f"{self.comm.first_rank} differed from another rank's (another step or "
+                    f"call of the step); every rank must make the same sequence of reduce "
+                    f"calls. Found at the step's end; the step was abandoned."
+                )
+
+    def _settle_device_flags(self) -> None:
+        """Bring this step's device flags to the host (a host read), as if every earlier call
+        of the step had decided on the host."""
+        poison, handled = self._poison_dev, self._handled_dev
+        self._poison_dev = self._handled_dev = None
+        if handled is not None and bool(handled):
+            self._skipped = True
+        if poison is not None and bool(poison):
+            assert self._snapshot is not None
+            self._set_states(_copy_tree(self._snapshot[0]))
+            self.residuals = dict(self._snapshot[1])
+            self._poisoned = self._skipped = True
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps handled by the ``"skip"`` or ``"zero"`` policy (reading it after steps that
+        decided on the device makes the host wait for them)."""
+        if self._skipped_pending is not None:
+            self._skipped_host += int(self._skipped_pending)
+            self._skipped_pending = None
+        return self._skipped_host
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_host, self._skipped_pending = int(value), None
 
     def _fill(
         self, names: list[str], named_grads: Mapping[str, torch.Tensor], value: float
@@ -438,6 +705,7 @@ class Engine:
 
     def _reset_step(self) -> None:
         self._snapshot = None
+        self._poison_dev = self._handled_dev = self._desync_dev = None
         self._poisoned = False
         self._skipped = False
         self._call = 0

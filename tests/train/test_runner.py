@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from gradzip import NoCompression
 from gradzip.comm.base import allreduce_wire_bytes
-from gradzip.comm.header import HEADER_BYTES
+from gradzip.comm.header import rider_bytes
 from gradzip.train.data import shard_indices
 from gradzip.train.loop import SimStepper
 from gradzip.train.plots import critical_spans
@@ -118,8 +118,8 @@ def test_metrics_follow_the_schedule_and_byte_counts(tmp_path: Path) -> None:
                      milestones=[2.0], workers=2)
         assert r["lr"] == pytest.approx(want)
     assert sum(r["epoch_wire_bytes"] for r in rows) == summary["bytes_sent_per_worker"]
-    # `none` sends the dense all-reduce plus the engine's fixed-size header (one call a step).
-    header = summary["rounds"] * allreduce_wire_bytes(HEADER_BYTES, 2)
+    # `none` sends the dense all-reduce plus the call header riding in it (one call a step).
+    header = summary["rounds"] * allreduce_wire_bytes(rider_bytes(torch.float32, 2, summed=True), 2)
     assert summary["bytes_sent_per_worker"] == summary["dense_bytes_per_worker"] + header
     assert 0.999 < summary["compression"] < 1.0
 

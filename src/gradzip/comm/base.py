@@ -126,6 +126,13 @@ class Collective(ABC):
             return x[0].clone()
         return self._sum(x)
 
+    def all_reduce_cat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        """:meth:`all_reduce` of the concatenation of ``parts`` (each ``[L, ...]``, one dtype)
+        along their flattened entries; returns ``[total]``. A subclass that appends its own
+        elements to the message does it in the same copy (no second concatenation)."""
+        flat = torch.cat([p.reshape(self.local_workers, -1) for p in parts], dim=1)
+        return self.all_reduce(flat)
+
     def all_gather(
         self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True
     ) -> torch.Tensor:

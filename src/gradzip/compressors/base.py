@@ -18,7 +18,7 @@ import torch
 
 from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.feedback import residual_after
-from gradzip.ops.flat import flatten_workers, split_flat
+from gradzip.ops.flat import split_flat
 
 __all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "sparse_pays"]
 
@@ -104,6 +104,11 @@ class Compressor(ABC):
     biased: ClassVar[bool] = True
     #: spec-string key -> field name, for keys shorter than the field's name.
     spec_aliases: ClassVar[dict[str, str]] = {}
+    #: ``reduce`` makes the host wait for no device work, the sizes of its collectives depend
+    #: on the tensors' shapes only, and it accepts non-finite input (the result is then
+    #: non-finite, never an error): the engine may then keep its non-finite decisions on
+    #: the device (see :class:`~gradzip.Engine`).
+    device_decisions: ClassVar[bool] = False
 
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
         """Fresh state for tensors of the given shapes (plain data and tensors only)."""
@@ -186,8 +191,7 @@ def dense_reduce(jobs: Sequence[Job], comm: Collective) -> None:
     """Exact average of every job's tensor with one all-reduce of one flat buffer."""
     if not jobs:
         return
-    flat = flatten_workers([j.tensor for j in jobs], comm.local_workers)
-    total = comm.all_reduce(flat) / comm.world_size
+    total = comm.all_reduce_cat([j.tensor for j in jobs]) / comm.world_size
     for job, part in zip(jobs, split_flat(total, [j.numel for j in jobs]), strict=True):
         job.averaged = part.reshape(job.shape)
         job.decoded = job.tensor

@@ -10,13 +10,14 @@ import torch
 
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.ops.flat import flatten_workers, split_flat
+from gradzip.ops.flat import split_flat
 
 __all__ = ["BF16", "FP16"]
 
 
 class _LowPrecision(Compressor):
     biased: ClassVar[bool] = False
+    device_decisions: ClassVar[bool] = True
     dtype: ClassVar[torch.dtype] = torch.float16
 
     def reduce(
@@ -24,16 +25,14 @@ class _LowPrecision(Compressor):
     ) -> None:
         if not jobs:
             return
-        flat = flatten_workers([j.tensor for j in jobs], comm.local_workers)
         # Divide before summing: W fp16 gradients can overflow their sum where their average
-        # would not.
-        message = (flat / comm.world_size).to(self.dtype)
-        total = comm.all_reduce(message).to(torch.float32)
-        mine = message.to(torch.float32) * comm.world_size
+        # would not. Per tensor, then concatenated once by the collective.
+        pieces = [(j.tensor / comm.world_size).to(self.dtype) for j in jobs]
+        total = comm.all_reduce_cat(pieces).to(torch.float32)
         sizes = [j.numel for j in jobs]
-        for job, avg, own in zip(jobs, split_flat(total, sizes), split_flat(mine, sizes), strict=True):
+        for job, avg, piece in zip(jobs, split_flat(total, sizes), pieces, strict=True):
             job.averaged = avg.reshape(job.shape)
-            job.decoded = own.reshape(job.tensor.shape)
+            job.decoded = piece.to(torch.float32) * comm.world_size
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ class NoCompression(Compressor):
 
     spec_name: ClassVar[str] = "none"
     biased: ClassVar[bool] = False
+    device_decisions: ClassVar[bool] = True
 
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext

@@ -103,6 +103,7 @@ class PowerSGD(Compressor):
     warm_start: bool = True
     seed: int = 0
     spec_name: ClassVar[str] = "powersgd"
+    device_decisions: ClassVar[bool] = True
     spec_aliases: ClassVar[dict[str, str]] = {"rank": "matrix_rank"}
 
     def __post_init__(self) -> None:

@@ -34,6 +34,7 @@ class RandK(Compressor):
     ratio: float = 0.01
     seed: int = 0
     spec_name: ClassVar[str] = "randk"
+    device_decisions: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", check_real("ratio", self.ratio, low=0, high=1, low_open=True))

@@ -9,7 +9,7 @@ import torch
 
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Job
-from gradzip.ops.flat import reinterpret
+from gradzip.ops.flat import reinterpret, to_device
 from gradzip.ops.select import index_dtype
 
 __all__ = ["gather_sparse", "index_bytes", "scatter_decode"]
@@ -56,7 +56,8 @@ def _per_entry(per_job: Sequence[int], widths: Sequence[int], device: torch.devi
     """``per_job[j]`` repeated ``widths[j]`` times, as one int64 tensor (NumPy's ``repeat``:
     ``torch.repeat_interleave`` with a tensor of repeats is slow on the CPU)."""
     out = np.repeat(np.asarray(per_job, dtype=np.int64), np.asarray(widths, dtype=np.int64))
-    return torch.from_numpy(out).to(device)
+    # Page-locked and queued: a plain ``.to`` from pageable memory would make the host wait.
+    return to_device(torch.from_numpy(out), device)
 
 
 def _message(

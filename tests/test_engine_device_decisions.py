@@ -1,0 +1,165 @@
+"""Non-finite decisions kept on the device give what the host decision gives, bit for bit.
+
+On CUDA, engines whose compressor declares ``device_decisions`` (none, fp16, bf16, randk,
+powersgd) keep the non-finite flag of each call as a device tensor and apply the policy with
+``torch.where``, so the host never waits per call (``tests/test_cuda.py`` checks that with
+``torch.cuda.set_sync_debug_mode("error")``). Here the same path is forced on the CPU
+(``engine._device_decisions``) and compared with the host path: same averages, residuals,
+compressor state and skipped-step counts, through NaN gradients, overflows, several calls
+per step, both policies, the header apart or riding; and ranks out of step are still caught
+on every rank in real gloo processes (at the end of the step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import gradzip
+from conformance import SHAPES, make_grads
+from gradzip.comm import run_processes
+from gradzip.comm.simulated import SimulatedGroup, SingleWorker
+from gradzip.spec import compressor_from_spec
+
+DEVICE_SPECS = ["none", "fp16", "bf16", "randk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=1"]
+NAMES = list(SHAPES)
+
+
+def _leaves(tree: Any) -> list[Any]:
+    if isinstance(tree, dict):
+        return [x for key in sorted(tree) for x in _leaves(tree[key])]
+    return [tree]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    return a == b
+
+
+def _train(spec: str, policy: str, same_layout: bool, workers: int, on_device: bool) -> Any:
+    group = SingleWorker() if workers == 1 else SimulatedGroup(workers)
+    engine = gradzip.Engine(SHAPES, spec, collective=group, nonfinite=policy)
+    engine._device_decisions = on_device
+    results = []
+    for step in range(6):
+        grads = make_grads(workers, step)
+        if workers == 1:
+            grads = {n: g[0] for n, g in grads.items()}
+        if step in (2, 4):  # a NaN in the step's second call
+            grads["fc.weight"].view(-1)[5] = float("nan")
+        if step == 3:  # finite, but overflows in compression
+            grads["conv.weight"].view(-1)[0] = 3e38
+        for i, part in enumerate([NAMES[:2], NAMES[2:]]):
+            results.append(engine.reduce({n: grads[n] for n in part}, finish_step=i == 1,
+                                         same_layout=same_layout))
+    pending = engine._skipped_pending is not None
+    return results, engine.state_dict(), pending
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("same_layout", [False, True], ids=["apart", "riding"])
+@pytest.mark.parametrize("policy", ["skip", "zero"])
+@pytest.mark.parametrize("spec", DEVICE_SPECS)
+def test_device_decisions_equal_host_decisions(
+    spec: str, policy: str, same_layout: bool, workers: int
+) -> None:
+    host, host_state, host_pending = _train(spec, policy, same_layout, workers, on_device=False)
+    dev, dev_state, dev_pending = _train(spec, policy, same_layout, workers, on_device=True)
+    assert dev_pending and not host_pending  # the device path was really taken
+    assert len(host) == len(dev)
+    for a, b in zip(host, dev, strict=True):
+        assert a.keys() == b.keys()
+        assert all(_same(a[n], b[n]) for n in a)
+    assert host_state["skipped_steps"] == dev_state["skipped_steps"] >= 2
+    assert host_state["residuals"].keys() == dev_state["residuals"].keys()
+    for name, rest in host_state["residuals"].items():
+        assert torch.equal(rest, dev_state["residuals"][name]), name
+    host_leaves, dev_leaves = _leaves(host_state["compressor_state"]), _leaves(dev_state["compressor_state"])
+    assert len(host_leaves) == len(dev_leaves)
+    assert all(_same(a, b) for a, b in zip(host_leaves, dev_leaves, strict=True))
+
+
+def test_device_decisions_count_the_header_like_the_host_path_in_finite_steps() -> None:
+    for spec in DEVICE_SPECS:
+        stats = []
+        for on_device in (False, True):
+            engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2))
+            engine._device_decisions = on_device
+            for step in range(3):
+                engine.reduce(make_grads(2, step))
+            stats.append(engine.stats)
+        assert stats[0] == stats[1], spec
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "qsgd", "sign", "threshold:budget=0.05"])
+def test_compressors_that_read_the_host_anyway_keep_host_decisions(spec: str) -> None:
+    assert not compressor_from_spec(spec).device_decisions
+    engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2))
+    engine._device_decisions = True
+    for step in range(2):
+        engine.reduce(make_grads(2, step))
+    assert engine._skipped_pending is None
+
+
+def test_raise_keeps_host_decisions() -> None:
+    engine = gradzip.Engine(SHAPES, "none", collective=SimulatedGroup(2), nonfinite="raise")
+    engine._device_decisions = True
+    grads = make_grads(2, 0)
+    grads["scale"][1] = float("inf")
+    with pytest.raises(FloatingPointError):
+        engine.reduce(grads)
+    assert engine.state_dict()["step"] == 0
+
+
+# -- real gloo processes -------------------------------------------------------------------
+
+
+def _mine(rank: int, world: int, step: int) -> dict[str, torch.Tensor]:
+    return {n: g[rank] for n, g in make_grads(world, step).items()}
+
+
+def _device_path_out_of_step(rank: int, world: int) -> dict[str, Any]:
+    engine = gradzip.Engine(SHAPES, "powersgd:rank=2")
+    engine._device_decisions = True
+    outcome = "no error"
+    try:
+        for step in range(4):
+            if rank == 1 and step == 1:
+                continue  # this rank skips a whole step of the loop
+            grads = _mine(rank, world, step)
+            for i, part in enumerate([NAMES[:2], NAMES[2:]]):
+                engine.reduce({n: grads[n] for n in part}, finish_step=i == 1, step=step,
+                              same_layout=True)
+    except RuntimeError as err:
+        outcome = str(err)
+    return {"message": outcome, "step": engine.state_dict()["step"]}
+
+
+def _device_path_nonfinite(rank: int, world: int) -> list[Any]:
+    engine = gradzip.Engine(SHAPES, "powersgd:rank=2")
+    engine._device_decisions = True
+    seen = []
+    for step in range(4):
+        grads = _mine(rank, world, step)
+        if rank == 1 and step == 2:
+            grads["scale"][0] = float("nan")
+        outs = [engine.reduce({n: grads[n] for n in part}, finish_step=i == 1, same_layout=True)
+                for i, part in enumerate([NAMES[:2], NAMES[2:]])]
+        seen.append([bool(torch.isnan(v).all()) for out in outs for v in out.values()])
+    seen.append(engine.stats["skipped_steps"])
+    return seen
+
+
+@pytest.mark.slow
+def test_device_decisions_in_real_processes() -> None:
+    for result in run_processes(_device_path_out_of_step, 2, timeout=120):
+        # Found at the end of the step (one host read a step), on every rank.
+        assert result["message"].startswith("ranks are out of step"), result
+        assert result["step"] == 1
+    first, second = run_processes(_device_path_nonfinite, 2, timeout=120)
+    assert first == second
+    assert first[2] == [False, False, True, True]  # the second call of step 2 and after
+    assert first[-1] == 1
