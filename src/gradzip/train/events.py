@@ -16,7 +16,8 @@ tag                         from the record
 ``compression/rate``        dense wire bytes / wire bytes (``compression``)
 ``compression/payload_fraction``  payload bytes / dense payload bytes of the epoch
 ``density``                 fraction of gradient entries sent (where meaningful)
-``levels/<level>``          share of tensors at each level (Accordion, level schedules)
+``levels/<level>``          share of tensors at each level (Accordion, level schedules), from
+                            the first record that shows the level
 ``accordion/critical_fraction``, ``batch/global``, ``batch/critical_fraction``  controllers
 ``step/loss``, ``step/lr``, ``step/wire_bytes``  step records
 ==========================  =====================================================
