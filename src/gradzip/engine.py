@@ -758,14 +758,7 @@ class Engine:
         if self._snapshot is not None:
             raise RuntimeError("state_dict() must be called between steps, not inside one")
         return {
-            "format_version": FORMAT_VERSION,
-            "compressor": self.compressor.spec(),
-            "error_feedback": self.error_feedback,
-            "dense_1d": self.dense_1d,
-            "rules": self._rule_specs(),
-            "min_numel": self.options.min_numel,
-            "world_size": self.comm.world_size,
-            "ranks": list(self.comm.local_ranks),
+            **self._checkpoint_config(),
             "parameters": {n: list(s) for n, s in self.shapes.items()},
             "step": self.step,
             "skipped_steps": self.skipped_steps,
@@ -776,6 +769,19 @@ class Engine:
             "meter": self.comm.meter.snapshot(),
             "dense_payload": list(self.dense_payload),
             "dense_wire": list(self.dense_wire),
+        }
+
+    def _checkpoint_config(self) -> dict[str, Any]:
+        """The configuration a checkpoint records and a load must match, field by field."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "compressor": self.compressor.spec(),
+            "error_feedback": self.error_feedback,
+            "dense_1d": self.dense_1d,
+            "rules": self._rule_specs(),
+            "min_numel": self.options.min_numel,
+            "world_size": self.comm.world_size,
+            "ranks": list(self.comm.local_ranks),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -793,16 +799,7 @@ class Engine:
         """
         loaded = validate_checkpoint(
             state,
-            config={
-                "format_version": FORMAT_VERSION,
-                "compressor": self.compressor.spec(),
-                "error_feedback": self.error_feedback,
-                "dense_1d": self.dense_1d,
-                "rules": self._rule_specs(),
-                "min_numel": self.options.min_numel,
-                "world_size": self.comm.world_size,
-                "ranks": list(self.comm.local_ranks),
-            },
+            config=self._checkpoint_config(),
             shapes=self.shapes,
             dense_names=self.dense_names,
             feedback_names=self._feedback,
