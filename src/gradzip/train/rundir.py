@@ -48,29 +48,23 @@ def _temporary(path: Path) -> Path:
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` to ``path`` through a temporary file in the same directory and
     ``os.replace``: a reader (or a crash) sees the old file or the new one, never a part."""
-    path = Path(path)
-    tmp = _temporary(path)
-    try:
-        with open(tmp, "x", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+    return _replace_with(Path(path), "x", lambda fh: fh.write(text), encoding="utf-8")
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to ``path`` atomically (temporary file, then ``os.replace``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    return _replace_with(path, "xb", lambda fh: torch.save(obj, fh))
+
+
+def _replace_with(path: Path, mode: str, write: Any, encoding: str | None = None) -> Path:
+    """Write a temporary file beside ``path`` with ``write(fh)``, flush it to disk, then
+    ``os.replace`` it onto ``path``; the temporary file is removed if anything fails."""
     tmp = _temporary(path)
     try:
-        with open(tmp, "xb") as fh:
-            torch.save(obj, fh)
+        with open(tmp, mode, encoding=encoding) as fh:
+            write(fh)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
