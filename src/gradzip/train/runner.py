@@ -30,10 +30,10 @@ import torch
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.torch_dist import shutdown_process_group
 from gradzip.compressors.base import Compressor
-from gradzip.control import Accordion, BatchSizeController, Schedule, parse_level_schedule
+from gradzip.control import Accordion, BatchSizeController, Schedule
 from gradzip.ops.random import stable_hash
 from gradzip.options import EngineOptions, Rule
-from gradzip.spec import compressor_from_spec
+from gradzip.spec import compressor_from_spec, parse_level_schedule
 from gradzip.train.events import require_tensorboard
 from gradzip.train.loop import TrainLoop
 from gradzip.train.metrics import versions
@@ -409,8 +409,8 @@ def build_compressor(cfg: RunConfig, steps_per_epoch: int) -> Compressor:
     """The run's compressor; with ``accordion`` an Accordion switching between the two specs,
     deciding every ``interval_epochs`` epochs (converted to optimizer steps)."""
     if cfg.level_schedule is not None:
-        return Schedule(cfg.gentle or "none", cfg.compressor, steps_per_epoch=steps_per_epoch,
-                        gentle_epochs=parse_level_schedule(cfg.level_schedule))
+        return Schedule.from_text(cfg.level_schedule, cfg.compressor, gentle=cfg.gentle or "none",
+                                  steps_per_epoch=steps_per_epoch)
     if cfg.warmup_steps > 0:
         return Schedule.warmup(cfg.compressor, steps=cfg.warmup_steps, gentle=cfg.gentle or "none")
     if cfg.accordion is None:
