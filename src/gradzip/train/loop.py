@@ -31,7 +31,7 @@ class TrainLoop:
     """One run's training: model, optimizer, schedule, steps, evaluation, records.
 
     Args:
-        cfg: a resolved :class:`~gradzip.train.runner.RunConfig`.
+        cfg: a resolved :class:`~gradzip.train.config.RunConfig`.
         task: the task object.
         data: what ``task.load`` returned.
         rank: this process's first worker rank (0 in a simulated run).
