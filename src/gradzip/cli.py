@@ -99,7 +99,8 @@ def _run_argument(field: dataclasses.Field[Any], option: Option,
     if kind is bool:
         if default is None:  # unset: the compressor's or the task's choice
             kwargs["action"] = argparse.BooleanOptionalAction
-        else:  # on by default: only its --no- flag is offered
+        else:  # off by default: --x turns it on; on by default: only --no-x is offered
+            assert not default or flag.startswith("--no-"), f"{field.name}: a --no- flag"
             kwargs["action"] = "store_false" if default else "store_true"
     elif kind == tuple[str, ...]:  # repeatable
         kwargs["action"], default = "append", None

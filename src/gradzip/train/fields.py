@@ -4,6 +4,7 @@ field carries (its meaning, its check, its command-line form), and helpers to de
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -37,7 +38,7 @@ class Option:
     group: str = RUN
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
-    check: Any = None
+    check: Callable[[str, Any], Any] | None = None
     flag: str | None = None
     cli: bool = True
     required: bool = False
@@ -48,11 +49,11 @@ def option(default: Any, help: str, **kwargs: Any) -> Any:
     return dataclasses.field(default=default, metadata={"option": Option(help, **kwargs)})
 
 
-def int_at_least(minimum: int) -> Any:
+def int_at_least(minimum: int) -> Callable[[str, Any], int]:
     """A check: an integer >= ``minimum``."""
     return partial(check_int, minimum=minimum)
 
 
-def real_in(**bounds: Any) -> Any:
+def real_in(**bounds: Any) -> Callable[[str, Any], float]:
     """A check: a real number within ``bounds`` (see :func:`~gradzip._validate.check_real`)."""
     return partial(check_real, **bounds)
