@@ -13,6 +13,7 @@ from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.comm.header import HEADER_BYTES
 from gradzip.compressors.base import Job, StepContext
 from gradzip.engine import _copy_tree
+from gradzip.feedback import residual_after
 from gradzip.spec import CONTROLLERS, REGISTRY
 
 
@@ -88,6 +89,34 @@ def test_average_of_decoded_messages_is_the_result(spec: str) -> None:
         # residual it keeps): two independent paths.
         assert torch.allclose(decoded.mean(0), job.averaged, atol=tol, rtol=tol)
         assert torch.allclose(decoded + residual, job.tensor, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_residual_contract(spec: str) -> None:
+    """Every job ends a step with ``decoded`` or a residual recorded by ``Job.keep`` (agreeing
+    exactly where both are left); ``leftover`` records the residual once and returns a new
+    fp32 tensor of the job's shape, finite with finite input. Over steps that cross a
+    controller's level switch."""
+    compressor = gradzip.compressor_from_spec(spec)
+    comm = gradzip.SimulatedGroup(4)
+    state = compressor.init_state(SHAPES)
+    for step in range(4):
+        ctx = StepContext(step=step, ranks=(0, 1, 2, 3), world_size=4, lr=0.1)
+        jobs = [Job(n, g.clone()) for n, g in make_grads(4, step).items()]
+        compressor.reduce(jobs, state, comm, ctx)
+        for job in jobs:
+            recorded = job.residual
+            assert job.decoded is not None or recorded is not None, job.name
+            if job.decoded is not None and recorded is not None:
+                assert torch.equal(recorded, residual_after(job.tensor, job.decoded)), job.name
+            rest = job.leftover()
+            assert job.residual is rest and (recorded is None or rest is recorded)
+            assert job.leftover() is rest  # recorded once
+            assert rest.dtype == torch.float32 and rest.shape == job.tensor.shape
+            assert rest.device == job.tensor.device
+            assert rest.data_ptr() != job.tensor.data_ptr()  # the job's tensor stays its own
+            assert bool(torch.isfinite(rest).all()), job.name
+        compressor.end_step(state, ctx)
 
 
 @pytest.mark.parametrize("spec", SPECS)

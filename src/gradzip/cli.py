@@ -7,13 +7,20 @@ stderr and exit with status 2. Set ``GRADZIP_DEBUG=1`` to see the traceback inst
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
+import textwrap
 import time
+import types
+import typing
 from collections.abc import Sequence
 from typing import Any
+
+from gradzip.train.config import RunConfig, run_options
+from gradzip.train.fields import Option
 
 __all__ = ["build_parser", "main"]
 
@@ -75,98 +82,59 @@ examples:
 """
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("run")
-    g.add_argument("--task", default="digits", help="digits (default), cifar10, lm, logreg")
-    g.add_argument("--workers", type=int, default=4, help="data-parallel workers (default 4)")
-    g.add_argument("--compressor", default="none", metavar="SPEC",
-                   help="compressor spec, e.g. topk:ratio=0.01, powersgd:rank=2 (default none)")
-    g.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    g.add_argument("--launcher", choices=("auto", "sim", "procs"), default="auto",
-                   help="sim: simulated workers in one process; procs: one process per worker "
-                        "(gloo/NCCL, DDP hook); auto: procs under torchrun, else sim")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--epochs", type=int, default=None)
-    g.add_argument("--data", default=None, metavar="PATH",
-                   help="data path (cifar10: release dir, ImageFolder dir or .tar.gz; lm: text "
-                        "file or dir; logreg: LIBSVM file, default a generated problem)")
-    g.add_argument("--model", default=None, metavar="SPEC",
-                   help="model, optionally with keywords: resnet20:width=8, lstm:hidden=100")
-    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    g.add_argument("--limit-train", type=int, default=None, metavar="N",
-                   help="use only N training examples (lm: tokens), for quick runs")
-    g.add_argument("--log-every", type=int, default=0, metavar="STEPS",
-                   help="also log a record every STEPS optimizer steps")
-    g.add_argument("--cache-dir", default=None, help="cache of decoded CIFAR arrays")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch threads of a simulated run (default: the task's)")
-    g.add_argument("--checkpoint-every", type=int, default=1, metavar="N",
-                   help="save a checkpoint to DIR/checkpoint every N epochs and after the last "
-                        "(default 1; 0: never)")
-    g.add_argument("--tensorboard", action="store_true",
-                   help="also write TensorBoard event files to DIR/tensorboard (needs the "
-                        "tensorboard package)")
-    a = p.add_argument_group("accordion")
-    a.add_argument("--accordion", default=None, metavar="SPEC",
-                   help="gentle level for critical regimes (--compressor is the aggressive one), "
-                        "e.g. --compressor powersgd:rank=1 --accordion powersgd:rank=4")
-    a.add_argument("--accordion-batch", default=None, metavar="SMALL,LARGE",
-                   help="Accordion on the batch size: global batch SMALL in critical regimes, "
-                        "LARGE otherwise (multiples of batch-size x workers)")
-    a.add_argument("--eta", type=float, default=0.5,
-                   help="critical when the gradient norm changes by >= eta (default 0.5)")
-    a.add_argument("--interval-epochs", type=float, default=None, metavar="E",
-                   help="epochs between Accordion decisions (default: the task's)")
-    a.add_argument("--accordion-rule", choices=("reference", "first"), default="reference",
-                   help="reference: the paper's code (an epoch's window, the raw gradient, a "
-                        "drop held one interval); first: gradzip's first rule")
-    s = p.add_argument_group("level schedule (instead of Accordion)")
-    s.add_argument("--level-schedule", default=None, metavar="RANGES",
-                   help="fixed levels by epoch, e.g. 'gentle:0-5,aggressive:5-30': --gentle in "
-                        "the gentle ranges, --compressor elsewhere")
-    s.add_argument("--warmup-steps", type=int, default=0, metavar="N",
-                   help="--gentle for the first N optimizer steps, then --compressor")
-    s.add_argument("--gentle", default=None, metavar="SPEC",
-                   help="gentle level of --level-schedule/--warmup-steps (default none: dense)")
-    o = p.add_argument_group("optimisation (defaults: the task's)")
-    o.add_argument("--lr", type=float, default=None, help="per-worker learning rate")
-    o.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
-    o.add_argument("--momentum", type=float, default=None)
-    o.add_argument("--weight-decay", type=float, default=None)
-    o.add_argument("--nesterov", action=argparse.BooleanOptionalAction, default=None)
-    o.add_argument("--warmup-epochs", type=float, default=None)
-    o.add_argument("--milestones", default=None, metavar="M1,M2",
-                   help="LR decay points: values < 1 are fractions of training, others epochs")
-    o.add_argument("--gamma", type=float, default=None, help="LR factor at each milestone")
-    o.add_argument("--clip", type=float, default=None,
-                   help="max norm of the averaged gradient (0: off)")
-    o.add_argument("--no-scale-lr", dest="scale_lr", action="store_false",
-                   help="do not multiply the learning rate by the number of workers")
-    o.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
-                   help="force error feedback on/off (default: the compressor's)")
-    o.add_argument("--dense-1d", action="store_true",
-                   help="send biases and normalisation weights (tensors of < 2 dimensions) "
-                        "uncompressed")
-    o.add_argument("--rule", dest="rules", action="append", default=None,
-                   metavar="PATTERN=SPEC",
-                   help="per-parameter compressor: parameters whose name matches the glob "
-                        "PATTERN use SPEC (a compressor spec, or dense: exact); first match "
-                        "wins, others use --compressor (repeatable), e.g. '*.bias=dense'")
-    o.add_argument("--min-numel", type=int, default=0, metavar="N",
-                   help="all-reduce tensors of fewer than N entries exactly (default 0: off)")
-    o.add_argument("--bptt", type=int, default=35, help="lm: truncated-BPTT length")
-    o.add_argument("--text-level", choices=("word", "char"), default="word", help="lm tokens")
+def _run_argument(field: dataclasses.Field[Any], option: Option,
+                  hint: Any) -> tuple[str, dict[str, Any]]:
+    """The flag and ``add_argument`` keywords of one run option, from its field: the type
+    from the annotation, the default from the field, the rest from its :class:`Option`."""
+    flag = option.flag or "--" + field.name.replace("_", "-")
+    kwargs: dict[str, Any] = {"dest": field.name, "help": option.help}
+    for key in ("metavar", "choices"):
+        if getattr(option, key) is not None:
+            kwargs[key] = getattr(option, key)
+    if option.required:
+        kwargs["required"] = True
+    kinds = [a for a in typing.get_args(hint) if a is not type(None)]
+    kind = kinds[0] if typing.get_origin(hint) is types.UnionType else hint
+    default = field.default
+    if kind is bool:
+        if default is None:  # unset: the compressor's or the task's choice
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:  # off by default: --x turns it on; on by default: only --no-x is offered
+            assert not default or flag.startswith("--no-"), f"{field.name}: a --no- flag"
+            kwargs["action"] = "store_false" if default else "store_true"
+    elif kind == tuple[str, ...]:  # repeatable
+        kwargs["action"], default = "append", None
+    elif kind in (int, float):
+        kwargs["type"] = kind
+    # Other kinds (text, and tuples written as text: "0.5,0.75") stay text; RunConfig parses.
+    kwargs["default"] = default
+    return flag, kwargs
 
 
-_RUN_FIELDS = (
-    "task", "workers", "compressor", "out", "launcher", "seed", "epochs", "data", "model",
-    "device", "limit_train", "log_every", "cache_dir", "threads", "accordion", "accordion_batch", "eta", "interval_epochs",
-    "checkpoint_every", "tensorboard",
-    "accordion_rule", "level_schedule", "warmup_steps", "gentle",
-    "lr", "batch_size", "momentum", "weight_decay", "nesterov", "warmup_epochs", "milestones",
-    "gamma", "clip", "scale_lr", "error_feedback", "dense_1d", "rules",
-    "min_numel", "bptt", "text_level",
-)
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """Every command-line run option of :class:`~gradzip.train.config.RunConfig`, generated
+    from its fields, grouped as their options say."""
+    hints = typing.get_type_hints(RunConfig)
+    groups: dict[str, Any] = {}
+    for field, option in run_options():
+        if not option.cli:
+            continue
+        if option.group not in groups:
+            groups[option.group] = parser.add_argument_group(option.group)
+        flag, kwargs = _run_argument(field, option, hints[field.name])
+        groups[option.group].add_argument(flag, **kwargs)
+
+
+def _option_keys() -> str:
+    """The keys of grid files and ``--set``: every run option, wrapped for the epilog."""
+    names = ", ".join(field.name for field, _ in run_options())
+    return "\nrun options (keys of --set and of grid tables; see `gradzip train --help`):\n" + \
+        textwrap.fill(names, width=90, initial_indent="  ", subsequent_indent="  ") + "\n"
+
+
+def _cli_fields() -> list[str]:
+    """The run options the command line sets (the others keep their defaults)."""
+    return [field.name for field, option in run_options() if option.cli]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="run a grid of runs from a TOML file or preset",
                          description="Run a grid; print a table, write results.csv and "
                                      "compare.png.",
-                         epilog=COMPARE_EPILOG, formatter_class=_FMT)
+                         epilog=COMPARE_EPILOG + _option_keys(), formatter_class=_FMT)
     cmp.add_argument("config", metavar="CONFIG", help="grid file or preset name")
     cmp.add_argument("--out", default=None, help="output root (default: the file's `out`)")
     cmp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -242,9 +210,9 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 # -- commands ---------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
-    from gradzip.train.runner import RunConfig, run
+    from gradzip.train.runner import run
 
-    cfg = RunConfig.from_dict({f: getattr(args, f) for f in _RUN_FIELDS})
+    cfg = RunConfig.from_dict({name: getattr(args, name) for name in _cli_fields()})
     summary = run(cfg, progress=_progress(args.quiet), resume=args.resume)
     if summary is None:  # pragma: no cover - a torchrun rank other than 0 could return None
         return 0
@@ -334,7 +302,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     accordion = {
         "usage": "--compressor STEADY --accordion CRITICAL (same kind, or none); "
                  "--accordion-batch SMALL,LARGE for the batch-size variant",
-        "options": {"eta": 0.5, "interval_epochs": "the task's default"},
+        "options": {"eta": RunConfig.eta, "interval_epochs": "the task's default"},
         "example": "--compressor powersgd:rank=1 --accordion powersgd:rank=4",
     }
     info = {"compressors": describe_compressors(), "accordion": accordion, "tasks": tasks,

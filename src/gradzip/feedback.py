@@ -4,9 +4,10 @@ Invariant, per worker and per tensor: ``compensated == decoded + residual`` wher
 what that worker's own message decodes to. The residual is computed as
 ``compensated - decoded`` in fp32, so the identity holds to the last bit wherever the decoder
 reproduces entries exactly (sparsifiers send entries unchanged) and to float rounding
-otherwise (low rank, quantisation). A sparsifier may hand the residual over directly
-(``Job.residual``: the compensated tensor with the sent entries zeroed, which equals
-``compensated - decoded`` bit for bit) and skip building the dense decoded message.
+otherwise (low rank, quantisation). A sparsifier may compute the residual directly
+(:func:`residual_unsent`: the compensated tensor with the sent entries zeroed, which equals
+``compensated - decoded`` bit for bit) and skip building the dense decoded message. Either
+way the residual is recorded on the job by :meth:`~gradzip.compressors.base.Job.keep`.
 
 References:
     Seide et al., "1-bit SGD", 2014; Stich et al., "Sparsified SGD with Memory", NeurIPS 2018;
@@ -15,9 +16,11 @@ References:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["compensate", "residual_after"]
+__all__ = ["compensate", "residual_after", "residual_unsent"]
 
 
 def compensate(grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
@@ -31,3 +34,17 @@ def compensate(grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tenso
 def residual_after(compensated: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
     """What stays behind: ``compensated - decoded`` (fp32)."""
     return compensated - decoded
+
+
+def residual_unsent(compensated: torch.Tensor, sent: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What a sparsifier's worker keeps: ``compensated`` ``[L, *shape]`` (fp32) with, for each
+    local worker ``w``, the entries at the flat indices ``sent[w]`` zeroed (a new tensor).
+
+    Sparsifiers send entries unchanged, so this is ``compensated - decoded`` bit for bit,
+    without building ``decoded``.
+    """
+    workers = compensated.shape[0]
+    rest = compensated.reshape(workers, -1).clone()
+    for w in range(workers):
+        rest[w].index_fill_(0, sent[w].to(rest.device), 0.0)
+    return rest.reshape(compensated.shape)

@@ -4,6 +4,8 @@ Two forms, one grammar:
 
 * a compressor: ``name`` or ``name:key=value,key=value`` (``"topk:ratio=0.01"``); values are
   typed by :func:`parse_value` (integer, float, ``true``/``false``, else the text);
+* a level schedule (the CLI's ``--level-schedule``): ``gentle:A-B,aggressive:B-C,...`` in
+  epochs (:func:`parse_level_schedule`);
 * a controller: ``name(key=value,...)`` (``"accordion(steady=powersgd:rank=1,critical=...)"``);
   values may hold compressor specs (commas included), so a parameter starts only at a comma
   followed by one of the controller's own keys; each key has a kind (:data:`KINDS`) that
@@ -48,6 +50,7 @@ __all__ = [
     "format_call",
     "format_ranges",
     "parse_call",
+    "parse_level_schedule",
     "parse_ranges",
     "parse_spec",
     "parse_value",
@@ -65,6 +68,7 @@ REGISTRY: dict[str, type[Compressor]] = {cls.spec_name: cls for cls in COMPRESSO
 CONTROLLERS: dict[str, type[Compressor]] = {}
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+_SCHEDULE_PART = re.compile(r"^\s*(gentle|aggressive)\s*:\s*([0-9.]+)\s*-\s*([0-9.]+)\s*$")
 _INT = re.compile(r"^[+-]?\d+$")
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf)$", re.IGNORECASE)
 
@@ -96,6 +100,36 @@ def parse_ranges(text: str) -> list[tuple[int, ...]]:
 def format_ranges(ranges: Sequence[tuple[int, int]]) -> str:
     """Inverse of :func:`parse_ranges`."""
     return ";".join(f"{a}-{b}" for a, b in ranges)
+
+
+def parse_level_schedule(text: str) -> list[tuple[float, float]]:
+    """The gentle ranges of a level schedule's text (the CLI's ``--level-schedule``), in epochs.
+
+    ``"gentle:0-5,aggressive:5-15,gentle:15-18,aggressive:18-30"`` gives
+    ``[(0, 5), (15, 18)]``; the aggressive parts only document the rest.
+
+    Raises:
+        ValueError: a part that is not ``gentle:A-B`` or ``aggressive:A-B``, an empty range,
+            or ranges (of either kind) that overlap or are out of order.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"`level_schedule` must look like 'gentle:0-5,aggressive:5-30', got {text!r}")
+    parts: list[tuple[str, float, float]] = []
+    for item in text.split(","):
+        match = _SCHEDULE_PART.match(item)
+        if match is None:
+            raise ValueError(
+                f"`level_schedule` parts must look like 'gentle:0-5' or 'aggressive:5-30', got {item!r}"
+            )
+        parts.append((match.group(1), float(match.group(2)), float(match.group(3))))
+    for i, (_, start, end) in enumerate(parts):  # both kinds: half-open, sorted, disjoint
+        if end <= start:
+            raise ValueError(f"`level_schedule` ranges must satisfy 0 <= start < end, got "
+                             f"{(start, end)!r}")
+        if i and start < parts[i - 1][2]:
+            raise ValueError(f"`level_schedule` ranges must be sorted and disjoint, got "
+                             f"{(start, end)!r} after {parts[i - 1][1:]!r}")
+    return [(a, b) for kind, a, b in parts if kind == "gentle"]
 
 
 def _as_bool(text: str) -> bool:

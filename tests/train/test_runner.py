@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from gradzip import NoCompression
 from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.comm.header import rider_bytes
+from gradzip.train.config import RunConfig, resolve_config
 from gradzip.train.data import shard_indices
-from gradzip.train.loop import SimStepper
 from gradzip.train.plots import critical_spans
-from gradzip.train.runner import RunConfig, milestone_epochs, resolve_config, run
-from gradzip.train.schedules import lr_at
+from gradzip.train.runner import run
+from gradzip.train.schedules import lr_at, milestone_epochs
+from gradzip.train.steppers import SimStepper
 from gradzip.train.tasks import TASKS, get_task
 
 TINY = dict(task="digits", workers=2, epochs=1, limit_train=200)

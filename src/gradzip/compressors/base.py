@@ -32,15 +32,18 @@ class Job:
         tensor: ``[L, *shape]`` float32, the error-compensated gradient of each local worker.
         averaged: filled by ``reduce``: ``[*shape]``, the average over all workers of what
             they sent, identical on every worker.
-        decoded: filled by ``reduce``: ``[L, *shape]``, what each local worker's own message
-            decodes to (error feedback keeps ``tensor - decoded``).
-        residual: filled by ``reduce`` *instead of* ``decoded`` when the compressor has
-            ``tensor - decoded`` more cheaply (a sparsifier: ``tensor`` with the sent entries
-            zeroed, one pass, no dense ``decoded`` built). Use :meth:`own_decoded` and
-            :meth:`leftover`, which work with either.
+        decoded: filled by ``reduce`` (or left ``None``, see below): ``[L, *shape]``, what
+            each local worker's own message decodes to.
+        residual: ``[L, *shape]`` fp32, what error feedback keeps (``tensor - decoded``);
+            recorded only by :meth:`keep`, never assigned.
         raw: ``[L, *shape]``, each local worker's gradient as it came, before error feedback
             added its residual (set by the engine; ``None`` where the caller has only
             ``tensor``). Read-only: controllers that judge the training regime use it.
+
+    The residual contract (see :meth:`Compressor.reduce`): ``reduce`` sets ``decoded``, or
+    records the residual with :meth:`keep` where it has it more cheaply, or both; error
+    feedback reads :meth:`leftover`, which records ``tensor - decoded`` through :meth:`keep`
+    when the compressor did not. Every residual thus passes through :meth:`keep`.
     """
 
     name: str
@@ -50,6 +53,22 @@ class Job:
     residual: torch.Tensor | None = None
     raw: torch.Tensor | None = None
 
+    def keep(self, residual: torch.Tensor) -> torch.Tensor:
+        """Record what error feedback keeps of this job: ``tensor - decoded`` per local
+        worker, ``[L, *shape]`` fp32. The one way a residual is recorded:
+        :meth:`leftover` (from ``decoded``, by :func:`~gradzip.feedback.residual_after`),
+        the threshold's one-pass split and :func:`~gradzip.compressors.sparse.gather_sparse`
+        (by :func:`~gradzip.feedback.residual_unsent`) all call it.
+
+        Returns:
+            ``residual``.
+        """
+        assert residual.shape == self.tensor.shape and residual.dtype == torch.float32, (
+            f"{self.name}: a residual must be float32 of shape {tuple(self.tensor.shape)}, "
+            f"got {residual.dtype} {tuple(residual.shape)}")
+        self.residual = residual
+        return residual
+
     def own_decoded(self) -> torch.Tensor:
         """``[L, *shape]``: what each local worker's own message decodes to."""
         if self.decoded is not None:
@@ -58,11 +77,12 @@ class Job:
         return self.tensor - self.residual
 
     def leftover(self) -> torch.Tensor:
-        """``[L, *shape]``: what error feedback keeps, ``tensor - decoded`` (fp32)."""
+        """``[L, *shape]``: what error feedback keeps, ``tensor - decoded`` (fp32), recorded
+        through :meth:`keep` on first use when ``reduce`` left only ``decoded``."""
         if self.residual is not None:
             return self.residual
         assert self.decoded is not None, f"reduce left neither decoded nor residual: {self.name}"
-        return residual_after(self.tensor, self.decoded)
+        return self.keep(residual_after(self.tensor, self.decoded))
 
     @property
     def shape(self) -> torch.Size:
@@ -120,15 +140,15 @@ class Compressor(ABC):
     ) -> None:
         """Fill ``job.averaged`` for every job, and hand error feedback its residual.
 
-        Residual contract (one for every compressor): for each job, set ``job.decoded`` (what
-        each local worker's own message decodes to; the engine then keeps
-        ``tensor - decoded``), or ``job.residual`` (``tensor - decoded`` itself, where it is
-        cheaper: a sparsifier's tensor with the sent entries zeroed, as
-        :func:`~gradzip.compressors.sparse.gather_sparse` and the threshold's one-pass
-        selection write it), or both (PowerSGD, which must test the residual's finiteness
-        before its last collective). Error feedback reads :meth:`Job.leftover` and
-        :meth:`Job.own_decoded`, which accept any of the three, so that
-        ``tensor == own_decoded + leftover`` per worker (the conformance suite checks it).
+        Residual contract (one for every compressor): for each job, either set ``job.decoded``
+        (what each local worker's own message decodes to), or record the residual
+        ``tensor - decoded`` with :meth:`Job.keep` where that is cheaper (a sparsifier: the
+        tensor with the sent entries zeroed, :func:`~gradzip.feedback.residual_unsent`, no
+        dense ``decoded`` built), or both (they must then agree exactly). Never assign
+        ``job.residual``. Error feedback reads :meth:`Job.leftover`, which records
+        ``tensor - decoded`` through :meth:`Job.keep` when no residual was recorded, so every
+        residual passes through that one method and ``tensor == own_decoded + leftover`` per
+        worker (the conformance suite checks this for every registered compressor).
 
         Every worker must issue the same collectives with the same sizes, so any decision
         that shapes the exchange is taken from quantities identical on all workers.

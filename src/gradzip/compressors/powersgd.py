@@ -12,7 +12,6 @@ import torch
 from gradzip._validate import check_bool, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.feedback import residual_after
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import orthogonalize
 from gradzip.ops.random import generator_for
@@ -257,8 +256,7 @@ class PowerSGD(Compressor):
             own = _stack_workers([torch.bmm(ps[k], qt_local[k][w]) for w in range(workers)])
             for b, job in enumerate(groups[k]):
                 job.decoded = own[:, b].reshape(job.tensor.shape)
-                job.residual = residual_after(job.tensor, job.decoded)
-            finite &= finite_rows([j.residual for j in groups[k]], workers)  # type: ignore[misc]
+            finite &= finite_rows([j.leftover() for j in groups[k]], workers)
         # On the device, no host synchronisation: NaN where a worker's residual is not finite.
         for k in keys:
             mask = finite.reshape(workers, *([1] * (qt_local[k].dim() - 1)))

@@ -9,6 +9,7 @@ import torch
 
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Job
+from gradzip.feedback import residual_unsent
 from gradzip.ops.flat import reinterpret, to_device
 from gradzip.ops.select import index_dtype
 
@@ -101,9 +102,10 @@ def gather_sparse(
         extra_payload: bytes of metadata per worker counted on top of values and indices
             (e.g. sizes sent beforehand are counted by that exchange, not here).
 
-    A job that arrives without its ``residual`` gets one here: its tensor with the sent
-    entries zeroed (sparsifiers send entries unchanged, so that is exactly what error feedback
-    keeps), from the unpadded indices.
+    A job that arrives without a residual gets one recorded here (:meth:`Job.keep`): its
+    tensor with the sent entries zeroed (:func:`~gradzip.feedback.residual_unsent`;
+    sparsifiers send entries unchanged, so that is exactly what error feedback keeps), from
+    the unpadded indices.
 
     Raises:
         ValueError: a received index lies outside its tensor (a corrupt message).
@@ -124,11 +126,8 @@ def gather_sparse(
             payload[w] += counts[w] * (4 + index_bytes(numels[j]))
         parts.append(val)
         parts.append(_as_words(idx, numels[j]))
-        if job.residual is None:
-            rest = job.tensor.reshape(workers, -1).clone()
-            for w in range(workers):
-                rest[w].index_fill_(0, indices[j][w].to(device), 0.0)
-            job.residual = rest.reshape(job.tensor.shape)
+        if job.residual is None:  # Top-k; the threshold's one-pass split recorded its own
+            job.keep(residual_unsent(job.tensor, indices[j]))
     gathered = comm.all_gather(torch.cat(parts, dim=1), payload=payload)
     received_val, received_idx, offset = [], [], 0
     for j, numel in enumerate(numels):

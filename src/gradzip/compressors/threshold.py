@@ -135,7 +135,7 @@ class HardThreshold(Compressor):
         chosen = set(sparse_ids)
         dense_reduce([j for t, j in enumerate(jobs) if t not in chosen], comm)
         for t in sparse_ids:
-            jobs[t].residual = selected[t][2].reshape(jobs[t].tensor.shape)
+            jobs[t].keep(selected[t][2].reshape(jobs[t].tensor.shape))
         gather_sparse(
             [jobs[t] for t in sparse_ids],
             [selected[t][0] for t in sparse_ids],

@@ -15,8 +15,9 @@ from gradzip.control.rule import (
     is_lr_drop,
     joint_norm,
 )
-from gradzip.control.schedule import Schedule, parse_level_schedule
+from gradzip.control.schedule import Schedule
 from gradzip.control.switch import DENSE, TwoLevel
+from gradzip.spec import parse_level_schedule
 
 __all__ = [
     "CRITICAL",

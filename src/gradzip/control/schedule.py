@@ -10,7 +10,6 @@ simulator treat both alike.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,11 +23,9 @@ from gradzip.control.level_order import check_level_order
 from gradzip.control.records import MODEL, force_critical, key_levels, record, set_levels
 from gradzip.control.rule import CRITICAL, STEADY, is_lr_drop
 from gradzip.control.switch import TwoLevel, build_levels
-from gradzip.spec import format_call, format_ranges, register_controller
+from gradzip.spec import format_call, format_ranges, parse_level_schedule, register_controller
 
-__all__ = ["Schedule", "parse_level_schedule"]
-
-_PART = re.compile(r"^\s*(gentle|aggressive)\s*:\s*([0-9.]+)\s*-\s*([0-9.]+)\s*$")
+__all__ = ["Schedule"]
 
 
 def _ranges(name: str, value: Any, convert: Any) -> tuple[tuple[Any, Any], ...]:
@@ -57,31 +54,6 @@ def _epoch(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"`gentle_epochs` bounds must be numbers, got {value!r}")
     return float(value)
-
-
-def parse_level_schedule(text: str) -> list[tuple[float, float]]:
-    """The gentle ranges of the CLI's ``--level-schedule``, in epochs.
-
-    ``"gentle:0-5,aggressive:5-15,gentle:15-18,aggressive:18-30"`` gives
-    ``[(0, 5), (15, 18)]``; the aggressive parts only document the rest.
-
-    Raises:
-        ValueError: a part that is not ``gentle:A-B`` or ``aggressive:A-B``, or ranges that
-            overlap or are out of order.
-    """
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"`level_schedule` must look like 'gentle:0-5,aggressive:5-30', got {text!r}")
-    parts = []
-    for item in text.split(","):
-        match = _PART.match(item)
-        if match is None:
-            raise ValueError(
-                f"`level_schedule` parts must look like 'gentle:0-5' or 'aggressive:5-30', got {item!r}"
-            )
-        parts.append((match.group(1), float(match.group(2)), float(match.group(3))))
-    everything = _ranges("level_schedule", [(a, b) for _, a, b in parts], _epoch)
-    del everything  # validated: sorted and disjoint over both kinds
-    return [(a, b) for kind, a, b in parts if kind == "gentle"]
 
 
 @register_controller
@@ -172,6 +144,23 @@ class Schedule(TwoLevel):
         """
         steps = check_int("steps", steps, minimum=1)
         return cls(gentle, compressor, gentle_steps=[(0, steps)])
+
+    @classmethod
+    def from_text(cls, text: str, aggressive: Compressor | str, *, steps_per_epoch: int,
+                  gentle: Compressor | str = "none") -> Schedule:
+        """The schedule of a level-schedule text in epochs (the CLI's ``--level-schedule``,
+        parsed by :func:`~gradzip.spec.parse_level_schedule`): ``gentle`` in its gentle
+        ranges, ``aggressive`` elsewhere.
+
+        Example:
+            >>> Schedule.from_text("gentle:0-5,aggressive:5-30", "powersgd:rank=1",
+            ...                    gentle="powersgd:rank=4", steps_per_epoch=391)
+
+        Raises:
+            ValueError: malformed text, or invalid levels or ranges.
+        """
+        return cls(gentle, aggressive, gentle_epochs=parse_level_schedule(text),
+                   steps_per_epoch=steps_per_epoch)
 
     # -- identity --------------------------------------------------------------------------
     def spec(self) -> str:

@@ -37,12 +37,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from gradzip.train.config import RunConfig, resolve_config
 from gradzip.train.events import EVENTS_DIR, require_tensorboard, write_events
 from gradzip.train.metrics import format_bytes, read_metrics, read_summary
 from gradzip.train.plots import plot_runs
 from gradzip.train.resume import plan_out_dir
 from gradzip.train.rundir import atomic_write_text
-from gradzip.train.runner import RunConfig, resolve_config, run
+from gradzip.train.runner import run
 
 __all__ = ["Grid", "GridRun", "format_table", "list_presets", "load_grid", "run_grid"]
 

@@ -1,14 +1,13 @@
-"""The training loop shared by both launchers, and the two ways of averaging gradients.
+"""The training loop shared by both launchers.
 
-:class:`SimStepper` holds every worker in this process (an :class:`~gradzip.Engine` over a
-:class:`~gradzip.SimulatedGroup`); :class:`DDPStepper` is one worker of a real process group
-(``DistributedDataParallel`` with the gradzip comm hook). :class:`TrainLoop` drives either:
-per-step learning rate, optimizer step, evaluation and the per-epoch metrics records.
+:class:`TrainLoop` drives one run's training through a stepper
+(:mod:`gradzip.train.steppers`: every worker simulated in this process, or one worker of a
+process group): per-step learning rate, optimizer step, evaluation and the per-epoch metrics
+records.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -17,180 +16,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from gradzip import ddp as gradzip_ddp
-from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Compressor
 from gradzip.control.batch import BatchSizeController
-from gradzip.engine import Engine
 from gradzip.train.metrics import MetricsWriter, progress_bar
 from gradzip.train.schedules import lr_at, milestone_epochs, set_lr
+from gradzip.train.steppers import DDPStepper, SimStepper, to_device
 
 __all__ = ["DDPStepper", "SimStepper", "TrainLoop"]
 
 log = logging.getLogger(__name__)
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
-
-
-class SimStepper:
-    """All workers in one process; one model replica receives the averaged gradient."""
-
-    def __init__(self, model: nn.Module, task: Any, compressor: Compressor, cfg: Any,
-                 optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        self.model, self.task, self.device = model, task, device
-        self.world = cfg.workers
-        self.local_ranks = list(range(self.world))
-        self.engine = Engine(model, compressor, collective=SimulatedGroup(self.world),
-                             options=cfg.engine_options(optimizer))
-        self.params = dict(self.engine.params)
-        self.buffers = list(model.buffers())
-        self.averaged: dict[str, Tensor] = {}
-
-    def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
-        """Compute every worker's gradient, average them, leave the average in ``.grad``.
-
-        Args:
-            batches: per worker, the micro-batches of this step (their gradients are averaged
-                locally before the one communication round).
-            carries: per worker, the task's carried state (updated in place).
-
-        Returns:
-            The sum over workers of their mean micro-batch losses.
-        """
-        saved = [b.clone() for b in self.buffers]
-        grads: dict[str, list[Tensor]] = {n: [] for n in self.params}
-        total = 0.0
-        # Worker 0 runs last, from the pre-step buffers, so BatchNorm running statistics end
-        # up as worker 0's, which is what DDP's buffer broadcast keeps.
-        for w in reversed(range(self.world)):
-            if w != self.world - 1:
-                for b, s in zip(self.buffers, saved, strict=True):
-                    b.copy_(s)
-            for p in self.params.values():
-                p.grad = None
-            for micro in batches[w]:
-                loss, carries[w] = self.task.loss(self.model, _to(micro, self.device), carries[w])
-                (loss / len(batches[w])).backward()
-                total += float(loss.detach()) / len(batches[w])
-            for n, p in self.params.items():
-                grads[n].append(p.grad if p.grad is not None else torch.zeros_like(p))
-        stacked = {n: torch.stack(g[::-1]) for n, g in grads.items()}
-        # same_layout: every worker is in this process, so the layout is the same by
-        # construction, and the messages (bytes included) are those of the procs launcher's
-        # DDP hook, where the call header rides in the payload.
-        self.averaged = self.engine.reduce(stacked, same_layout=True)
-        for n, avg in self.averaged.items():
-            self.params[n].grad = avg
-        return total
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        return self.engine.stats
-
-    @property
-    def compressor_state(self) -> Any:
-        return self.engine.compressor_state
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every simulated worker's gradzip state (one engine holds them all)."""
-        return self.engine.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Checkpoints are read onto the CPU; residuals and warm starts live with the model.
-        self.engine.load_state_dict(_to(state, self.device))
-
-    def all_sum(self, x: Tensor) -> Tensor:
-        return x
-
-    def all_max(self, x: Tensor) -> Tensor:
-        return x
-
-    def sync_buffers(self) -> None:
-        """Nothing to do: one replica."""
-
-
-class DDPStepper:
-    """One worker of a ``torch.distributed`` group: DDP with the gradzip comm hook."""
-
-    def __init__(self, model: nn.Module, task: Any, compressor: Compressor, cfg: Any,
-                 optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
-
-        self.dist = dist
-        self.model, self.task, self.device = model, task, device
-        self.world = dist.get_world_size()
-        self.local_ranks = [dist.get_rank()]
-        ids = [device.index] if device.type == "cuda" else None
-        # Buffers (BatchNorm statistics) follow rank 0 at every forward: DDP's default.
-        self.ddp = DistributedDataParallel(model, device_ids=ids)
-        self.hook = gradzip_ddp.register(self.ddp, compressor,
-                                         options=cfg.engine_options(optimizer))
-
-    def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
-        for p in self.model.parameters():
-            p.grad = None
-        micro, total = batches[0], 0.0
-        for i, batch in enumerate(micro):
-            # Local accumulation: only the last micro-batch's backward communicates.
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else self.ddp.no_sync()
-            with sync:
-                loss, carries[0] = self.task.loss(self.ddp, _to(batch, self.device), carries[0])
-                (loss / len(micro)).backward()  # the hook leaves the average in .grad
-            total += float(loss.detach()) / len(micro)
-        return total
-
-    @property
-    def averaged(self) -> dict[str, Tensor]:
-        return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        # The hook reports this rank's counters as numbers; the loop expects per-worker lists.
-        return {k: ([v] if k.endswith("_bytes") else v) for k, v in self.hook.stats.items()}
-
-    @property
-    def compressor_state(self) -> Any:
-        engine = getattr(self.hook, "engine", None)
-        return getattr(engine, "compressor_state", None)
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's gradzip state (residuals are per rank)."""
-        return self.hook.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.hook.load_state_dict(state)
-
-    def _reduce(self, x: Tensor, op: Any) -> Tensor:
-        y = x.to(self.device)
-        self.dist.all_reduce(y, op=op)
-        return y.cpu()
-
-    def all_sum(self, x: Tensor) -> Tensor:
-        return self._reduce(x, self.dist.ReduceOp.SUM)
-
-    def all_max(self, x: Tensor) -> Tensor:
-        return self._reduce(x, self.dist.ReduceOp.MAX)
-
-    def sync_buffers(self) -> None:
-        """Give every rank worker 0's BatchNorm statistics before evaluating."""
-        for b in self.model.buffers():
-            self.dist.broadcast(b, 0)
-
-
 class TrainLoop:
     """One run's training: model, optimizer, schedule, steps, evaluation, records.
 
     Args:
-        cfg: a resolved :class:`~gradzip.train.runner.RunConfig`.
+        cfg: a resolved :class:`~gradzip.train.config.RunConfig`.
         task: the task object.
         data: what ``task.load`` returned.
         rank: this process's first worker rank (0 in a simulated run).
@@ -393,7 +234,7 @@ class TrainLoop:
                 raise ValueError(f"the checkpoint's `{part}` does not fit this run: "
                                  f"{' '.join(str(exc).split())}") from None
         if self.batch_controller is not None:
-            self.batch_controller.load_state_dict(_to(state["batch_controller"], self.device))
+            self.batch_controller.load_state_dict(to_device(state["batch_controller"], self.device))
         loop = dict(state["loop"])
         want = {*self.done, "decisions", "decision_count"}
         if set(loop) != want:
