@@ -366,7 +366,8 @@ def plot(groups: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -
             ax.axvline(first, color="grey", linewidth=0.6)
         ax.set_title(f"{group['setting']} {group['family']} seed {group['seed']}", fontsize=9)
         ax.set_xlabel("epoch")
-        ax.set_ylabel(run["summary"]["metric"])
+        metric = run["summary"]["metric"]
+        ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else metric)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
