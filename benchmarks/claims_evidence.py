@@ -250,28 +250,67 @@ def phase_weights(roles: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     ``rank`` says how many combinations the runs determine. None without both static levels
     and at least two other roles.
     """
-    import numpy as np
-
     fitted = fit(roles)
     if not fitted or "recovered" not in fitted:
         return None
-    names = [n for n in roles if n not in ("aggressive",) and fitted["recovered"].get(n) is not None
-             and all(p["gentle_share"] is not None for p in roles[n]["phases"])]
-    if len(names) < 3:
+    rows = [(n, [p["gentle_share"] for p in roles[n]["phases"]], fitted["recovered"][n])
+            for n in roles if n != "aggressive" and fitted["recovered"].get(n) is not None]
+    return _solve(rows, next(iter(roles.values()))["phases"])
+
+
+def _solve(rows: list[tuple[str, list[float | None], float]],
+           phases_: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Least squares ``recovered = shares @ w`` over ``rows`` ``(name, shares, recovered)``."""
+    import numpy as np
+
+    rows = [r for r in rows if len(r[1]) == len(phases_) and None not in r[1]]
+    if len(rows) < 3:
         return None
-    phases_ = roles[names[0]]["phases"]
-    if any(len(roles[n]["phases"]) != len(phases_) for n in names):
-        return None
-    a = np.array([[p["gentle_share"] for p in roles[n]["phases"]] for n in names], dtype=float)
-    b = np.array([fitted["recovered"][n] for n in names], dtype=float)
+    a = np.array([r[1] for r in rows], dtype=float)
+    b = np.array([r[2] for r in rows], dtype=float)
     w, _, rank, _ = np.linalg.lstsq(a, b, rcond=None)
     total = phases_[-1]["epochs"][1] - phases_[0]["epochs"][0]
-    return {"rank": int(rank), "residuals": {n: round(float(r), 3) for n, r in
-                                             zip(names, b - a @ w, strict=True)},
+    return {"rank": int(rank), "residuals": {r[0]: round(float(x), 3) for r, x in
+                                             zip(rows, b - a @ w, strict=True)},
             "phases": [{"phase": p["phase"], "weight": round(float(x), 3),
                         "per_epoch": round(float(x) / (p["epochs"][1] - p["epochs"][0]), 4),
                         "timing_free": round((p["epochs"][1] - p["epochs"][0]) / total, 3)}
                        for p, x in zip(phases_, w, strict=True)]}
+
+
+def pooled(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per setting and family with two or more seeds: each role's mean final value and mean
+    recovered share over the seeds that ran it, and the phase weights over every seed's rows."""
+    by_key: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for group in groups:
+        by_key.setdefault((group["setting"], group["family"]), []).append(group)
+    out = []
+    for (setting, family), items in sorted(by_key.items()):
+        if len(items) < 2:
+            continue
+        roles: dict[str, dict[str, Any]] = {}
+        rows: list[tuple[str, list[float | None], float]] = []
+        for group in items:
+            recovered = (group["fit"] or {}).get("recovered", {})
+            for name, entry in group["roles"].items():
+                role = roles.setdefault(name, {"seeds": [], "finals": [], "recovered": []})
+                role["seeds"].append(group["seed"])
+                role["finals"].append(entry["final"])
+                if recovered.get(name) is not None:
+                    role["recovered"].append(recovered[name])
+                    if name != "aggressive":
+                        rows.append((f"{name}/seed{group['seed']}",
+                                     [p["gentle_share"] for p in entry["phases"]],
+                                     recovered[name]))
+        summary = {name: {"seeds": r["seeds"],
+                          "mean_final": round(sum(r["finals"]) / len(r["finals"]), 3),
+                          "spread": round(max(r["finals"]) - min(r["finals"]), 3),
+                          "mean_recovered": round(sum(r["recovered"]) / len(r["recovered"]), 3)
+                          if r["recovered"] else None} for name, r in roles.items()}
+        first = next(iter(items[0]["roles"].values()))["phases"]
+        out.append({"setting": setting, "family": family, "roles": summary,
+                    "phase_weights": _solve(rows, first)})
+    return out
 
 
 def analyse(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -343,6 +382,25 @@ def markdown(groups: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def markdown_pooled(pools: list[dict[str, Any]]) -> str:
+    """The seed means of :func:`pooled` as markdown."""
+    lines: list[str] = []
+    for pool in pools:
+        lines += [f"#### {pool['setting']}, {pool['family']}, mean over seeds", "",
+                  "| role | seeds | mean final | spread | mean gap recovered |",
+                  "|---|---|---:|---:|---:|"]
+        for role, r in pool["roles"].items():
+            lines.append(f"| {role} | {','.join(map(str, r['seeds']))} | {r['mean_final']:.2f} | "
+                         f"{r['spread']:.2f} | {_fmt(r['mean_recovered'], '{:.0%}')} |")
+        weights = pool["phase_weights"]
+        if weights:
+            lines += ["", f"Phase weights over every seed's runs (rank {weights['rank']}): "
+                      + ", ".join(f"{w['phase']} {w['weight']:.2f} ({w['timing_free']:.2f})"
+                                  for w in weights["phases"]) + "."]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot(groups: list[dict[str, Any]], runs: list[dict[str, Any]], path: Path) -> bool:
     """The metric per epoch of every role, one panel per setting, family and seed, with the
     LR drops marked; False when matplotlib is missing."""
@@ -396,11 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         if not runs:
             raise SystemExit(f"no finished runs of a level pair under {args.runs!r}")
         groups = analyse(runs)
+        pools = pooled(groups)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(groups, indent=1) + "\n",
-                                               encoding="utf-8")
-        text = markdown(groups)
+        (out / f"{args.name}.json").write_text(
+            json.dumps({"per_seed": groups, "pooled": pools}, indent=1) + "\n", encoding="utf-8")
+        text = markdown(groups) + ("\n" + markdown_pooled(pools) if pools else "")
         (out / f"{args.name}.md").write_text(text, encoding="utf-8")
         plotted = plot(groups, runs, out / f"{args.name}.png")
     print(text)

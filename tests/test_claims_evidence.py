@@ -126,14 +126,39 @@ def test_script_writes_json_markdown_and_plot(runs_root: Path, tmp_path: Path) -
     assert claims.pack(runs_root, archive) == 5
     out = tmp_path / "out"
     assert evidence.main(["--runs", str(archive), "--out", str(out), "--name", "ev"]) == 0
-    groups = json.loads((out / "ev.json").read_text())
+    written = json.loads((out / "ev.json").read_text())
+    groups = written["per_seed"]
     assert [(g["setting"], g["family"], g["seed"]) for g in groups] == [("smoke", "powersgd", 0)]
+    assert written["pooled"] == []  # one seed: nothing to pool
     text = (out / "ev.md").read_text()
     assert "| critical-aggressive |" in text and "largest relative norm change" in text
     png = out / "ev.png"
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size < 300_000
     # The same from the folder itself.
     assert evidence.main(["--runs", str(runs_root), "--out", str(tmp_path / "o2")]) == 0
-    assert json.loads((tmp_path / "o2" / "claims_evidence.json").read_text()) == groups
+    assert json.loads((tmp_path / "o2" / "claims_evidence.json").read_text()) == written
     with pytest.raises(SystemExit, match="--runs"):
         evidence.main(["--runs", str(tmp_path / "missing")])
+
+
+def test_pooled_means_and_weights_over_seeds() -> None:
+    def group(seed: int, finals: dict[str, float]) -> dict[str, object]:
+        shares = {"gentle": [1, 1], "aggressive": [0, 0], "a": [1, 0], "b": [0, 1]}
+        roles = {name: {"final": final, "gentle_share": sum(shares[name]) / 2,
+                        "phases": [{"phase": f"p{i}", "epochs": [i, i + 1], "gentle_share": x}
+                                   for i, x in enumerate(shares[name])]}
+                 for name, final in finals.items()}
+        return {"setting": "s", "family": "f", "seed": seed, "roles": roles,
+                "fit": evidence.fit(roles)}
+
+    groups = [group(0, {"gentle": 80.0, "aggressive": 70.0, "a": 77.0, "b": 73.0}),
+              group(1, {"gentle": 82.0, "aggressive": 72.0, "a": 79.0, "b": 75.0}),
+              group(2, {"gentle": 81.0, "aggressive": 71.0})]
+    (pool,) = evidence.pooled(groups)
+    assert pool["roles"]["a"] == {"seeds": [0, 1], "mean_final": 78.0, "spread": 2.0,
+                                  "mean_recovered": 0.7}
+    assert pool["roles"]["gentle"]["seeds"] == [0, 1, 2]
+    weights = pool["phase_weights"]
+    assert [w["weight"] for w in weights["phases"]] == pytest.approx([0.7, 0.3], abs=1e-3)
+    assert "mean over seeds" in evidence.markdown_pooled([pool])
+    assert evidence.pooled(groups[:1]) == []
