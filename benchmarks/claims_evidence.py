@@ -179,6 +179,13 @@ def analyse_group(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 phase["recovered"] = None if rec is None else round(rec, 3)
             if entry["phases"]:
                 phase["gain"] = round(values[b - 1] - entry["phases"][-1]["end_value"], 3)
+            if len(entry["phases"]) >= 2 and a < len(values):  # a phase opened by an LR drop
+                phase["first_epoch_value"] = round(values[a], 3)
+                if gentle is not None and aggressive is not None and a < min(
+                        len(gentle["epochs"]), len(aggressive["epochs"])):
+                    rec = _recovered(values[a], metric_values(gentle)[a],
+                                     metric_values(aggressive)[a])
+                    phase["first_epoch_recovered"] = None if rec is None else round(rec, 3)
             entry["phases"].append(phase)
         if run["decisions"] and role == "accordion":
             entry["decisions"] = decision_table(run)
@@ -350,6 +357,16 @@ def markdown(groups: list[dict[str, Any]]) -> str:
             cells = [f"{p['end_value']:.2f} ({_fmt(p.get('gain'), '{:+.2f}')}) "
                      f"[{_fmt(p.get('recovered'), '{:.0%}')}]" for p in entry["phases"]]
             lines.append(f"| {role} | " + " | ".join(cells) + " |")
+        drops = [p for p in next(iter(roles.values()))["phases"] if "first_epoch_value" in p]
+        if drops:
+            lines += ["", "Metric one epoch after each LR drop [gap recovered there]:", "",
+                      "| role | " + " | ".join(f"epoch {p['epochs'][0] + 1:g}" for p in drops)
+                      + " |", "|---|" + "---:|" * len(drops)]
+            for role, entry in roles.items():
+                cells = [f"{p['first_epoch_value']:.2f} "
+                         f"[{_fmt(p.get('first_epoch_recovered'), '{:.0%}')}]"
+                         for p in entry["phases"] if "first_epoch_value" in p]
+                lines.append(f"| {role} | " + " | ".join(cells) + " |")
         fitted = group["fit"]
         if fitted:
             lines += ["", f"Fit of the final value against gentle share: slope "

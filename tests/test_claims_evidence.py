@@ -77,6 +77,10 @@ def test_group_analysis_fits_and_recovers(runs_root: Path) -> None:
     cg = roles["critical-gentle"]["phases"]
     assert [p["gentle_share"] for p in cg] == [1.0, 0.0, 0.5]
     assert cg[0]["end_value"] == roles["gentle"]["phases"][0]["end_value"]  # same first epoch
+    # One epoch after the drop (epoch 3): the value of the run's third epoch.
+    assert cg[2]["first_epoch_value"] == roles["critical-gentle"]["per_epoch"][2]
+    assert roles["aggressive"]["phases"][2]["first_epoch_recovered"] in (0.0, None)
+    assert "first_epoch_value" not in cg[0] and "first_epoch_value" not in cg[1]
     assert math.isfinite(group["fit"]["slope"]) and group["fit"]["rmse"] >= 0
     assert set(group["fit"]["off_static_line"]) == set(evidence.LEVEL_ROLES)
     assert group["fit"]["off_static_line"]["gentle"] == 0.0
