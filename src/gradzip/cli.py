@@ -265,6 +265,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from gradzip.train.compare import format_table, load_grid, run_grid
+    from gradzip.train.demo_summary import summary_line
 
     overrides: dict[str, Any] = {}
     epochs = args.epochs or (int(os.environ["GRADZIP_DEMO_EPOCHS"])
@@ -281,6 +282,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     rows = run_grid(grid, force=True, progress=_progress(args.quiet),
                     stream=None if args.quiet else sys.stderr)
     print(format_table(rows))
+    print(summary_line(rows))
     print(f"total {time.perf_counter() - start:.1f} s; runs in {grid.out}/")
     files = rows[0]["_files"]
     print(f"plot: {files['plot']}" if files["plot"] else "plot: (matplotlib not installed)")

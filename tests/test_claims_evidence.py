@@ -1,0 +1,168 @@
+"""The claims evidence script (benchmarks/claims_evidence.py) on the files of real, tiny runs of
+the claims grid's smoke setting: gentle share per phase from the decision logs, the per-phase
+table, the fit against gentle share, and the outputs written from a runs folder or an archive."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from gradzip.train.runner import resolve_config, run
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"{name}_bench"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+claims = _load("claims")
+evidence = _load("claims_evidence")
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The smoke setting's five PowerSGD roles, seed 0, trained here (2 epochs, 64 images)."""
+    root = tmp_path_factory.mktemp("claims-runs")
+    planned = claims.select(claims.plan(claims.SETTINGS["smoke"], [0], root,
+                                        {"limit_train": 64, "batch_size": 8}), ["/powersgd"])
+    assert {p.role for p in planned} == set(evidence.LEVEL_ROLES)
+    for p in planned:
+        run(resolve_config(p.config))
+    return root
+
+
+def test_gentle_share_follows_the_logged_decisions(runs_root: Path) -> None:
+    runs = {r["role"]: r for r in evidence.load_runs(runs_root)}
+    assert set(runs) == set(evidence.LEVEL_ROLES)
+    steps = runs["gentle"]["summary"]["steps"]
+    assert evidence.gentle_per_step(runs["gentle"]) == [1.0] * steps
+    assert evidence.gentle_per_step(runs["aggressive"]) == [0.0] * steps
+    # The schedules: gentle in epochs 0-1 and 2-3 (critical regimes of the smoke setting, LR
+    # drop at epoch 2), or the reverse.
+    per_epoch = steps // 4
+    cg = evidence.gentle_per_step(runs["critical-gentle"])
+    ca = evidence.gentle_per_step(runs["critical-aggressive"])
+    assert cg == [1.0] * per_epoch + [0.0] * per_epoch + [1.0] * per_epoch + [0.0] * per_epoch
+    assert ca == [1.0 - x for x in cg]
+    # Accordion's share agrees with the counts the run itself reported.
+    counts = runs["accordion"]["summary"]["accordion_counts"]
+    share = evidence.gentle_per_step(runs["accordion"])
+    expected = counts["critical_steps"] / (counts["critical_steps"] + counts["steady_steps"])
+    assert sum(share) / len(share) == pytest.approx(expected)
+
+
+def test_phases_follow_the_settings_regimes_and_drops(runs_root: Path) -> None:
+    run_ = evidence.load_runs(runs_root)[0]
+    assert evidence.phases(run_) == [("first 1 epochs", 0.0, 1.0),
+                                     ("before the first LR drop", 1.0, 2.0),
+                                     ("after LR drop 1", 2.0, 4.0)]
+
+
+def test_group_analysis_fits_and_recovers(runs_root: Path) -> None:
+    (group,) = evidence.analyse(evidence.load_runs(runs_root))
+    roles = group["roles"]
+    assert roles["gentle"]["phases"][-1]["recovered"] in (1.0, None)
+    cg = roles["critical-gentle"]["phases"]
+    assert [p["gentle_share"] for p in cg] == [1.0, 0.0, 0.5]
+    assert cg[0]["end_value"] == roles["gentle"]["phases"][0]["end_value"]  # same first epoch
+    # One epoch after the drop (epoch 3): the value of the run's third epoch.
+    assert cg[2]["first_epoch_value"] == roles["critical-gentle"]["per_epoch"][2]
+    assert roles["aggressive"]["phases"][2]["first_epoch_recovered"] in (0.0, None)
+    assert "first_epoch_value" not in cg[0] and "first_epoch_value" not in cg[1]
+    assert math.isfinite(group["fit"]["slope"]) and group["fit"]["rmse"] >= 0
+    assert set(group["fit"]["off_static_line"]) == set(evidence.LEVEL_ROLES)
+    assert group["fit"]["off_static_line"]["gentle"] == 0.0
+    decisions = roles["accordion"]["decisions"]
+    assert decisions[0]["reasons"] == {"first": decisions[0]["critical"]}
+    assert all(d["eta"] == 0.5 for d in decisions)
+
+
+def test_fit_on_known_points() -> None:
+    def role(share: float, final: float) -> dict[str, object]:
+        return {"gentle_share": share, "final": final, "phases": []}
+
+    roles = {"gentle": role(1.0, 76.0), "aggressive": role(0.0, 67.0),
+             "accordion": role(0.5, 71.5), "critical-gentle": role(0.25, 69.25)}
+    fitted = evidence.fit(roles)
+    assert fitted is not None
+    assert fitted["slope"] == pytest.approx(9.0) and fitted["intercept"] == pytest.approx(67.0)
+    assert fitted["r2"] == 1.0 and fitted["rmse"] == 0.0
+    assert fitted["off_static_line"]["accordion"] == pytest.approx(0.0)
+    assert fitted["recovered"]["critical-gentle"] == pytest.approx(0.25)
+    above = evidence.fit({**roles, "accordion": role(0.5, 72.5)})
+    assert above is not None and above["r2"] < 1.0
+    assert above["off_static_line"]["accordion"] == pytest.approx(1.0)
+    assert above["recovered"]["accordion"] == pytest.approx(5.5 / 9, abs=1e-3)
+    assert evidence.fit({"gentle": role(1.0, 76.0), "aggressive": role(0.0, 67.0)}) is None
+
+
+def test_phase_weights_recover_known_weights() -> None:
+    def role(final: float, shares: list[float]) -> dict[str, object]:
+        phases = [{"phase": f"p{i}", "epochs": [2 * i, 2 * i + 2], "gentle_share": s}
+                  for i, s in enumerate(shares)]
+        return {"gentle_share": sum(shares) / len(shares), "final": final, "phases": phases}
+
+    # Recovered share = 0.6 * s0 + 0.4 * s1 + 0 * s2 on a 10-point gap.
+    truth = (0.6, 0.4, 0.0)
+    roles = {name: role(60 + 10 * sum(w * s for w, s in zip(truth, shares, strict=True)), shares)
+             for name, shares in (("gentle", [1, 1, 1]), ("aggressive", [0, 0, 0]),
+                                  ("a", [1, 0, 1]), ("b", [0, 1, 0]), ("c", [1, 0, 0]))}
+    weights = evidence.phase_weights(roles)
+    assert weights is not None and weights["rank"] == 3
+    assert [w["weight"] for w in weights["phases"]] == pytest.approx(list(truth), abs=1e-3)
+    assert [w["timing_free"] for w in weights["phases"]] == pytest.approx([1 / 3] * 3, abs=1e-3)
+
+
+def test_script_writes_json_markdown_and_plot(runs_root: Path, tmp_path: Path) -> None:
+    archive = tmp_path / "runs.tar.gz"
+    assert claims.pack(runs_root, archive) == 5
+    out = tmp_path / "out"
+    assert evidence.main(["--runs", str(archive), "--out", str(out), "--name", "ev"]) == 0
+    written = json.loads((out / "ev.json").read_text())
+    groups = written["per_seed"]
+    assert [(g["setting"], g["family"], g["seed"]) for g in groups] == [("smoke", "powersgd", 0)]
+    assert written["pooled"] == []  # one seed: nothing to pool
+    text = (out / "ev.md").read_text()
+    assert "| critical-aggressive |" in text and "largest relative norm change" in text
+    png = out / "ev.png"
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size < 300_000
+    # The same from the folder itself.
+    assert evidence.main(["--runs", str(runs_root), "--out", str(tmp_path / "o2")]) == 0
+    assert json.loads((tmp_path / "o2" / "claims_evidence.json").read_text()) == written
+    with pytest.raises(SystemExit, match="--runs"):
+        evidence.main(["--runs", str(tmp_path / "missing")])
+
+
+def test_pooled_means_and_weights_over_seeds() -> None:
+    def group(seed: int, finals: dict[str, float]) -> dict[str, object]:
+        shares = {"gentle": [1, 1], "aggressive": [0, 0], "a": [1, 0], "b": [0, 1]}
+        roles = {name: {"final": final, "gentle_share": sum(shares[name]) / 2,
+                        "phases": [{"phase": f"p{i}", "epochs": [i, i + 1], "gentle_share": x}
+                                   for i, x in enumerate(shares[name])]}
+                 for name, final in finals.items()}
+        return {"setting": "s", "family": "f", "seed": seed, "roles": roles,
+                "fit": evidence.fit(roles)}
+
+    groups = [group(0, {"gentle": 80.0, "aggressive": 70.0, "a": 77.0, "b": 73.0}),
+              group(1, {"gentle": 82.0, "aggressive": 72.0, "a": 79.0, "b": 75.0}),
+              group(2, {"gentle": 81.0, "aggressive": 71.0})]
+    (pool,) = evidence.pooled(groups)
+    assert pool["roles"]["a"] == {"seeds": [0, 1], "mean_final": 78.0, "spread": 2.0,
+                                  "mean_recovered": 0.7}
+    assert pool["roles"]["gentle"]["seeds"] == [0, 1, 2]
+    weights = pool["phase_weights"]
+    assert [w["weight"] for w in weights["phases"]] == pytest.approx([0.7, 0.3], abs=1e-3)
+    assert "mean over seeds" in evidence.markdown_pooled([pool])
+    assert evidence.pooled(groups[:1]) == []
