@@ -1,0 +1,248 @@
+"""Optional compiled CPU kernels (Numba): one pass over memory where NumPy and ATen need several.
+
+Installed with the ``fast`` extra (``pip install gradzip[fast]``). Without Numba, with
+``GRADZIP_JIT=0`` in the environment, or on a big-endian CPU, :func:`enabled` is false and
+callers use their NumPy and torch paths, which give the same bits. Kernels are compiled on
+first use (about a second each, then cached on disk next to this module where it is
+writable) and release the GIL.
+
+* :func:`threshold_split_chunk`: the hard threshold's selection and residual in one pass.
+* :func:`qsgd_sum`: QSGD's average of every worker's packed codes, unpacked and accumulated
+  in cache-sized blocks, never stored as a tensor of codes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["enabled", "qsgd_sum", "threshold_split_chunk"]
+
+try:  # pragma: no cover - depends on the environment
+    import numba as _numba
+except ImportError:  # pragma: no cover - depends on the environment
+    _numba = None
+
+#: Entries of one block of QSGD's kernel: 8192 (32 KiB of sums) stay in the L1/L2 cache while
+#: every worker's codes are added into them.
+_BLOCK_GROUPS = 1024
+#: Entries of the threshold kernel's inner block: one short vectorised loop writes the
+#: residual and counts hits; only blocks with a hit are searched entry by entry.
+_SPLIT_BLOCK = 16
+
+
+def enabled() -> bool:
+    """Whether the compiled kernels are used: Numba is installed, the CPU is little-endian
+    (QSGD's kernel reads packed bytes as little-endian words) and ``GRADZIP_JIT`` is not
+    ``0``. Read at every call, so a process can compare both paths."""
+    return _numba is not None and sys.byteorder == "little" and os.environ.get("GRADZIP_JIT", "1") != "0"
+
+
+@functools.cache
+def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not traced
+    """Compiles (once per process; Numba's disk cache makes later processes fast) and returns
+    the kernels."""
+    assert _numba is not None
+    njit = _numba.njit
+    uint64, float32 = _numba.uint64, _numba.float32
+    block = _SPLIT_BLOCK
+    groups_per_block = _BLOCK_GROUPS
+
+    @njit(nogil=True, boundscheck=False, cache=True)
+    def split(x, below, zero, rest, idx, val, base):  # noqa: ANN001, ANN202
+        n = x.shape[0]
+        found = 0
+        whole = n // block
+        for b in range(whole):
+            s = b * block
+            xb = x[s : s + block]
+            rb = rest[s : s + block]
+            hit = False
+            for j in range(block):
+                v = xb[j]
+                h = abs(v) > below  # false for NaN: it stays in the residual, unsent
+                hit |= h
+                rb[j] = zero if h else v
+            if hit:
+                for j in range(block):
+                    v = xb[j]
+                    if abs(v) > below:
+                        idx[found] = base + s + j
+                        val[found] = v
+                        found += 1
+        for i in range(whole * block, n):
+            v = x[i]
+            if abs(v) > below:
+                rest[i] = zero
+                idx[found] = base + i
+                val[found] = v
+                found += 1
+            else:
+                rest[i] = v
+        return found
+
+    # ``contract`` lets LLVM fuse ``acc + code * step`` into one fused multiply-add, which is
+    # what ATen's ``addcmul_`` computes on this CPU (callers check the bits once; see
+    # gradzip.compressors.qsgd).
+    @njit(nogil=True, boundscheck=False, fastmath={"contract"}, cache=True)
+    def qsgd(win, raw, safe, bits, stages, first, count, size, steps, offsets, divisor, out):  # noqa: ANN001, ANN202
+        rows = win.shape[0]
+        s1, h1, l1, s2, h2, l2, s3, h3, l3 = (
+            stages[0], stages[1], stages[2], stages[3], stages[4], stages[5],
+            stages[6], stages[7], stages[8],
+        )
+        need = raw.shape[1]
+        top = np.uint8(0)
+        acc = np.empty(groups_per_block * 8, np.float32)
+        words = np.empty(groups_per_block, np.uint64)
+        codes = words.view(np.uint8)
+        g_first = first // 8
+        g_end = (first + count + 7) // 8
+        for g0 in range(g_first, g_end, groups_per_block):
+            nb = min(g_end - g0, groups_per_block)
+            e0 = g0 * 8
+            lo = max(first, e0) - e0
+            hi = min(first + count, e0 + nb * 8) - e0
+            acc[lo:hi] = 0
+            for r in range(rows):
+                lim = min(nb, max(0, safe[r] - g0))
+                for g in range(lim):
+                    y = win[r, g0 + g]
+                    y = ((y << s1) & h1) | (y & l1)
+                    y = ((y << s2) & h2) | (y & l2)
+                    y = ((y << s3) & h3) | (y & l3)
+                    words[g] = y
+                for g in range(lim, nb):  # the row's last words: assembled byte by byte
+                    p = (g0 + g) * bits
+                    y = uint64(0)
+                    for j in range(min(8, need - p)):
+                        y |= uint64(raw[r, p + j]) << uint64(8 * j)
+                    y = ((y << s1) & h1) | (y & l1)
+                    y = ((y << s2) & h2) | (y & l2)
+                    y = ((y << s3) & h3) | (y & l3)
+                    words[g] = y
+                i = lo
+                while i < hi:
+                    b = (e0 + i - first) // size
+                    stop = min(hi, first + (b + 1) * size - e0)
+                    step = steps[r, b]
+                    for t in range(i, stop):
+                        c = codes[t]
+                        top = max(top, c)
+                        acc[t] = acc[t] + float32(c) * step
+                    i = stop
+            i = lo
+            while i < hi:
+                b = (e0 + i - first) // size
+                stop = min(hi, first + (b + 1) * size - e0)
+                off = offsets[b]
+                o = e0 - first
+                for t in range(i, stop):
+                    out[o + t] = (acc[t] - off) / divisor
+                i = stop
+        return top
+
+    return {"split": split, "qsgd": qsgd}
+
+
+def threshold_split_chunk(
+    x: np.ndarray, below: float, rest: np.ndarray, idx: np.ndarray, val: np.ndarray, base: int
+) -> int:
+    """Writes ``rest = 0 where |x| > below else x`` and the selected entries, in one pass.
+
+    Args:
+        x: 1-D float32 or float64 chunk (contiguous).
+        below: the comparison bound (the largest float under the threshold, so ``|x| > below``
+            is ``|x| >= threshold``); NaN is never selected and stays in ``rest``.
+        rest: like ``x``; receives the residual.
+        idx: int64 buffer of at least ``len(x)`` entries; receives ``base + position`` of each
+            selected entry, ascending.
+        val: buffer like ``x`` of at least ``len(x)`` entries; receives the selected values.
+        base: added to every position written to ``idx``.
+
+    Returns:
+        How many entries were selected (the filled prefix of ``idx`` and ``val``).
+    """
+    kind = x.dtype.type
+    return int(_kernels()["split"](x, kind(below), kind(0), rest, idx, val, base))
+
+
+def _stages(bits: int) -> np.ndarray:
+    """The three (shift, high mask, low mask) stages spreading eight ``bits``-bit fields of a
+    little-endian 64-bit word to one byte each (as in :mod:`gradzip.ops.bits`)."""
+    quad = (1 << (4 * bits)) - 1
+    pair = ((1 << (2 * bits)) - 1) * (1 | 1 << 32)
+    one = ((1 << bits) - 1) * (1 | 1 << 16 | 1 << 32 | 1 << 48)
+    return np.array(
+        [32 - 4 * bits, quad << 32, quad, 16 - 2 * bits, pair << 16, pair, 8 - bits, one << 8, one],
+        dtype=np.uint64,
+    )
+
+
+def qsgd_sum(
+    packed: np.ndarray, bits: int, first: int, count: int, size: int,
+    steps: np.ndarray, offsets: np.ndarray, divisor: int,
+) -> tuple[np.ndarray, int]:
+    """The average of QSGD messages over rows, straight from the packed codes.
+
+    Entry ``j`` of the result is ``(sum over rows r, in order, of code[r, first + j] *
+    steps[r, j // size]) - offsets[j // size]``, divided by ``divisor``, accumulated in float32
+    with one fused multiply-add per row (as ``addcmul_`` computes it).
+
+    Args:
+        packed: uint8 ``[R, need]``, each row a stream of ``bits``-bit codes packed as by
+            :func:`gradzip.ops.bits.pack_bits` (unit stride along a row).
+        bits: code width, 2 to 7.
+        first: the stream position of the tensor's first code.
+        count: the tensor's entries.
+        size: entries per bucket (one step and offset each).
+        steps: float32 ``[R, buckets]``, each row's norm over the number of levels.
+        offsets: float32 ``[buckets]``, the sum of the norms over rows.
+        divisor: the world size.
+
+    Returns:
+        ``(average float32 [count], the largest code of the tensor)``.
+    """
+    assert 2 <= bits <= 7 and packed.dtype == np.uint8 and packed.strides[1] == 1
+    rows, need = packed.shape
+    groups = -(-(first + count) // 8)
+    # Word g of row r is the 8 bytes from byte g * bits. A read may run up to 7 bytes past the
+    # row's codes; that is inside the array's memory except near the end of its last rows,
+    # whose last words (from ``safe``) the kernel assembles byte by byte instead.
+    row_stride = packed.strides[0] if rows > 1 else need
+    last_ok = (need - 8) // bits + 1 if need >= 8 else 0
+    safe = np.array(
+        [groups if (rows - 1 - r) * row_stride >= 8 else last_ok for r in range(rows)],
+        dtype=np.int64,
+    )
+    win = _windows(packed, groups, bits)
+    out = np.empty(count, dtype=np.float32)
+    top = _kernels()["qsgd"](
+        win, packed, safe, bits, _stages(bits), first, count, size,
+        np.ascontiguousarray(steps, dtype=np.float32),
+        np.ascontiguousarray(offsets, dtype=np.float32), np.float32(divisor), out,
+    )
+    return out, int(top)
+
+
+def _windows(packed: np.ndarray, groups: int, bits: int) -> np.ndarray:
+    """uint64 ``[R, groups]`` view: element ``[r, g]`` is the (unaligned) 8 bytes from byte
+    ``g * bits`` of row ``r``. Its extent may pass the end of ``packed``: only the words that
+    :func:`qsgd_sum` marks safe are read."""
+
+    class _View:  # an array interface, as NumPy's as_strided builds one, with another dtype
+        def __init__(self) -> None:
+            self.base = packed
+            self.__array_interface__ = {
+                "data": (packed.__array_interface__["data"][0], True),
+                "shape": (packed.shape[0], groups),
+                "strides": (packed.strides[0], bits),
+                "typestr": "<u8",
+                "version": 3,
+            }
+
+    return np.asarray(_View())
