@@ -85,20 +85,43 @@ def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not tra
                 rest[i] = v
         return found
 
-    # ``contract`` lets LLVM fuse ``acc + code * step`` into one fused multiply-add, which is
-    # what ATen's ``addcmul_`` computes on this CPU (callers check the bits once; see
-    # gradzip.compressors.qsgd).
-    @njit(nogil=True, boundscheck=False, fastmath={"contract"}, cache=True)
-    def qsgd(win, raw, safe, bits, stages, first, count, size, steps, offsets, divisor, out):  # noqa: ANN001, ANN202
-        rows = win.shape[0]
+    @njit(nogil=True, boundscheck=False, inline="always")
+    def spread(win, raw, lim, r, g0, nb, bits, stages, words):  # noqa: ANN001, ANN202
+        """Row ``r``'s words ``g0`` to ``g0 + nb`` (the first ``lim`` read whole, the rest
+        byte by byte) with their eight codes spread to one byte each, into ``words``."""
         s1, h1, l1, s2, h2, l2, s3, h3, l3 = (
             stages[0], stages[1], stages[2], stages[3], stages[4], stages[5],
             stages[6], stages[7], stages[8],
         )
         need = raw.shape[1]
+        row_words = win[r, g0 : g0 + lim]
+        for g in range(uint64(lim)):
+            y = row_words[g]
+            y = ((y << s1) & h1) | (y & l1)
+            y = ((y << s2) & h2) | (y & l2)
+            y = ((y << s3) & h3) | (y & l3)
+            words[g] = y
+        for g in range(lim, nb):  # the array's last words, assembled byte by byte
+            p = (g0 + g) * bits
+            y = uint64(0)
+            for j in range(min(8, need - p)):
+                y |= uint64(raw[r, p + j]) << uint64(8 * j)
+            y = ((y << s1) & h1) | (y & l1)
+            y = ((y << s2) & h2) | (y & l2)
+            y = ((y << s3) & h3) | (y & l3)
+            words[g] = y
+
+    # ``contract`` lets LLVM fuse ``acc + code * step`` into one fused multiply-add, which is
+    # what ATen's ``addcmul_`` computes on this CPU (callers check the bits once; see
+    # gradzip.compressors.qsgd). Loops run over unsigned counts: with signed indices Numba
+    # wraps negative ones around, which keeps LLVM from vectorising them.
+    @njit(nogil=True, boundscheck=False, fastmath={"contract"}, cache=True)
+    def qsgd(win, raw, safe, bits, stages, first, count, size, steps, offsets, divisor, out):  # noqa: ANN001, ANN202
+        rows = win.shape[0]
+        width = groups_per_block * 8
         top = np.uint8(0)
-        acc = np.empty(groups_per_block * 8, np.float32)
-        words = np.empty(groups_per_block, np.uint64)
+        acc = np.empty(width, np.float32)
+        words = np.empty(4 * groups_per_block, np.uint64)
         codes = words.view(np.uint8)
         g_first = first // 8
         g_end = (first + count + 7) // 8
@@ -108,41 +131,57 @@ def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not tra
             lo = max(first, e0) - e0
             hi = min(first + count, e0 + nb * 8) - e0
             acc[lo:hi] = 0
-            for r in range(rows):
+            # Four rows at a time: their codes are spread first, then one loop adds all four
+            # into each sum (in row order) while it is in a register.
+            fused = rows // 4 * 4
+            for r0 in range(0, fused, 4):
+                for q in range(4):
+                    lim = min(nb, max(0, safe[r0 + q] - g0))
+                    spread(win, raw, lim, r0 + q, g0, nb, bits, stages,
+                           words[q * groups_per_block : (q + 1) * groups_per_block])
+                i = lo
+                while i < hi:
+                    b = (e0 + i - first) // size
+                    stop = min(hi, first + (b + 1) * size - e0)
+                    st0, st1 = steps[r0, b], steps[r0 + 1, b]
+                    st2, st3 = steps[r0 + 2, b], steps[r0 + 3, b]
+                    sums = acc[i:stop]
+                    c0 = codes[i:stop]
+                    c1 = codes[width + i : width + stop]
+                    c2 = codes[2 * width + i : 2 * width + stop]
+                    c3 = codes[3 * width + i : 3 * width + stop]
+                    for t in range(uint64(stop - i)):
+                        x0, x1, x2, x3 = c0[t], c1[t], c2[t], c3[t]
+                        top = max(top, max(max(x0, x1), max(x2, x3)))
+                        v = sums[t] + float32(x0) * st0
+                        v = v + float32(x1) * st1
+                        v = v + float32(x2) * st2
+                        sums[t] = v + float32(x3) * st3
+                    i = stop
+            for r in range(fused, rows):
                 lim = min(nb, max(0, safe[r] - g0))
-                for g in range(lim):
-                    y = win[r, g0 + g]
-                    y = ((y << s1) & h1) | (y & l1)
-                    y = ((y << s2) & h2) | (y & l2)
-                    y = ((y << s3) & h3) | (y & l3)
-                    words[g] = y
-                for g in range(lim, nb):  # the row's last words: assembled byte by byte
-                    p = (g0 + g) * bits
-                    y = uint64(0)
-                    for j in range(min(8, need - p)):
-                        y |= uint64(raw[r, p + j]) << uint64(8 * j)
-                    y = ((y << s1) & h1) | (y & l1)
-                    y = ((y << s2) & h2) | (y & l2)
-                    y = ((y << s3) & h3) | (y & l3)
-                    words[g] = y
+                spread(win, raw, lim, r, g0, nb, bits, stages, words)
                 i = lo
                 while i < hi:
                     b = (e0 + i - first) // size
                     stop = min(hi, first + (b + 1) * size - e0)
                     step = steps[r, b]
-                    for t in range(i, stop):
-                        c = codes[t]
+                    sums = acc[i:stop]
+                    part = codes[i:stop]
+                    for t in range(uint64(stop - i)):
+                        c = part[t]
                         top = max(top, c)
-                        acc[t] = acc[t] + float32(c) * step
+                        sums[t] = sums[t] + float32(c) * step
                     i = stop
             i = lo
             while i < hi:
                 b = (e0 + i - first) // size
                 stop = min(hi, first + (b + 1) * size - e0)
                 off = offsets[b]
-                o = e0 - first
-                for t in range(i, stop):
-                    out[o + t] = (acc[t] - off) / divisor
+                sums = acc[i:stop]
+                dest = out[e0 + i - first : e0 + stop - first]
+                for t in range(uint64(stop - i)):
+                    dest[t] = (sums[t] - off) / divisor
                 i = stop
         return top
 
