@@ -30,9 +30,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 #: Entries of one block of QSGD's kernel: 8192 (32 KiB of sums) stay in the L1/L2 cache while
 #: every worker's codes are added into them.
 _BLOCK_GROUPS = 1024
-#: Entries of the threshold kernel's inner block: one short vectorised loop writes the
-#: residual and counts hits; only blocks with a hit are searched entry by entry.
-_SPLIT_BLOCK = 16
+#: Entries of the threshold kernel's inner block: one vectorised loop writes the residual and
+#: a 64-bit mask of the hits, whose set bits are then visited in order.
+_SPLIT_BLOCK = 64
 
 
 def enabled() -> bool:
@@ -48,6 +48,8 @@ def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not tra
     the kernels."""
     assert _numba is not None
     njit = _numba.njit
+    from numba.cpython.unsafe.numbers import trailing_zeros
+
     uint64, float32 = _numba.uint64, _numba.float32
     block = _SPLIT_BLOCK
     groups_per_block = _BLOCK_GROUPS
@@ -61,19 +63,18 @@ def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not tra
             s = b * block
             xb = x[s : s + block]
             rb = rest[s : s + block]
-            hit = False
-            for j in range(block):
+            hits = uint64(0)
+            for j in range(uint64(block)):  # vectorised: the residual and a bit per hit
                 v = xb[j]
                 h = abs(v) > below  # false for NaN: it stays in the residual, unsent
-                hit |= h
+                hits |= uint64(h) << j
                 rb[j] = zero if h else v
-            if hit:
-                for j in range(block):
-                    v = xb[j]
-                    if abs(v) > below:
-                        idx[found] = base + s + j
-                        val[found] = v
-                        found += 1
+            while hits:  # the hits only, ascending
+                j = trailing_zeros(hits)
+                idx[found] = base + s + j
+                val[found] = xb[j]
+                found += 1
+                hits &= hits - uint64(1)
         for i in range(whole * block, n):
             v = x[i]
             if abs(v) > below:
