@@ -14,7 +14,9 @@ writable) and release the GIL.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
+import logging
 import sys
 from typing import Any
 
@@ -22,10 +24,8 @@ import numpy as np
 
 __all__ = ["enabled", "qsgd_sum", "threshold_split_chunk"]
 
-try:  # pragma: no cover - depends on the environment
-    import numba as _numba
-except ImportError:  # pragma: no cover - depends on the environment
-    _numba = None
+log = logging.getLogger(__name__)
+
 
 #: Entries of one block of QSGD's kernel: 8192 (32 KiB of sums) stay in the L1/L2 cache while
 #: every worker's codes are added into them.
@@ -39,18 +39,32 @@ def enabled() -> bool:
     """Whether the compiled kernels are used: Numba is installed, the CPU is little-endian
     (QSGD's kernel reads packed bytes as little-endian words) and ``GRADZIP_JIT`` is not
     ``0``. Read at every call, so a process can compare both paths."""
-    return _numba is not None and sys.byteorder == "little" and os.environ.get("GRADZIP_JIT", "1") != "0"
+    return os.environ.get("GRADZIP_JIT", "1") != "0" and sys.byteorder == "little" and _installed()
+
+
+@functools.cache
+def _installed() -> bool:
+    """Whether Numba is installed and imports (it is imported at the first call, not with
+    ``import gradzip``, which stays fast); a broken install is logged and left alone."""
+    if importlib.util.find_spec("numba") is None:
+        return False
+    try:
+        _kernels()
+    except Exception as err:  # pragma: no cover - depends on the environment
+        log.warning("numba is installed but unusable (%s); using the NumPy and torch paths", err)
+        return False
+    return True
 
 
 @functools.cache
 def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not traced
     """Compiles (once per process; Numba's disk cache makes later processes fast) and returns
     the kernels."""
-    assert _numba is not None
-    njit = _numba.njit
+    import numba
     from numba.cpython.unsafe.numbers import trailing_zeros
 
-    uint64, float32 = _numba.uint64, _numba.float32
+    njit = numba.njit
+    uint64, float32 = numba.uint64, numba.float32
     block = _SPLIT_BLOCK
     groups_per_block = _BLOCK_GROUPS
 
