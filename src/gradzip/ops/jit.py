@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 import logging
+import os
 import sys
 from typing import Any
 
