@@ -171,3 +171,18 @@ def test_threshold_compress_is_the_same_with_and_without_the_kernel(
     for (a, ra), (b, rb) in zip(with_kernel, run(), strict=True):
         assert _same_bits(a, b)
         assert (ra is None) == (rb is None) and (ra is None or _same_bits(ra, rb))
+
+
+def test_qsgd_compiled_decode_refuses_what_the_unpacking_refuses() -> None:
+    """A truncated stream and a code above ``2 * levels`` fail as in the fallback."""
+    q = QSGD(levels=8)
+    jobs = [Job("a", torch.zeros(2, 10)), Job("b", torch.zeros(2, 7))]
+    norms = [torch.ones(2, 1), torch.ones(2, 1)]
+    codes = torch.full((2, 17), 8, dtype=torch.uint8)
+    packed = pack_bits(codes, q.bits)
+    with pytest.raises(ValueError, match=r"`packed` must hold at least 11 bytes for 17 codes"):
+        q._average_compiled(jobs, norms, packed[:, :10], 2)
+    codes[1, 12] = 17
+    with pytest.raises(ValueError, match=r"message codes must lie in \[0, 16\], got 17"):
+        q._average_compiled(jobs, norms, pack_bits(codes, q.bits), 2)
+    assert all(job.averaged is None for job in jobs)  # nothing written before the check

@@ -173,6 +173,12 @@ class QSGD(Compressor):
     ) -> None:
         """The end of :meth:`reduce` through the compiled kernel: each tensor's average straight
         from the packed codes (no tensor of codes), the same bits as :meth:`_decode_sum`."""
+        need = packed_size(sum(job.numel for job in jobs), self.bits)
+        if packed.shape[1] < need:  # as unpack_bits refuses a truncated message
+            raise ValueError(
+                f"`packed` must hold at least {need} bytes for "
+                f"{sum(job.numel for job in jobs)} codes of {self.bits} bits, got {packed.shape[1]}"
+            )
         stream = packed.numpy()
         results, top, start = [], 0, 0
         for job, norms in zip(jobs, all_norms, strict=True):
