@@ -68,8 +68,10 @@ def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not tra
     block = _SPLIT_BLOCK
     groups_per_block = _BLOCK_GROUPS
 
+    # The kernels' arguments are described by the wrappers below (threshold_split_chunk,
+    # qsgd_sum), which are the only callers.
     @njit(nogil=True, boundscheck=False, cache=True)
-    def split(x, below, zero, rest, idx, val, base):  # noqa: ANN001, ANN202
+    def split(x, below, zero, rest, idx, val, base):
         n = x.shape[0]
         found = 0
         whole = n // block
@@ -101,7 +103,7 @@ def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not tra
         return found
 
     @njit(nogil=True, boundscheck=False, inline="always")
-    def spread(win, raw, lim, r, g0, nb, bits, stages, words):  # noqa: ANN001, ANN202
+    def spread(win, raw, lim, r, g0, nb, bits, stages, words):
         """Row ``r``'s words ``g0`` to ``g0 + nb`` (the first ``lim`` read whole, the rest
         byte by byte) with their eight codes spread to one byte each, into ``words``."""
         s1, h1, l1, s2, h2, l2, s3, h3, l3 = (
@@ -131,7 +133,7 @@ def _kernels() -> dict[str, Any]:  # pragma: no cover - compiled code is not tra
     # gradzip.compressors.qsgd). Loops run over unsigned counts: with signed indices Numba
     # wraps negative ones around, which keeps LLVM from vectorising them.
     @njit(nogil=True, boundscheck=False, fastmath={"contract"}, cache=True)
-    def qsgd(win, raw, safe, bits, stages, first, count, size, steps, offsets, divisor, out):  # noqa: ANN001, ANN202
+    def qsgd(win, raw, safe, bits, stages, first, count, size, steps, offsets, divisor, out):
         rows = win.shape[0]
         width = groups_per_block * 8
         top = np.uint8(0)
