@@ -5,7 +5,9 @@
 
 It takes the options of ``gradzip bench micro`` and prints the same table, followed by one
 verdict per kernel target and tensor size (from 1M entries): met or MISSED, with the ratio.
-With ``--json`` it prints the rows only, as ``gradzip bench micro --json`` does.
+With ``--json`` it prints the rows only, as ``gradzip bench micro --json`` does. With Numba
+installed (the ``fast`` extra) the threshold and QSGD rows time the compiled kernels; run it
+again with ``GRADZIP_JIT=0`` in the environment to time the NumPy and torch fallback.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ THRESHOLD_MAX_OVER_CLONE = 2.0
 TOPK_MIN_SPEEDUP = 3.0
 #: PowerSGD: compress no slower than the arithmetic of PyTorch's built-in ``powerSGD_hook``.
 POWERSGD_MIN_SPEEDUP = 1.0
+#: QSGD and Sign: decoding and averaging four workers' messages under this many clones.
+DECODE_MAX_OVER_CLONE = 8.0
 #: The kernel targets are stated for tensors of 1M entries and more.
 TARGET_MIN_NUMEL = 1_000_000
 
@@ -44,6 +48,11 @@ def micro_verdicts(rows: Sequence[MicroRow]) -> list[str]:
             ok = ratio <= THRESHOLD_MAX_OVER_CLONE
             lines.append(f"threshold compress <= {THRESHOLD_MAX_OVER_CLONE:g}x clone at "
                          f"{row.numel}: {'met' if ok else 'MISSED'} ({ratio:.2f}x)")
+        elif row.compressor.split(":")[0] in ("qsgd", "sign"):
+            ratio = row.decode_seconds / row.clone_seconds
+            ok = ratio < DECODE_MAX_OVER_CLONE
+            lines.append(f"{row.compressor.split(':')[0]} decode < {DECODE_MAX_OVER_CLONE:g}x clone at "
+                         f"{row.numel}: {'met' if ok else 'MISSED'} ({ratio:.2f}x, {row.kernels} kernels)")
         elif row.compressor.startswith("topk") and d["baseline_over_compress"] is not None:
             ratio = d["baseline_over_compress"]
             ok = ratio >= TOPK_MIN_SPEEDUP

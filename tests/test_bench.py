@@ -130,6 +130,17 @@ def test_micro_verdicts_apply_the_targets() -> None:
     ]
 
 
+def test_micro_verdicts_hold_qsgd_and_sign_decoding_under_eight_clones() -> None:
+    rows = [_micro_row("qsgd", 1_000_000, compress=1.0, baseline=None),
+            _micro_row("sign", 1_000_000, compress=1.0, baseline=None)]
+    rows[0].decode_seconds, rows[1].decode_seconds = 7.99, 8.0
+    rows[0].kernels = "compiled"
+    assert micro_script.micro_verdicts(rows) == [
+        "qsgd decode < 8x clone at 1000000: met (7.99x, compiled kernels)",
+        "sign decode < 8x clone at 1000000: MISSED (8.00x, fallback kernels)",
+    ]
+
+
 def _hook_row(config: str, workers: int, ratio: float, cpu_ratio: float) -> bench.HookRow:
     return bench.HookRow(
         config=config, workers=workers, seconds_per_step=ratio, ratio_to_nohook=ratio,

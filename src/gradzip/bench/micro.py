@@ -40,7 +40,7 @@ from gradzip._validate import check_int
 from gradzip.bench.common import Heap
 from gradzip.bench.replay import RecordedGroup, record_messages
 from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.ops import select
+from gradzip.ops import jit, select
 from gradzip.ops.random import generator_for
 from gradzip.spec import compressor_from_spec
 
@@ -89,6 +89,9 @@ class MicroRow:
     threads: int
     repeat: int
     heap: str
+    #: ``"compiled"`` when :mod:`gradzip.ops.jit`'s kernels ran (Numba installed and not
+    #: switched off by ``GRADZIP_JIT=0``), ``"fallback"`` for the NumPy and torch paths.
+    kernels: str = "fallback"
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -254,6 +257,7 @@ def _measure(spec: str, data: torch.Tensor, repeat: int, threads: int, heap: Hea
         baseline_seconds=med.get("baseline"), baseline=baseline_name,
         baseline_decode_seconds=med.get("baseline_decode"), select_seconds=med.get("select"),
         density=density, workers=workers, threads=threads, repeat=repeat, heap=heap.mode,
+        kernels="compiled" if jit.enabled() else "fallback",
     )
 
 

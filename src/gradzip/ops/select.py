@@ -7,6 +7,7 @@ import math
 import numpy as np
 import torch
 
+from gradzip.ops import jit
 from gradzip.ops.flat import to_device
 from gradzip.ops.random import generator_for
 
@@ -158,6 +159,8 @@ def _shrink_scan(
     size = min(n, _CHUNK)
     kind = np.float32 if row.dtype == torch.float32 else np.float64
     below = float(np.nextafter(kind(cut), kind(0)))
+    if rest is not None and not nan_too and jit.enabled() and row.is_contiguous() and rest.is_contiguous():
+        return _split_compiled(row.detach().numpy(), below, rest.numpy())
     scratch = torch.empty(size, dtype=row.dtype) if rest is None else None
     mask = np.empty(size, dtype=np.bool_)
     found, taken = [], []
@@ -187,6 +190,24 @@ def _shrink_scan(
     if len(found) > 1:
         found, taken = [np.concatenate(found)], [np.concatenate(taken)]
     return torch.from_numpy(found[0].astype(np.int64, copy=False)), torch.from_numpy(taken[0])
+
+
+def _split_compiled(row: np.ndarray, below: float, rest: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_shrink_scan` with ``rest`` and without ``nan_too``, through the compiled kernel:
+    one pass per chunk writes the residual and collects the selection (same results)."""
+    n = row.shape[0]
+    size = min(n, _CHUNK)
+    idx = np.empty(size, dtype=np.int64)
+    val = np.empty(size, dtype=row.dtype)
+    found, taken = [], []
+    for start in range(0, n, size):
+        stop = min(n, start + size)
+        count = jit.threshold_split_chunk(row[start:stop], below, rest[start:stop], idx, val, start)
+        found.append(idx[:count].copy())
+        taken.append(val[:count].copy())
+    if len(found) > 1:
+        found, taken = [np.concatenate(found)], [np.concatenate(taken)]
+    return torch.from_numpy(found[0]), torch.from_numpy(taken[0])
 
 
 def _at_least_torch(row: torch.Tensor, cut: float, nan_too: bool) -> torch.Tensor:
