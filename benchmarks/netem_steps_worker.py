@@ -37,6 +37,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _netlab as netlab
+
 #: Configuration name -> gradzip spec (``None``: not a gradzip hook).
 GRADZIP_SPECS = {"gradzip-none": "none", "gradzip-fp16": "fp16",
                  "gradzip-powersgd-r4": "powersgd:rank=4"}
@@ -112,15 +114,6 @@ def build_model(width: int, seed: int) -> Any:
                 layers.append(nn.MaxPool2d(2))
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(chans[-1], 10)]
         return nn.Sequential(*layers)
-
-
-def _tx_bytes() -> int:
-    """Bytes this namespace's link has sent so far (-1 outside the benchmark's namespaces)."""
-    path = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "eth0") / "statistics"
-    try:
-        return int((path / "tx_bytes").read_text())
-    except OSError:
-        return -1
 
 
 def _bucket_count(ddp: Any) -> int | None:
@@ -231,12 +224,12 @@ def run(args: argparse.Namespace) -> None:
         for name in rotated(configs, r):
             # Every rank starts the block together (the floor too: the same CPU sharing).
             dist.barrier()
-            tx0, t0, c0 = _tx_bytes(), time.perf_counter(), time.process_time()
+            tx0, t0, c0 = netlab.tx_bytes(), time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 step(*runs[name][:2])
             seconds[name].append((time.perf_counter() - t0) / args.steps)
             cpu[name].append((time.process_time() - c0) / args.steps)
-            tx[name] += _tx_bytes() - tx0
+            tx[name] += netlab.tx_bytes() - tx0
         if rank == 0 and args.progress:
             print(f"round {r + 1}/{args.rounds}", flush=True)
     timed = args.rounds * args.steps
@@ -284,12 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run(args)
-    # Exiting through the interpreter's teardown lets gloo's I/O threads race with
-    # destructors (now and then "terminate called without an active exception"); every
-    # result is written and every rank has passed the final barrier, so skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    netlab.exit_skipping_teardown()
 
 
 if __name__ == "__main__":
