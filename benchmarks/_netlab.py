@@ -38,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -458,30 +458,88 @@ def exit_skipping_teardown() -> NoReturn:
 
 # --------------------------------------------------------------------------- the launchers
 
+#: An option a launcher takes and passes on to its worker as it is: (flag, type, default, help).
+#: The worker declares it; both parsers and the launcher's command line come from it.
+Option = tuple[str, type, Any, str | None]
 
-def add_lab_arguments(p: argparse.ArgumentParser, *, workers: int) -> None:
-    """The options every launcher takes for the lab: workers, subnet, delay, dry run, cleanup."""
+
+def add_options(p: argparse.ArgumentParser, options: Sequence[Option]) -> None:
+    """Declare ``options`` on ``p`` (the launcher's parser or this worker's)."""
+    for flag, kind, default, help_text in options:
+        p.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def option_argv(args: argparse.Namespace, options: Sequence[Option],
+                overrides: Mapping[str, float] | None = None) -> list[str]:
+    """The words passing ``options`` on with the values in ``args`` (floats as ``%g``).
+
+    Args:
+        args: the launcher's parsed options.
+        options: which to pass, in order.
+        overrides: values taking the place of ``args``' (keyed by the attribute name).
+
+    Returns:
+        e.g. ``["--eta", "0.3", "--interval", "22"]``.
+    """
+    words = []
+    for flag, kind, _, _ in options:
+        name = flag[2:].replace("-", "_")
+        value = kind((overrides or {}).get(name, getattr(args, name)))
+        words += [flag, f"{value:g}" if kind is float else str(value)]
+    return words
+
+
+def add_lab_arguments(p: argparse.ArgumentParser, *, workers: int, run_timeout: float,
+                      out: Path) -> None:
+    """The options every launcher takes: workers, subnet, delay, the time a worker run may
+    take, the output file, dry run, cleanup, verbosity."""
     p.add_argument("--workers", type=int, default=workers)
     p.add_argument("--subnet", default="10.77.0.0/24")
     p.add_argument("--delay-ms", type=float, default=0.0,
                    help="one-way delay added between any two workers (netem on each worker's "
                         "egress; needs a kernel with sch_netem)")
+    p.add_argument("--run-timeout", type=float, default=run_timeout,
+                   help="seconds per worker run")
+    p.add_argument("--out", type=Path, default=out)
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--cleanup-stale", action="store_true",
                    help="delete namespaces left by a killed run of this script, then exit")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
+def parse_checked(p: argparse.ArgumentParser, argv: Sequence[str] | None,
+                  validate: Callable[[argparse.Namespace], list[str]]) -> argparse.Namespace:
+    """Parse ``argv``; exit with status 2 and every problem ``validate`` finds, if any."""
+    args = p.parse_args(argv)
+    problems = validate(args)
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+def bound_problems(args: argparse.Namespace, *, positive: Sequence[str] = (),
+                   at_least_one: Sequence[str] = ()) -> list[str]:
+    """``"`--name` must be > 0, got ..."`` for each of ``positive`` that is not, and ``">= 1"``
+    likewise for the counts in ``at_least_one`` (attribute names of ``args``)."""
+    out = []
+    for name in positive:
+        if not getattr(args, name) > 0:
+            out.append(f"`--{name.replace('_', '-')}` must be > 0, got {getattr(args, name):g}")
+    for name in at_least_one:
+        if getattr(args, name) < 1:
+            out.append(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
+    return out
+
+
 def validate_lab(args: argparse.Namespace) -> list[str]:
-    """Problems with the options of :func:`add_lab_arguments` and ``--run-timeout``, as
-    ``"`name` must ..., got ..."`` messages."""
+    """Problems with the options of :func:`add_lab_arguments`, as ``"`name` must ..., got ..."``
+    messages."""
     out = []
     if not 2 <= args.workers <= 64:
         out.append(f"`--workers` must be in [2, 64], got {args.workers}")
     if not 0 <= args.delay_ms <= 1000:
         out.append(f"`--delay-ms` must be in [0, 1000], got {args.delay_ms:g}")
-    if not args.run_timeout > 0:
-        out.append(f"`--run-timeout` must be > 0, got {args.run_timeout:g}")
+    out += bound_problems(args, positive=("run_timeout",))
     try:
         worker_addresses(args.subnet, max(args.workers, 1))
     except ValueError as exc:

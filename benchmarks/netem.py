@@ -105,13 +105,13 @@ def worker_argv(args: argparse.Namespace, method: str, result: str) -> list[str]
     base, overrides = parse_method(method)
     spec = METHODS[base]
     argv = [sys.executable, str(WORKER), "train", "--spec", spec, "--result", result,
-            *worker.option_argv(args, worker.TRAINING_OPTIONS),
+            *netlab.option_argv(args, worker.TRAINING_OPTIONS),
             "--collective-timeout", f"{args.run_timeout:g}",
-            *worker.option_argv(args, worker.BUCKET_OPTIONS)]
+            *netlab.option_argv(args, worker.BUCKET_OPTIONS)]
     if overrides.get("sync"):
         argv.append("--sync")
     if spec == "accordion":
-        argv += worker.option_argv(args, worker.ACCORDION_OPTIONS, overrides)
+        argv += netlab.option_argv(args, worker.ACCORDION_OPTIONS, overrides)
     if args.stop_at_target:
         argv.append("--stop-at-target")
     return argv
@@ -260,22 +260,16 @@ def plot(runs: list[dict[str, Any]], rate_mbit: float, target: float, path: Path
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Compressed DDP training over an emulated slow network (needs root).")
-    netlab.add_lab_arguments(p, workers=4)
+    netlab.add_lab_arguments(p, workers=4, run_timeout=300.0, out=HERE / "results" / "netem.json")
     p.add_argument("--bandwidth-mbit", type=float, nargs="+", default=[1000.0, 150.0, 40.0],
                    help="per-link rate cap in Mbit/s, each direction; one set of runs each")
     p.add_argument("--methods", nargs="+", default=list(METHODS),
                    help=f"among {', '.join(METHODS)}; also accordion:eta=X,interval=N")
     for options in (worker.TRAINING_OPTIONS, worker.BUCKET_OPTIONS, worker.ACCORDION_OPTIONS):
-        worker.add_options(p, options)
+        netlab.add_options(p, options)
     p.add_argument("--stop-at-target", action="store_true")
-    p.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "netem.json")
     p.add_argument("--plot", type=Path, default=None, help="PNG of accuracy vs time")
-    args = p.parse_args(argv)
-    problems = validate(args)
-    if problems:
-        p.error("; ".join(problems))
-    return args
+    return netlab.parse_checked(p, argv, validate)
 
 
 def validate(args: argparse.Namespace) -> list[str]:
@@ -285,9 +279,8 @@ def validate(args: argparse.Namespace) -> list[str]:
         out.append(f"`--bandwidth-mbit` values must be in (0, 100000], got {args.bandwidth_mbit}")
     if not 0 < args.target <= 1:
         out.append(f"`--target` must be in (0, 1], got {args.target:g}")
-    for name in ("epochs", "batch_size", "width", "interval", "window"):
-        if getattr(args, name) < 1:
-            out.append(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
+    out += netlab.bound_problems(args, at_least_one=("epochs", "batch_size", "width", "interval",
+                                                     "window"))
     if not args.lr > 0 or not args.eta > 0:
         out.append(f"`--lr` and `--eta` must be > 0, got {args.lr:g} and {args.eta:g}")
     if len(set(args.methods)) != len(args.methods):

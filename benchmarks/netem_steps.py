@@ -219,13 +219,8 @@ def worker_argv(args: argparse.Namespace, configs: Sequence[str], rounds: int,
                 result: str) -> list[str]:
     """``netem_steps_worker.py`` arguments (every rank gets the same)."""
     return [sys.executable, str(WORKER), "--result", result, "--configs", *configs,
-            "--gradzip-modes", *args.gradzip_modes, "--rounds", str(rounds),
-            "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--width", str(args.width), "--batch-size", str(args.batch_size),
-            "--bucket-cap-mb", f"{args.bucket_cap_mb:g}",
-            "--torch-powersgd-bucket-cap-mb", f"{args.torch_powersgd_bucket_cap_mb:g}",
-            "--comm-probes", str(args.comm_probes),
-            "--collective-timeout", f"{args.collective_timeout:g}", "--progress"]
+            "--gradzip-modes", *args.gradzip_modes,
+            *netlab.option_argv(args, worker.STEP_OPTIONS, {"rounds": rounds}), "--progress"]
 
 
 def run_workers(lab: netlab.Lab, args: argparse.Namespace, configs: Sequence[str], rounds: int,
@@ -346,7 +341,8 @@ def _bandwidth(text: str) -> str | float:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    netlab.add_lab_arguments(p, workers=2)
+    netlab.add_lab_arguments(p, workers=2, run_timeout=3600.0,
+                             out=HERE / "results" / "netem_steps.json")
     p.add_argument("--bandwidth-mbit", type=_bandwidth, default="auto",
                    help="link cap in Mbit/s each way, or 'auto': chosen from a compute probe "
                         "so that a dense step's communication takes --comm-compute x compute")
@@ -356,37 +352,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    choices=["default", "sync"],
                    help="gradzip hook modes to time; 'sync' only where register() has a "
                         "keyword for it")
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--steps", type=int, default=3, help="steps per configuration per round")
-    p.add_argument("--warmup", type=int, default=3)
+    netlab.add_options(p, worker.STEP_OPTIONS)
     p.add_argument("--probe-rounds", type=int, default=5)
-    p.add_argument("--comm-probes", type=int, default=5)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--torch-powersgd-bucket-cap-mb", type=float, default=1000.0,
-                   help="the built-in powerSGD_hook's own cap (one bucket by default: with "
-                        "several it fails on gloo)")
-    p.add_argument("--collective-timeout", type=float, default=300.0)
-    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per worker run")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "netem_steps.json")
-    args = p.parse_args(argv)
-    problems = validate(args)
-    if problems:
-        p.error("; ".join(problems))
-    return args
+    return netlab.parse_checked(p, argv, validate)
 
 
 def validate(args: argparse.Namespace) -> list[str]:
     """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
     out = netlab.validate_lab(args)
-    for name in ("comm_compute", "bucket_cap_mb", "torch_powersgd_bucket_cap_mb",
-                 "collective_timeout"):
-        if not getattr(args, name) > 0:
-            out.append(f"`--{name.replace('_', '-')}` must be > 0, got {getattr(args, name):g}")
-    for name in ("rounds", "steps", "probe_rounds", "comm_probes", "width", "batch_size"):
-        if getattr(args, name) < 1:
-            out.append(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
+    out += netlab.bound_problems(
+        args, positive=("comm_compute", "bucket_cap_mb", "torch_powersgd_bucket_cap_mb",
+                        "collective_timeout"),
+        at_least_one=("rounds", "steps", "probe_rounds", "comm_probes", "width", "batch_size"))
     if args.warmup < 3:
         out.append(f"`--warmup` must be >= 3 (DDP rebuilds its buckets after the first step, "
                    f"the built-in PowerSGD compresses from the third), got {args.warmup}")

@@ -44,6 +44,20 @@ GRADZIP_SPECS = {"gradzip-none": "none", "gradzip-fp16": "fp16",
                  "gradzip-powersgd-r4": "powersgd:rank=4"}
 CONFIGS = ("floor", "ddp", "torch-fp16", "torch-powersgd-r4", *GRADZIP_SPECS)
 SYNC_SUFFIX = "-sync"
+#: Options the launcher (``netem_steps.py``) takes and passes on, in the order it passes them.
+STEP_OPTIONS: tuple[netlab.Option, ...] = (
+    ("--rounds", int, 40, None),
+    ("--steps", int, 3, "steps per configuration per round"),
+    ("--warmup", int, 3, None),
+    ("--width", int, 64, None),
+    ("--batch-size", int, 32, None),
+    ("--bucket-cap-mb", float, 1.0, None),
+    ("--torch-powersgd-bucket-cap-mb", float, 1000.0,
+     "the built-in powerSGD_hook's own cap (one bucket by default: with several it fails on "
+     "gloo)"),
+    ("--comm-probes", int, 5, None),
+    ("--collective-timeout", float, 300.0, None),
+)
 #: Keywords of ``gradzip.ddp.register`` that could choose synchronous mode, and the value
 #: that does: a boolean ``synchronous``-like flag, or an ``asynchronous``-like one set False.
 SYNC_KEYWORDS = (("synchronous", True), ("sync", True), ("blocking", True),
@@ -257,18 +271,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--gradzip-modes", nargs="+", default=["default", "sync"],
                    choices=["default", "sync"])
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--torch-powersgd-bucket-cap-mb", type=float, default=1000.0)
+    netlab.add_options(p, STEP_OPTIONS)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--comm-probes", type=int, default=5)
-    p.add_argument("--collective-timeout", type=float, default=300.0)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--result", required=True)
     return p.parse_args(argv)

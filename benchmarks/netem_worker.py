@@ -26,7 +26,6 @@ import socket
 import statistics
 import sys
 import time
-from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,10 +34,8 @@ import _netlab as netlab
 
 log = logging.getLogger("netem_worker")
 
-#: An option the launcher takes and passes on to ``train`` as it is: (flag, type, default, help).
-Option = tuple[str, type, Any, str | None]
-#: Training options, in the order the launcher passes them.
-TRAINING_OPTIONS: tuple[Option, ...] = (
+#: Training options the launcher takes and passes on to ``train``, in the order it passes them.
+TRAINING_OPTIONS: tuple[netlab.Option, ...] = (
     ("--epochs", int, 16, None),
     ("--drop-epoch", float, 10.0, None),
     ("--lr", float, 0.05, None),
@@ -50,43 +47,17 @@ TRAINING_OPTIONS: tuple[Option, ...] = (
                          "evaluations (one per step) reaches it"),
 )
 #: DDP's bucket cap (the launcher passes it after ``--collective-timeout``).
-BUCKET_OPTIONS: tuple[Option, ...] = (
+BUCKET_OPTIONS: tuple[netlab.Option, ...] = (
     ("--bucket-cap-mb", float, 25.0,
      "DDP's bucket size; below the model's size the hook can overlap buckets"),
 )
 #: Accordion's levels and rule (passed for ``--spec accordion`` only).
-ACCORDION_OPTIONS: tuple[Option, ...] = (
+ACCORDION_OPTIONS: tuple[netlab.Option, ...] = (
     ("--steady", str, "powersgd:rank=1", None),
     ("--critical", str, "powersgd:rank=4", None),
     ("--eta", float, 0.5, None),
     ("--interval", int, 22, None),
 )
-
-
-def add_options(p: argparse.ArgumentParser, options: Sequence[Option]) -> None:
-    """Declare ``options`` on ``p`` (the launcher's parser or this worker's)."""
-    for flag, kind, default, help_text in options:
-        p.add_argument(flag, type=kind, default=default, help=help_text)
-
-
-def option_argv(args: argparse.Namespace, options: Sequence[Option],
-                overrides: Mapping[str, float] | None = None) -> list[str]:
-    """The words passing ``options`` on with the values in ``args`` (floats as ``%g``).
-
-    Args:
-        args: the launcher's parsed options.
-        options: which to pass, in order.
-        overrides: values taking the place of ``args``' (keyed by the attribute name).
-
-    Returns:
-        e.g. ``["--eta", "0.3", "--interval", "22"]``.
-    """
-    words = []
-    for flag, kind, _, _ in options:
-        name = flag[2:].replace("-", "_")
-        value = kind((overrides or {}).get(name, getattr(args, name)))
-        words += [flag, f"{value:g}" if kind is float else str(value)]
-    return words
 
 
 # --------------------------------------------------------------------------- goodput
@@ -360,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--sync", action="store_true",
                    help="the synchronous gradzip hook (overlap=False) instead of the default")
     for options in (ACCORDION_OPTIONS, TRAINING_OPTIONS, BUCKET_OPTIONS):
-        add_options(t, options)
+        netlab.add_options(t, options)
     t.add_argument("--warmup-epochs", type=float, default=1.0)
     t.add_argument("--weight-decay", type=float, default=1e-4)
     t.add_argument("--stop-at-target", action="store_true",

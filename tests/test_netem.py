@@ -1,5 +1,5 @@
-"""Smoke tests of the emulated-network benchmarks (benchmarks/netem.py, netem_steps.py) that
-need no rights.
+"""Smoke tests of the emulated-network benchmarks (benchmarks/netem.py, netem_steps.py), their
+workers and the lab they share (benchmarks/_netlab.py) that need no rights.
 
 Nothing here creates a namespace or runs ``ip``/``tc``: the lab runs on a recording runner,
 rights are checked through the function and the ``GRADZIP_NETEM_ASSUME_UNPRIVILEGED``
@@ -504,6 +504,28 @@ def test_sync_mode_is_found_from_the_register_signature():
     assert steps_worker.expand_configs(names, {"synchronous": True}, ["sync"]) == [
         "floor", "ddp", "gradzip-none-sync", "gradzip-fp16-sync"]
     assert steps_worker.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+@pytest.mark.parametrize("launcher, work, tables", [
+    (netem, worker, (worker.TRAINING_OPTIONS, worker.BUCKET_OPTIONS, worker.ACCORDION_OPTIONS)),
+    (steps, steps_worker, (steps_worker.STEP_OPTIONS,)),
+])
+def test_every_passed_on_option_reaches_the_worker_unchanged(launcher, work, tables):
+    options = [o for table in tables for o in table]
+    values = {flag: {int: "7", float: "2.5", str: "topk:ratio=0.2"}[kind]
+              for flag, kind, _, _ in options}
+    values.update({"--target": "0.5"} if "--target" in values else {})
+    argv = [word for item in values.items() for word in item]
+    if launcher is netem:
+        args = netem.parse_args([*argv, "--methods", "accordion"])
+        sent = netem.worker_argv(args, "accordion", "r.json")[2:]
+    else:
+        args = steps.parse_args(argv)
+        sent = steps.worker_argv(args, args.configs, args.rounds, "r.json")[2:]
+    parsed = work.parse_args(sent)
+    for flag, _, default, _ in options:
+        name = flag[2:].replace("-", "_")
+        assert getattr(parsed, name) == getattr(args, name) != default, flag
 
 
 def test_step_worker_accepts_what_the_launcher_passes_and_dry_run_cleans_up():
