@@ -1,8 +1,8 @@
 """Seconds per training step over an emulated link: DDP hooks side by side, against the floor.
 
-Builds the same network as ``benchmarks/netem.py`` (one namespace per worker, a bridge in a
-hub namespace, every link capped with ``tc tbf`` in both directions; see that file for what it
-touches and how it cleans up: this script uses its :class:`netem.Lab`), then runs
+Builds the lab of ``benchmarks/_netlab.py``, like ``benchmarks/netem.py`` (one namespace per
+worker, a bridge in a hub namespace, every link capped with ``tc tbf`` in both directions; that
+module says what it touches and how it cleans up), then runs
 ``benchmarks/netem_steps_worker.py`` once in every worker namespace. The workers time every
 configuration in interleaved rounds (native DDP, PyTorch's ``fp16_compress_hook`` and
 ``powerSGD_hook``, gradzip ``none``/``fp16``/``powersgd:rank=4`` in each hook mode ``register``
@@ -31,17 +31,16 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # netem.py and the worker sit beside this file
+if str(HERE) not in sys.path:  # the lab and the worker sit beside this file
     sys.path.insert(0, str(HERE))
 
-import netem  # noqa: E402
+import _netlab as netlab  # noqa: E402
 import netem_steps_worker as worker  # noqa: E402
 
 log = logging.getLogger("netem_steps")
@@ -220,40 +219,31 @@ def worker_argv(args: argparse.Namespace, configs: Sequence[str], rounds: int,
                 result: str) -> list[str]:
     """``netem_steps_worker.py`` arguments (every rank gets the same)."""
     return [sys.executable, str(WORKER), "--result", result, "--configs", *configs,
-            "--gradzip-modes", *args.gradzip_modes, "--rounds", str(rounds),
-            "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--width", str(args.width), "--batch-size", str(args.batch_size),
-            "--bucket-cap-mb", f"{args.bucket_cap_mb:g}",
-            "--torch-powersgd-bucket-cap-mb", f"{args.torch_powersgd_bucket_cap_mb:g}",
-            "--comm-probes", str(args.comm_probes),
-            "--collective-timeout", f"{args.collective_timeout:g}", "--progress"]
+            "--gradzip-modes", *args.gradzip_modes,
+            *netlab.option_argv(args, worker.STEP_OPTIONS, {"rounds": rounds}), "--progress"]
 
 
-def run_workers(lab: netem.Lab, args: argparse.Namespace, configs: Sequence[str], rounds: int,
+def run_workers(lab: netlab.Lab, args: argparse.Namespace, configs: Sequence[str], rounds: int,
                 port: int, tmp: Path, tag: str) -> dict[str, Any]:
     """One worker per namespace; returns rank 0's record.
 
     Raises:
-        netem.LabError: a worker failed or the run timed out (with the ranks' log tails).
+        netlab.LabError: a worker failed or the run timed out (with the ranks' log tails).
     """
     result = tmp / f"{tag}.json"
-    procs = [netem._spawn(netem.netns_exec(ns, worker_argv(args, configs, rounds, str(result))),
-                          netem.worker_env(lab.addresses[0], port, rank, lab.workers),
-                          tmp / f"{tag}-rank{rank}.log")
-             for rank, ns in enumerate(lab.names)]
-    problem = netem.wait_all(procs, args.run_timeout)
+    problem = netlab.run_workers(lab, worker_argv(args, configs, rounds, str(result)), port, tmp,
+                                 tag, args.run_timeout)
     if problem is not None or not result.exists():
-        tails = "\n".join(f"--- rank {r} ---\n{(tmp / f'{tag}-rank{r}.log').read_text()[-1500:]}"
-                          for r in range(lab.workers))
-        raise netem.LabError(f"{tag} run: {problem or 'no result'}\n{tails}")
+        tails = netlab.format_tails(netlab.rank_log_tails(tmp, tag, lab.workers))
+        raise netlab.LabError(f"{tag} run: {problem or 'no result'}\n{tails}")
     return json.loads(result.read_text())
 
 
-def benchmark(args: argparse.Namespace, lab: netem.Lab, tmp: Path) -> dict[str, Any]:
+def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> dict[str, Any]:
     """Probe (when the rate is ``auto``), shape, check goodput, time; returns the JSON document."""
     meta: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v)
                                      for k, v in vars(args).items()},
-                            "machine": netem.machine_info(), "loadavg_start": os.getloadavg()}
+                            "machine": netlab.machine_info(), "loadavg_start": os.getloadavg()}
     if args.bandwidth_mbit == "auto":
         log.info("probing compute alone (%d rounds of the floor, link unshaped)", args.probe_rounds)
         probe = run_workers(lab, args, ["floor"], args.probe_rounds, 29501, tmp, "probe")
@@ -269,7 +259,7 @@ def benchmark(args: argparse.Namespace, lab: netem.Lab, tmp: Path) -> dict[str, 
         rate = float(args.bandwidth_mbit)
     meta["bandwidth_mbit"] = rate
     lab.shape(rate, args.delay_ms)
-    meta["goodput"] = netem.measure_goodput(lab, rate, tmp)
+    meta["goodput"] = netlab.measure_goodput(lab, rate, tmp)
     log.info("%g Mbit/s: measured goodput %.1f Mbit/s", rate, meta["goodput"]["mbit_per_s"])
     started = time.perf_counter()
     record = run_workers(lab, args, args.configs, args.rounds, 29502, tmp, "steps")
@@ -351,131 +341,66 @@ def _bandwidth(text: str) -> str | float:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--workers", type=int, default=2)
+    netlab.add_lab_arguments(p, workers=2, run_timeout=3600.0,
+                             out=HERE / "results" / "netem_steps.json")
     p.add_argument("--bandwidth-mbit", type=_bandwidth, default="auto",
                    help="link cap in Mbit/s each way, or 'auto': chosen from a compute probe "
                         "so that a dense step's communication takes --comm-compute x compute")
     p.add_argument("--comm-compute", type=float, default=1.0)
-    p.add_argument("--delay-ms", type=float, default=0.0)
     p.add_argument("--configs", nargs="+", default=list(worker.CONFIGS), choices=worker.CONFIGS)
     p.add_argument("--gradzip-modes", nargs="+", default=["default", "sync"],
                    choices=["default", "sync"],
                    help="gradzip hook modes to time; 'sync' only where register() has a "
                         "keyword for it")
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--steps", type=int, default=3, help="steps per configuration per round")
-    p.add_argument("--warmup", type=int, default=3)
+    netlab.add_options(p, worker.STEP_OPTIONS)
     p.add_argument("--probe-rounds", type=int, default=5)
-    p.add_argument("--comm-probes", type=int, default=5)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--torch-powersgd-bucket-cap-mb", type=float, default=1000.0,
-                   help="the built-in powerSGD_hook's own cap (one bucket by default: with "
-                        "several it fails on gloo)")
-    p.add_argument("--subnet", default="10.77.0.0/24")
-    p.add_argument("--collective-timeout", type=float, default=300.0)
-    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per worker run")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "netem_steps.json")
-    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    p.add_argument("--cleanup-stale", action="store_true",
-                   help="delete namespaces left by a killed run, then exit")
-    p.add_argument("-v", "--verbose", action="store_true")
-    args = p.parse_args(argv)
-    problems = validate(args)
-    if problems:
-        p.error("; ".join(problems))
-    return args
+    return netlab.parse_checked(p, argv, validate)
 
 
 def validate(args: argparse.Namespace) -> list[str]:
     """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
-    out = []
-    if not 2 <= args.workers <= 64:
-        out.append(f"`--workers` must be in [2, 64], got {args.workers}")
-    if not 0 <= args.delay_ms <= 1000:
-        out.append(f"`--delay-ms` must be in [0, 1000], got {args.delay_ms:g}")
-    for name in ("comm_compute", "bucket_cap_mb", "torch_powersgd_bucket_cap_mb",
-                 "collective_timeout", "run_timeout"):
-        if not getattr(args, name) > 0:
-            out.append(f"`--{name.replace('_', '-')}` must be > 0, got {getattr(args, name):g}")
-    for name in ("rounds", "steps", "probe_rounds", "comm_probes", "width", "batch_size"):
-        if getattr(args, name) < 1:
-            out.append(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
+    out = netlab.validate_lab(args)
+    out += netlab.bound_problems(
+        args, positive=("comm_compute", "bucket_cap_mb", "torch_powersgd_bucket_cap_mb",
+                        "collective_timeout"),
+        at_least_one=("rounds", "steps", "probe_rounds", "comm_probes", "width", "batch_size"))
     if args.warmup < 3:
         out.append(f"`--warmup` must be >= 3 (DDP rebuilds its buckets after the first step, "
                    f"the built-in PowerSGD compresses from the third), got {args.warmup}")
     if len(set(args.configs)) != len(args.configs):
         out.append(f"`--configs` must not repeat, got {args.configs}")
-    try:
-        netem.worker_addresses(args.subnet, max(args.workers, 1))
-    except ValueError as exc:
-        out.append(str(exc))
     return out
 
 
 def dry_run(args: argparse.Namespace) -> list[list[str]]:
     """Every command a real run would issue, in order (workers shown for rank 0 only; with
     ``auto``, the shaping shows 1000 Mbit/s in place of the rate the probe will choose)."""
-    cmds: list[list[str]] = []
-    lab = netem.Lab(args.workers, args.subnet, runner=netem._recorder(cmds))
-    lab.create()
-    if args.bandwidth_mbit == "auto":
-        cmds.append(netem.netns_exec(lab.names[0], worker_argv(args, ["floor"], args.probe_rounds,
-                                                               "PROBE")))
-    lab.shape(1000.0 if args.bandwidth_mbit == "auto" else args.bandwidth_mbit, args.delay_ms)
-    cmds.append(netem.netns_exec(lab.names[0], worker_argv(args, args.configs, args.rounds,
-                                                           "RESULT")))
-    lab.destroy()
+    with netlab.recorded_lab(args.workers, args.subnet) as (lab, cmds):
+        if args.bandwidth_mbit == "auto":
+            cmds.append(netlab.netns_exec(lab.names[0], worker_argv(args, ["floor"],
+                                                                    args.probe_rounds, "PROBE")))
+        lab.shape(1000.0 if args.bandwidth_mbit == "auto" else args.bandwidth_mbit,
+                  args.delay_ms)
+        cmds.append(netlab.netns_exec(lab.names[0], worker_argv(args, args.configs, args.rounds,
+                                                                "RESULT")))
     return cmds
 
 
+def run_and_report(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
+    """Benchmark on the created lab; write the JSON and the report beside it, print the report."""
+    doc = benchmark(args, lab, tmp)
+    text = report(doc)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    args.out.with_suffix(".md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.dry_run:
-        for cmd in dry_run(args):
-            print(" ".join(cmd))
-        return 0
-    try:
-        netem.check_rights()
-    except netem.RightsError as exc:
-        print(f"netem_steps.py: {exc}", file=sys.stderr)
-        return 2
-    if args.cleanup_stale:
-        lab = netem.Lab(args.workers, args.subnet)
-        for ns in netem.stale_namespaces(sorted(lab.existing()), netem._pid_alive):
-            netem.run_command(["ip", "netns", "del", ns])
-            print(f"deleted {ns}")
-        return 0
-    lab = netem.Lab(args.workers, args.subnet)
-    status = 1
-    with tempfile.TemporaryDirectory(prefix="gz-netem-steps-") as tmp, netem.signals_raise():
-        try:
-            lab.create()
-            doc = benchmark(args, lab, Path(tmp))
-            text = report(doc)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(doc, indent=1))
-            args.out.with_suffix(".md").write_text(text + "\n")
-            print(text)
-            status = 0
-        except netem.RightsError as exc:
-            print(f"netem_steps.py: {exc}", file=sys.stderr)
-            status = 2
-        except (netem.LabError, netem.Interrupted) as exc:
-            print(f"netem_steps.py: stopped: {exc}", file=sys.stderr)
-            status = 130 if isinstance(exc, netem.Interrupted) else 1
-        finally:
-            with netem.signals_blocked():
-                for proc in netem.LIVE:
-                    netem.kill_group(proc, grace=1.0)
-                errors = lab.destroy()
-            if errors:
-                print("netem_steps.py: cleanup failed for: " + "; ".join(errors), file=sys.stderr)
-                status = status or 1
-    return status
+    return netlab.main_with_lab(parse_args(argv), prog="netem_steps.py",
+                                tmp_prefix="gz-netem-steps-", dry_run=dry_run,
+                                body=run_and_report)
 
 
 if __name__ == "__main__":

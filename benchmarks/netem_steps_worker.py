@@ -37,11 +37,27 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _netlab as netlab
+
 #: Configuration name -> gradzip spec (``None``: not a gradzip hook).
 GRADZIP_SPECS = {"gradzip-none": "none", "gradzip-fp16": "fp16",
                  "gradzip-powersgd-r4": "powersgd:rank=4"}
 CONFIGS = ("floor", "ddp", "torch-fp16", "torch-powersgd-r4", *GRADZIP_SPECS)
 SYNC_SUFFIX = "-sync"
+#: Options the launcher (``netem_steps.py``) takes and passes on, in the order it passes them.
+STEP_OPTIONS: tuple[netlab.Option, ...] = (
+    ("--rounds", int, 40, None),
+    ("--steps", int, 3, "steps per configuration per round"),
+    ("--warmup", int, 3, None),
+    ("--width", int, 64, None),
+    ("--batch-size", int, 32, None),
+    ("--bucket-cap-mb", float, 1.0, None),
+    ("--torch-powersgd-bucket-cap-mb", float, 1000.0,
+     "the built-in powerSGD_hook's own cap (one bucket by default: with several it fails on "
+     "gloo)"),
+    ("--comm-probes", int, 5, None),
+    ("--collective-timeout", float, 300.0, None),
+)
 #: Keywords of ``gradzip.ddp.register`` that could choose synchronous mode, and the value
 #: that does: a boolean ``synchronous``-like flag, or an ``asynchronous``-like one set False.
 SYNC_KEYWORDS = (("synchronous", True), ("sync", True), ("blocking", True),
@@ -112,15 +128,6 @@ def build_model(width: int, seed: int) -> Any:
                 layers.append(nn.MaxPool2d(2))
         layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(chans[-1], 10)]
         return nn.Sequential(*layers)
-
-
-def _tx_bytes() -> int:
-    """Bytes this namespace's link has sent so far (-1 outside the benchmark's namespaces)."""
-    path = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "eth0") / "statistics"
-    try:
-        return int((path / "tx_bytes").read_text())
-    except OSError:
-        return -1
 
 
 def _bucket_count(ddp: Any) -> int | None:
@@ -231,12 +238,12 @@ def run(args: argparse.Namespace) -> None:
         for name in rotated(configs, r):
             # Every rank starts the block together (the floor too: the same CPU sharing).
             dist.barrier()
-            tx0, t0, c0 = _tx_bytes(), time.perf_counter(), time.process_time()
+            tx0, t0, c0 = netlab.tx_bytes(), time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 step(*runs[name][:2])
             seconds[name].append((time.perf_counter() - t0) / args.steps)
             cpu[name].append((time.process_time() - c0) / args.steps)
-            tx[name] += _tx_bytes() - tx0
+            tx[name] += netlab.tx_bytes() - tx0
         if rank == 0 and args.progress:
             print(f"round {r + 1}/{args.rounds}", flush=True)
     timed = args.rounds * args.steps
@@ -264,18 +271,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--gradzip-modes", nargs="+", default=["default", "sync"],
                    choices=["default", "sync"])
-    p.add_argument("--rounds", type=int, default=40)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--width", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--bucket-cap-mb", type=float, default=1.0)
-    p.add_argument("--torch-powersgd-bucket-cap-mb", type=float, default=1000.0)
+    netlab.add_options(p, STEP_OPTIONS)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--comm-probes", type=int, default=5)
-    p.add_argument("--collective-timeout", type=float, default=300.0)
     p.add_argument("--progress", action="store_true")
     p.add_argument("--result", required=True)
     return p.parse_args(argv)
@@ -284,12 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run(args)
-    # Exiting through the interpreter's teardown lets gloo's I/O threads race with
-    # destructors (now and then "terminate called without an active exception"); every
-    # result is written and every rank has passed the final barrier, so skip it.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    netlab.exit_skipping_teardown()
 
 
 if __name__ == "__main__":

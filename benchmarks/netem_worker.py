@@ -30,7 +30,34 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _netlab as netlab
+
 log = logging.getLogger("netem_worker")
+
+#: Training options the launcher takes and passes on to ``train``, in the order it passes them.
+TRAINING_OPTIONS: tuple[netlab.Option, ...] = (
+    ("--epochs", int, 16, None),
+    ("--drop-epoch", float, 10.0, None),
+    ("--lr", float, 0.05, None),
+    ("--batch-size", int, 32, None),
+    ("--width", int, 64, None),
+    ("--seed", int, 0, None),
+    ("--target", float, 0.98, None),
+    ("--window", int, 5, "the target counts as reached when the mean of this many consecutive "
+                         "evaluations (one per step) reaches it"),
+)
+#: DDP's bucket cap (the launcher passes it after ``--collective-timeout``).
+BUCKET_OPTIONS: tuple[netlab.Option, ...] = (
+    ("--bucket-cap-mb", float, 25.0,
+     "DDP's bucket size; below the model's size the hook can overlap buckets"),
+)
+#: Accordion's levels and rule (passed for ``--spec accordion`` only).
+ACCORDION_OPTIONS: tuple[netlab.Option, ...] = (
+    ("--steady", str, "powersgd:rank=1", None),
+    ("--critical", str, "powersgd:rank=4", None),
+    ("--eta", float, 0.5, None),
+    ("--interval", int, 22, None),
+)
 
 
 # --------------------------------------------------------------------------- goodput
@@ -146,16 +173,6 @@ def _median_compute(model: Any, batches: list[Any], lr: float, steps: int) -> fl
     return statistics.median(times)
 
 
-def _tx_bytes() -> int:
-    """Bytes this namespace's link has sent (kernel counter, TCP/IP headers included); -1
-    where the interface is not there (outside the benchmark's namespaces)."""
-    path = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "eth0") / "statistics"
-    try:
-        return int((path / "tx_bytes").read_text())
-    except OSError:
-        return -1
-
-
 def train(args: argparse.Namespace) -> None:
     """Run one rank of the benchmark (see the module docstring)."""
     import torch
@@ -219,7 +236,7 @@ def train(args: argparse.Namespace) -> None:
     test_per = -(-len(data.test) // world)
     x_test = data.test.x[rank * test_per:(rank + 1) * test_per]
     y_test = data.test.y[rank * test_per:(rank + 1) * test_per]
-    tx_start = _tx_bytes()
+    tx_start = netlab.tx_bytes()
     step_seconds: list[float] = []
     accuracy: list[float] = []
     lrs: list[float] = []
@@ -265,7 +282,7 @@ def train(args: argparse.Namespace) -> None:
         if args.stop_at_target and smoothed:
             break
 
-    tx_train = _tx_bytes() - tx_start
+    tx_train = netlab.tx_bytes() - tx_start
     stats: list[Any] = [None] * world
     mine = baseline.stats() if hook is None else {
         k: v for k, v in hook.stats.items() if k != "levels"}
@@ -313,25 +330,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="compressor spec, 'accordion', or 'native' / 'torch-fp16' (PyTorch alone)")
     t.add_argument("--sync", action="store_true",
                    help="the synchronous gradzip hook (overlap=False) instead of the default")
-    t.add_argument("--steady", default="powersgd:rank=1")
-    t.add_argument("--critical", default="powersgd:rank=4")
-    t.add_argument("--eta", type=float, default=0.5)
-    t.add_argument("--interval", type=int, default=22)
-    t.add_argument("--epochs", type=int, default=16)
-    t.add_argument("--drop-epoch", type=float, default=10.0)
+    for options in (ACCORDION_OPTIONS, TRAINING_OPTIONS, BUCKET_OPTIONS):
+        netlab.add_options(t, options)
     t.add_argument("--warmup-epochs", type=float, default=1.0)
-    t.add_argument("--lr", type=float, default=0.05)
     t.add_argument("--weight-decay", type=float, default=1e-4)
-    t.add_argument("--batch-size", type=int, default=32)
-    t.add_argument("--width", type=int, default=64)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--target", type=float, default=0.98)
-    t.add_argument("--window", type=int, default=5)
     t.add_argument("--stop-at-target", action="store_true",
                    help="stop once the mean of the last --window accuracies reaches --target")
     t.add_argument("--compute-steps", type=int, default=12)
     t.add_argument("--threads", type=int, default=1)
-    t.add_argument("--bucket-cap-mb", type=float, default=25.0)
     t.add_argument("--latency-probes", type=int, default=20)
     t.add_argument("--collective-timeout", type=float, default=120.0)
     t.add_argument("--result", required=True)
@@ -351,13 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if args.mode == "train":
         train(args)
-        # Every result is written and every rank has passed the final barrier. Exiting
-        # through the interpreter's teardown (or destroy_process_group) lets gloo's I/O
-        # threads race with destructors, which now and then aborts a rank with "terminate
-        # called without an active exception"; skip that teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        netlab.exit_skipping_teardown()
     elif args.mode == "goodput-recv":
         print(json.dumps(goodput_recv(args.bind, args.bytes, args.timeout)), flush=True)
     else:

@@ -172,30 +172,51 @@ def grad_scaler(rank: int) -> dict[str, Any]:
             "finite": bool(torch.isfinite(flat_params(model)).all())}
 
 
+def train_branchy(rank: int, spec: str, bucket_cap_mb: float,
+                  hook_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Three steps of :class:`Branchy` through the hook with ``find_unused_parameters=True``:
+    its ``unused`` layer never takes part, its ``odd`` layer on odd ranks only.
+
+    Args:
+        rank: this process's rank.
+        spec: the compressor.
+        bucket_cap_mb: DDP's bucket cap.
+        hook_kwargs: further keywords of ``gradzip.ddp.register``.
+
+    Returns:
+        ``params`` (flat, after training), the hook's ``stats``, ``identical`` (replicas
+        equal after each step), ``finite``, ``unused_kept`` (the unused layer unchanged) and
+        ``odd_trained`` (the odd layer changed).
+    """
+    model = Branchy()
+    unused0, odd0 = flat_params(model.unused), flat_params(model.odd)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = gradzip.ddp.register(ddp, spec, optimizer=opt, **(hook_kwargs or {}))
+    identical = []
+    for step in range(3):
+        x, y = batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x, use_odd=rank % 2 == 1), y).backward()
+        opt.step()
+        identical.append(replicas_identical(model))
+    params = flat_params(model)
+    return {"params": params, "stats": state.stats, "identical": identical,
+            "finite": bool(torch.isfinite(params).all()),
+            "unused_kept": torch.equal(unused0, flat_params(model.unused)),
+            "odd_trained": not torch.equal(odd0, flat_params(model.odd))}
+
+
 def unused_parameters(rank: int) -> dict[str, Any]:
     """``find_unused_parameters=True``: one layer never used, one used on odd ranks only."""
     out = {}
     for spec in ("powersgd:rank=2", "topk:ratio=0.1", "threshold:budget=0.05"):
         for label, mb in BUCKETS.items():
-            model = Branchy()
-            unused0, odd0 = flat_params(model.unused), flat_params(model.odd)
-            ddp = DDP(model, bucket_cap_mb=mb, find_unused_parameters=True)
-            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-            state = gradzip.ddp.register(ddp, spec, optimizer=opt)
-            identical = []
-            for step in range(3):
-                x, y = batch(step, rank)
-                opt.zero_grad()
-                nn.functional.mse_loss(ddp(x, use_odd=rank % 2 == 1), y).backward()
-                opt.step()
-                identical.append(replicas_identical(model))
-            out[(spec, label)] = {
-                "identical": identical,
-                "finite": bool(torch.isfinite(flat_params(model)).all()),
-                "unused_kept": torch.equal(unused0, flat_params(model.unused)),
-                "odd_trained": not torch.equal(odd0, flat_params(model.odd)),
-                "steps": state.stats["steps"],
-            }
+            run = train_branchy(rank, spec, mb)
+            out[(spec, label)] = {"identical": run["identical"], "finite": run["finite"],
+                                  "unused_kept": run["unused_kept"],
+                                  "odd_trained": run["odd_trained"],
+                                  "steps": run["stats"]["steps"]}
     return out
 
 

@@ -4,7 +4,6 @@ run and print well-formed rows, and the scripts' verdicts apply their targets (n
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import subprocess
@@ -20,17 +19,14 @@ from gradzip.bench import micro, replay, table
 from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Job, StepContext
 from gradzip.spec import compressor_from_spec
+from integrations_launch import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load(name: str) -> ModuleType:
-    """A script of ``benchmarks/`` as a module (the directory is no package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_script_{name}", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A script of ``benchmarks/`` as a module."""
+    return load_script(BENCH / f"{name}.py", f"bench_script_{name}")
 
 
 micro_script = _load("micro")

@@ -24,14 +24,13 @@ import gradzip.ddp
 from ddp_helpers import (
     ALL_SPECS,
     TINY_BUCKET_MB,
-    Branchy,
     batch,
-    flat_params,
     init_,
     replicas_identical,
     spawn,
     train_ddp,
 )
+from ddp_scenarios import train_branchy
 from gradzip import TopK
 from gradzip.compressors.base import StepContext
 
@@ -82,21 +81,6 @@ def every_spec_and_bucket_count(rank: int) -> dict[Any, Any]:
     return out
 
 
-def _branchy(rank: int, spec: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    model = Branchy()
-    ddp = DDP(model, bucket_cap_mb=TINY_BUCKET_MB, find_unused_parameters=True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    state = gradzip.ddp.register(ddp, spec, optimizer=opt, **kwargs)
-    identical = []
-    for step in range(3):
-        x, y = batch(step, rank)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x, use_odd=rank % 2 == 1), y).backward()
-        opt.step()
-        identical.append(replicas_identical(model))
-    return {"params": flat_params(model), "stats": state.stats, "identical": identical}
-
-
 def ddp_variants(rank: int) -> dict[str, Any]:
     """no_sync accumulation, unused parameters, static graph, gradients as bucket views."""
     out: dict[str, Any] = {}
@@ -107,7 +91,8 @@ def ddp_variants(rank: int) -> dict[str, Any]:
         out[("no_sync", spec)] = {"same": _same(runs["async"], runs["sync"]),
                                   "steps": runs["async"]["stats"]["steps"],
                                   "identical": runs["async"]["identical"]}
-        runs = {mode: _branchy(rank, spec, kwargs) for mode, kwargs in MODES.items()}
+        runs = {mode: train_branchy(rank, spec, TINY_BUCKET_MB, kwargs)
+                for mode, kwargs in MODES.items()}
         out[("unused", spec)] = {"same": _same(runs["async"], runs["sync"]),
                                  "steps": runs["async"]["stats"]["steps"],
                                  "identical": runs["async"]["identical"]}

@@ -2,41 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 import gradzip
+import integrations_launch as launch
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def torchrun(script: str, *args: str, timeout: float = 240.0) -> str:
-    """``torchrun --standalone --nproc-per-node 2 examples/<script> <args>``; returns stdout.
-
-    The launcher and its workers run in their own session, killed as a group on timeout so a
-    hang fails the test."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLES / script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{script} {' '.join(args)} hung for {timeout} s:\n{out}\n{err[-4000:]}")
-    assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{out}\n{err[-6000:]}"
-    return out
+def torchrun(script: str, *args: str) -> str:
+    """``torchrun --standalone --nproc-per-node 2 examples/<script> <args>``; returns stdout."""
+    return launch.torchrun(EXAMPLES / script, *args, timeout=240.0)
 
 
 def bytes_line(out: str) -> tuple[int, int]:
@@ -46,11 +26,7 @@ def bytes_line(out: str) -> tuple[int, int]:
 
 
 def load_example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return launch.load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
 def test_train_ddp_with_torchrun_and_resume(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Smoke tests of the emulated-network benchmarks (benchmarks/netem.py, netem_steps.py) that
-need no rights.
+"""Smoke tests of the emulated-network benchmarks (benchmarks/netem.py, netem_steps.py), their
+workers and the lab they share (benchmarks/_netlab.py) that need no rights.
 
 Nothing here creates a namespace or runs ``ip``/``tc``: the lab runs on a recording runner,
 rights are checked through the function and the ``GRADZIP_NETEM_ASSUME_UNPRIVILEGED``
@@ -8,7 +8,6 @@ switch, and process handling is exercised on plain ``sleep`` children.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
@@ -28,18 +27,12 @@ from gradzip.comm.header import rider_bytes
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-netem = _load("netem")
-worker = _load("netem_worker")
-steps_worker = _load("netem_steps_worker")
-steps = _load("netem_steps")  # imports the two above through sys.modules
+sys.path.insert(0, str(BENCH))  # the scripts import the lab and their workers beside them
+import _netlab as netlab  # noqa: E402
+import netem  # noqa: E402
+import netem_steps as steps  # noqa: E402
+import netem_steps_worker as steps_worker  # noqa: E402
+import netem_worker as worker  # noqa: E402
 
 
 class FakeRunner:
@@ -55,7 +48,7 @@ class FakeRunner:
         self.calls.append(argv)
         if self.fail_on is not None and self.fail_on in " ".join(argv):
             self.fail_on = None
-            raise self.exc or netem.LabError(f"`{' '.join(argv)}` failed (2): boom")
+            raise self.exc or netlab.LabError(f"`{' '.join(argv)}` failed (2): boom")
         if argv[:3] == ["ip", "netns", "list"]:
             return "".join(f"{n} (id: 0)\n" for n in self.existing)
         return ""
@@ -71,43 +64,43 @@ class FakeRunner:
 
 
 def test_addresses_come_from_the_private_subnet_only():
-    assert netem.worker_addresses("10.77.0.0/24", 3) == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
+    assert netlab.worker_addresses("10.77.0.0/24", 3) == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
     with pytest.raises(ValueError, match="private IPv4"):
-        netem.worker_addresses("8.8.8.0/24", 2)
+        netlab.worker_addresses("8.8.8.0/24", 2)
     with pytest.raises(ValueError, match="private IPv4"):
-        netem.worker_addresses("fd00::/64", 2)
+        netlab.worker_addresses("fd00::/64", 2)
     with pytest.raises(ValueError, match="private IPv4"):
-        netem.worker_addresses("10.77.0.1/24", 2)  # host bits set: not a network
+        netlab.worker_addresses("10.77.0.1/24", 2)  # host bits set: not a network
     with pytest.raises(ValueError, match="must hold 4 hosts"):
-        netem.worker_addresses("10.77.0.0/30", 4)
+        netlab.worker_addresses("10.77.0.0/30", 4)
 
 
 def test_namespace_names_match_the_cleanup_pattern_and_nothing_else():
-    hub, names = netem.namespace_names(4242, 3)
+    hub, names = netlab.namespace_names(4242, 3)
     assert hub == "gzn4242-hub" and names == ["gzn4242-w0", "gzn4242-w1", "gzn4242-w2"]
-    assert all(netem.NAME_RE.match(n) for n in [hub, *names])
+    assert all(netlab.NAME_RE.match(n) for n in [hub, *names])
     alive = {4242}
-    found = netem.stale_namespaces(
+    found = netlab.stale_namespaces(
         ["gzn4242-w0", "gzn17-hub", "gzn17-w1", "gzn17-foo", "default", "gzn17-w1x"],
         lambda pid: pid in alive)
     assert found == ["gzn17-hub", "gzn17-w1"]
 
 
 def test_shaping_is_tbf_alone_without_delay_and_under_netem_with_delay():
-    delete, add = netem.shaping_commands("ns", "eth0", 100, 0)
+    delete, add = netlab.shaping_commands("ns", "eth0", 100, 0)
     assert delete == ["tc", "-n", "ns", "qdisc", "del", "dev", "eth0", "root"]
     assert add[:9] == ["tc", "-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle"]
     assert add[10:13] == ["tbf", "rate", "100mbit"] and "netem" not in add
-    _, netem_cmd, tbf_cmd = netem.shaping_commands("ns", "h1", 50, 2.5)
+    _, netem_cmd, tbf_cmd = netlab.shaping_commands("ns", "h1", 50, 2.5)
     assert netem_cmd[-3:] == ["netem", "delay", "2.5ms"] and netem_cmd[7:10] == ["root", "handle", "1:"]
     assert tbf_cmd[7:10] == ["parent", "1:", "handle"] and "50mbit" in tbf_cmd
-    assert netem.tbf_burst_bytes(10) == 32 * 1024
-    assert netem.tbf_burst_bytes(1000) == 250_000
+    assert netlab.tbf_burst_bytes(10) == 32 * 1024
+    assert netlab.tbf_burst_bytes(1000) == 250_000
 
 
 def test_topology_commands_stay_inside_the_created_namespaces():
-    hub, names = netem.namespace_names(1, 2)
-    cmds = netem.topology_commands(hub, names, ["10.77.0.1", "10.77.0.2"], 24)
+    hub, names = netlab.namespace_names(1, 2)
+    cmds = netlab.topology_commands(hub, names, ["10.77.0.1", "10.77.0.2"], 24)
     ours = {hub, *names}
     for cmd in cmds:
         assert cmd[:2] == ["ip", "-n"] and cmd[2] in ours, cmd
@@ -121,22 +114,22 @@ def test_topology_commands_stay_inside_the_created_namespaces():
 
 
 def test_rights_check_refuses_without_root():
-    with pytest.raises(netem.RightsError, match="needs root.*nothing was created"):
-        netem.check_rights(euid=1000, env={})
-    with pytest.raises(netem.RightsError, match="needs root"):
-        netem.check_rights(euid=0, env={netem.UNPRIVILEGED_ENV: "1"})
+    with pytest.raises(netlab.RightsError, match="needs root.*nothing was created"):
+        netlab.check_rights(euid=1000, env={})
+    with pytest.raises(netlab.RightsError, match="needs root"):
+        netlab.check_rights(euid=0, env={netlab.UNPRIVILEGED_ENV: "1"})
 
 
 def test_rights_check_needs_iproute2(monkeypatch):
-    monkeypatch.setattr(netem.shutil, "which", lambda tool: None if tool == "tc" else "/x")
-    with pytest.raises(netem.RightsError, match=r"iproute2 \(tc not found\)"):
-        netem.check_rights(euid=0, env={})
-    monkeypatch.setattr(netem.shutil, "which", lambda tool: "/x")
-    netem.check_rights(euid=0, env={})  # root with both tools: allowed
+    monkeypatch.setattr(netlab.shutil, "which", lambda tool: None if tool == "tc" else "/x")
+    with pytest.raises(netlab.RightsError, match=r"iproute2 \(tc not found\)"):
+        netlab.check_rights(euid=0, env={})
+    monkeypatch.setattr(netlab.shutil, "which", lambda tool: "/x")
+    netlab.check_rights(euid=0, env={})  # root with both tools: allowed
 
 
 def test_command_line_refuses_without_rights_and_creates_nothing():
-    env = {**os.environ, netem.UNPRIVILEGED_ENV: "1"}
+    env = {**os.environ, netlab.UNPRIVILEGED_ENV: "1"}
     done = subprocess.run([sys.executable, str(BENCH / "netem.py"), "--workers", "2",
                            "--bandwidth-mbit", "10"], env=env, capture_output=True, text=True,
                           timeout=60)
@@ -147,8 +140,8 @@ def test_command_line_refuses_without_rights_and_creates_nothing():
 
 def test_first_namespace_failing_reads_as_missing_rights():
     fake = FakeRunner(fail_on="netns add")
-    lab = netem.Lab(2, runner=fake, pid=7)
-    with pytest.raises(netem.RightsError, match="cannot create network namespaces"):
+    lab = netlab.Lab(2, runner=fake, pid=7)
+    with pytest.raises(netlab.RightsError, match="cannot create network namespaces"):
         lab.create()
     assert lab.created == [] and lab.destroy() == [] and fake.deleted() == []
 
@@ -158,7 +151,7 @@ def test_first_namespace_failing_reads_as_missing_rights():
 
 def test_lab_creates_then_deletes_exactly_its_namespaces():
     fake = FakeRunner()
-    lab = netem.Lab(3, runner=fake, pid=11)
+    lab = netlab.Lab(3, runner=fake, pid=11)
     lab.create()
     assert fake.added() == ["gzn11-hub", "gzn11-w0", "gzn11-w1", "gzn11-w2"]
     assert lab.destroy() == []
@@ -168,8 +161,8 @@ def test_lab_creates_then_deletes_exactly_its_namespaces():
 
 def test_failure_midway_deletes_what_was_created():
     fake = FakeRunner(fail_on="link add h1")
-    lab = netem.Lab(3, runner=fake, pid=12)
-    with pytest.raises(netem.LabError, match="boom"):
+    lab = netlab.Lab(3, runner=fake, pid=12)
+    with pytest.raises(netlab.LabError, match="boom"):
         lab.create()
     lab.destroy()
     assert sorted(fake.deleted()) == sorted(fake.added())
@@ -177,9 +170,9 @@ def test_failure_midway_deletes_what_was_created():
 
 
 def test_interrupt_during_namespace_creation_still_deletes_it():
-    fake = FakeRunner(fail_on="netns add gzn13-w1", exc=netem.Interrupted("SIGINT"))
-    lab = netem.Lab(3, runner=fake, pid=13)
-    with pytest.raises(netem.Interrupted):
+    fake = FakeRunner(fail_on="netns add gzn13-w1", exc=netlab.Interrupted("SIGINT"))
+    lab = netlab.Lab(3, runner=fake, pid=13)
+    with pytest.raises(netlab.Interrupted):
         lab.create()
     lab.destroy()
     # The namespace whose creation was cut short is deleted too (the deletion fails
@@ -189,15 +182,15 @@ def test_interrupt_during_namespace_creation_still_deletes_it():
 
 def test_taken_names_are_refused_before_anything_is_created():
     fake = FakeRunner(existing=["gzn14-w1"])
-    lab = netem.Lab(2, runner=fake, pid=14)
-    with pytest.raises(netem.LabError, match="exist already"):
+    lab = netlab.Lab(2, runner=fake, pid=14)
+    with pytest.raises(netlab.LabError, match="exist already"):
         lab.create()
     assert fake.added() == [] and lab.destroy() == [] and fake.deleted() == []
 
 
 def test_failed_deletion_is_reported_and_the_rest_still_deleted():
     fake = FakeRunner()
-    lab = netem.Lab(2, runner=fake, pid=15)
+    lab = netlab.Lab(2, runner=fake, pid=15)
     lab.create()
     fake.fail_on = "netns del gzn15-w1"
     errors = lab.destroy()
@@ -206,28 +199,28 @@ def test_failed_deletion_is_reported_and_the_rest_still_deleted():
 
 
 def test_shaping_a_kernel_without_the_qdisc_says_so():
-    fake = FakeRunner(fail_on="netem", exc=netem.LabError("Specified qdisc kind is unknown."))
-    lab = netem.Lab(2, runner=fake, pid=16)
-    with pytest.raises(netem.LabError, match="use --delay-ms 0"):
+    fake = FakeRunner(fail_on="netem", exc=netlab.LabError("Specified qdisc kind is unknown."))
+    lab = netlab.Lab(2, runner=fake, pid=16)
+    with pytest.raises(netlab.LabError, match="use --delay-ms 0"):
         lab.shape(100, 1.0)
     fake = FakeRunner()
-    netem.Lab(2, runner=fake, pid=16).shape(100, 0)
+    netlab.Lab(2, runner=fake, pid=16).shape(100, 0)
     shaped = {(c[2], c[6]) for c in fake.calls if c[4] == "add"}
     assert shaped == {("gzn16-w0", "eth0"), ("gzn16-w1", "eth0"),
                       ("gzn16-hub", "h0"), ("gzn16-hub", "h1")}
     fake = FakeRunner()
-    netem.Lab(2, runner=fake, pid=16).shape(100, 3)
+    netlab.Lab(2, runner=fake, pid=16).shape(100, 3)
     delayed = {(c[2], c[6]) for c in fake.calls if "netem" in c}
     assert delayed == {("gzn16-w0", "eth0"), ("gzn16-w1", "eth0")}  # one delay per path
     assert sum("tbf" in c for c in fake.calls) == 4
 
 
-@pytest.mark.parametrize("exc, status", [(netem.Interrupted("SIGTERM"), 130),
-                                         (netem.LabError("worker died"), 1)])
+@pytest.mark.parametrize("exc, status", [(netlab.Interrupted("SIGTERM"), 130),
+                                         (netlab.LabError("worker died"), 1)])
 def test_main_cleans_up_on_interrupt_and_error(monkeypatch, tmp_path, exc, status):
     fake = FakeRunner()
-    monkeypatch.setattr(netem, "run_command", fake)
-    monkeypatch.setattr(netem, "check_rights", lambda: None)
+    monkeypatch.setattr(netlab, "run_command", fake)
+    monkeypatch.setattr(netlab, "check_rights", lambda: None)
 
     def boom(*args, **kwargs):
         raise exc
@@ -242,7 +235,7 @@ def test_main_cleans_up_on_interrupt_and_error(monkeypatch, tmp_path, exc, statu
 
 def test_a_signal_becomes_an_exception_and_handlers_are_restored():
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(netem.Interrupted, match="SIGTERM"), netem.signals_raise():
+    with pytest.raises(netlab.Interrupted, match="SIGTERM"), netlab.signals_raise():
         os.kill(os.getpid(), signal.SIGTERM)
         signal.sigtimedwait([], 5)  # give the handler a chance to run
     assert signal.getsignal(signal.SIGTERM) is before
@@ -254,13 +247,13 @@ def _sleeper(code: str) -> subprocess.Popen:
 
 def test_wait_all_kills_the_rest_on_failure_and_on_timeout():
     slow, bad = _sleeper("import time; time.sleep(60)"), _sleeper("raise SystemExit(3)")
-    assert netem.wait_all([slow, bad], timeout=60) == "worker 1 exited with code 3"
+    assert netlab.wait_all([slow, bad], timeout=60) == "worker 1 exited with code 3"
     assert slow.poll() is not None  # killed, not left running
     slow = _sleeper("import time; time.sleep(60)")
-    assert netem.wait_all([slow], timeout=0.2).startswith("timed out")
+    assert netlab.wait_all([slow], timeout=0.2).startswith("timed out")
     assert slow.poll() is not None
     ok = _sleeper("pass")
-    assert netem.wait_all([ok], timeout=60) is None
+    assert netlab.wait_all([ok], timeout=60) is None
 
 
 # --------------------------------------------------------------------------- arguments
@@ -302,7 +295,7 @@ def test_worker_accepts_what_the_launcher_passes():
     parsed = worker.parse_args(argv[2:])
     assert (parsed.spec, parsed.interval, parsed.eta, parsed.stop_at_target) == (
         "accordion", 33, 0.4, True)
-    env = netem.worker_env("10.77.0.1", 29501, 2, 4)
+    env = netlab.worker_env("10.77.0.1", 29501, 2, 4)
     assert (env["MASTER_ADDR"], env["RANK"], env["WORLD_SIZE"], env["GLOO_SOCKET_IFNAME"]) == (
         "10.77.0.1", "2", "4", "eth0")
 
@@ -513,6 +506,28 @@ def test_sync_mode_is_found_from_the_register_signature():
     assert steps_worker.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
 
 
+@pytest.mark.parametrize("launcher, work, tables", [
+    (netem, worker, (worker.TRAINING_OPTIONS, worker.BUCKET_OPTIONS, worker.ACCORDION_OPTIONS)),
+    (steps, steps_worker, (steps_worker.STEP_OPTIONS,)),
+])
+def test_every_passed_on_option_reaches_the_worker_unchanged(launcher, work, tables):
+    options = [o for table in tables for o in table]
+    values = {flag: {int: "7", float: "2.5", str: "topk:ratio=0.2"}[kind]
+              for flag, kind, _, _ in options}
+    values.update({"--target": "0.5"} if "--target" in values else {})
+    argv = [word for item in values.items() for word in item]
+    if launcher is netem:
+        args = netem.parse_args([*argv, "--methods", "accordion"])
+        sent = netem.worker_argv(args, "accordion", "r.json")[2:]
+    else:
+        args = steps.parse_args(argv)
+        sent = steps.worker_argv(args, args.configs, args.rounds, "r.json")[2:]
+    parsed = work.parse_args(sent)
+    for flag, _, default, _ in options:
+        name = flag[2:].replace("-", "_")
+        assert getattr(parsed, name) == getattr(args, name) != default, flag
+
+
 def test_step_worker_accepts_what_the_launcher_passes_and_dry_run_cleans_up():
     args = steps.parse_args(["--rounds", "7", "--bucket-cap-mb", "0.5", "--configs", "floor", "ddp"])
     parsed = steps_worker.parse_args(steps.worker_argv(args, args.configs, 7, "r.json")[2:])
@@ -547,11 +562,11 @@ def test_step_benchmark_refuses_bad_arguments(capsys, argv, message):
 
 def test_step_benchmark_cleans_up_on_interrupt(monkeypatch, tmp_path):
     fake = FakeRunner()
-    monkeypatch.setattr(netem, "run_command", fake)
-    monkeypatch.setattr(netem, "check_rights", lambda: None)
+    monkeypatch.setattr(netlab, "run_command", fake)
+    monkeypatch.setattr(netlab, "check_rights", lambda: None)
 
     def boom(*args, **kwargs):
-        raise netem.Interrupted("SIGINT")
+        raise netlab.Interrupted("SIGINT")
 
     monkeypatch.setattr(steps, "benchmark", boom)
     assert steps.main(["--out", str(tmp_path / "x.json")]) == 130
@@ -573,7 +588,7 @@ def test_step_worker_times_every_configuration_over_real_gloo(tmp_path):
                                          "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo",
                                          "OMP_NUM_THREADS": "1"},
                               start_new_session=True) for r in range(2)]
-    assert netem.wait_all(procs, timeout=120) is None
+    assert netlab.wait_all(procs, timeout=120) is None
     rec = json.loads(result.read_text())
     assert rec["configs"][:4] == ["floor", "ddp", "torch-fp16", "torch-powersgd-r4"]
     assert rec["grad_bytes"] == 4 * rec["params"] and len(rec["ranks"]) == 2

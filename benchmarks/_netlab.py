@@ -1,0 +1,623 @@
+"""The emulated network shared by the netem benchmarks and their workers.
+
+``benchmarks/netem.py`` (time to accuracy) and ``benchmarks/netem_steps.py`` (seconds per step)
+build the same lab here: one network namespace per worker and a hub namespace holding a
+bridge, each worker joined to the bridge with a veth pair, every link capped in both
+directions with ``tc`` (``tbf`` for bandwidth; ``netem`` on each worker's egress for delay when
+``--delay-ms`` > 0). This module also holds what both launchers share around the lab (their
+common options, the rights check, the dry run, the cleanup on every exit, starting one worker
+per namespace) and what both workers share (the link's byte counter, the exit).
+
+What it touches, and nothing else:
+
+* namespaces named ``gzn<pid>-hub`` and ``gzn<pid>-w<i>``, created here (refused if the names
+  exist already); links and addresses only inside them, from ``--subnet`` (10.77.0.0/24 by
+  default). No namespace gets a default route, so no packet can leave them; the root
+  namespace's interfaces, routes and qdiscs are never changed.
+* every namespace it created is deleted on exit (normal end, error, timeout, SIGINT, SIGTERM,
+  SIGHUP), which removes the veths and qdiscs inside. Worker processes are killed first.
+  ``--cleanup-stale`` deletes namespaces of this naming scheme whose creating process is gone
+  (after ``kill -9``).
+
+Creating the lab needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN); :func:`check_rights` refuses
+with a message otherwise, and ``--dry-run`` prints the commands as any user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+log = logging.getLogger("netlab")
+
+HERE = Path(__file__).resolve().parent
+#: The worker whose ``goodput-recv``/``goodput-send`` modes check what a shaped link delivers.
+GOODPUT_WORKER = HERE / "netem_worker.py"
+#: Names the lab gives its namespaces; ``--cleanup-stale`` matches nothing else.
+NAME_RE = re.compile(r"^gzn(\d+)-(hub|w\d+)$")
+RFC1918 = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+UNPRIVILEGED_ENV = "GRADZIP_NETEM_ASSUME_UNPRIVILEGED"
+WORKER_IFNAME = "eth0"
+
+
+class LabError(RuntimeError):
+    """A command that builds or shapes the emulated network failed."""
+
+
+class RightsError(LabError):
+    """The script lacks the rights to create network namespaces."""
+
+
+class Interrupted(Exception):
+    """A termination signal arrived; unwinding runs the cleanup."""
+
+
+# --------------------------------------------------------------------------- commands
+
+
+Runner = Callable[[Sequence[str]], str]
+
+
+def run_command(argv: Sequence[str]) -> str:
+    """Run one command; return its stdout. Raises :class:`LabError` with stderr on failure."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise LabError(f"`{' '.join(argv)}` failed: {exc}") from None
+    if done.returncode != 0:
+        raise LabError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def namespace_names(pid: int, workers: int) -> tuple[str, list[str]]:
+    """``(hub, [worker namespaces])`` for the process ``pid``."""
+    return f"gzn{pid}-hub", [f"gzn{pid}-w{i}" for i in range(workers)]
+
+
+def worker_addresses(subnet: str, workers: int) -> list[str]:
+    """The first ``workers`` host addresses of ``subnet`` (inside an RFC 1918 private range)."""
+    try:
+        net = ipaddress.ip_network(subnet, strict=True)
+    except ValueError:
+        raise ValueError(f"`subnet` must be a private IPv4 network such as 10.77.0.0/24, got {subnet!r}") from None
+    if not any(net.version == 4 and net.subnet_of(ipaddress.IPv4Network(r)) for r in RFC1918):
+        raise ValueError(f"`subnet` must be a private IPv4 network (RFC 1918), got {subnet!r}")
+    hosts = list(net.hosts())
+    if len(hosts) < workers:
+        raise ValueError(f"`subnet` must hold {workers} hosts, got {subnet!r} ({len(hosts)})")
+    return [str(h) for h in hosts[:workers]]
+
+
+def tbf_burst_bytes(rate_mbit: float) -> int:
+    """A token-bucket depth of 2 ms at ``rate_mbit`` (at least 32 KiB, so a TSO segment fits)."""
+    return max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))
+
+
+def shaping_commands(ns: str, dev: str, rate_mbit: float, delay_ms: float) -> list[list[str]]:
+    """``tc`` commands capping egress of ``dev`` in ``ns``: tbf, under a netem delay if any."""
+    tbf = ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(tbf_burst_bytes(rate_mbit)),
+           "latency", "100ms"]
+    base = ["tc", "-n", ns, "qdisc"]
+    cmds = [[*base, "del", "dev", dev, "root"]]  # may fail (nothing there): run unchecked
+    if delay_ms > 0:
+        cmds += [[*base, "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                  f"{delay_ms:g}ms"],
+                 [*base, "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf]]
+    else:
+        cmds += [[*base, "add", "dev", dev, "root", "handle", "1:", *tbf]]
+    return cmds
+
+
+def topology_commands(hub: str, workers: Sequence[str], addresses: Sequence[str],
+                      prefixlen: int) -> list[list[str]]:
+    """Everything after ``ip netns add``: bridge in the hub, one veth per worker, addresses."""
+    cmds = [["ip", "-n", hub, "link", "add", "br0", "type", "bridge"],
+            ["ip", "-n", hub, "link", "set", "br0", "up"]]
+    for i, (ns, addr) in enumerate(zip(workers, addresses, strict=True)):
+        port = f"h{i}"
+        cmds += [
+            ["ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name",
+             WORKER_IFNAME, "netns", ns],
+            ["ip", "-n", hub, "link", "set", port, "master", "br0"],
+            ["ip", "-n", hub, "link", "set", port, "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+            ["ip", "-n", ns, "addr", "add", f"{addr}/{prefixlen}", "dev", WORKER_IFNAME],
+            ["ip", "-n", ns, "link", "set", WORKER_IFNAME, "up"],
+        ]
+    return cmds
+
+
+def check_rights(euid: int | None = None, env: dict[str, str] | None = None) -> None:
+    """Refuse early without root, or without ``ip``/``tc``.
+
+    Raises:
+        RightsError: with what is missing and how to run the benchmark instead.
+    """
+    env = dict(os.environ) if env is None else env
+    euid = os.geteuid() if euid is None else euid
+    if env.get(UNPRIVILEGED_ENV):
+        euid = max(euid, 1)
+    if euid != 0:
+        raise RightsError(
+            "netem.py needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) to create network "
+            "namespaces and shape links; nothing was created. Run it with sudo, or in a "
+            "container started with --cap-add NET_ADMIN --cap-add SYS_ADMIN; "
+            "--dry-run prints the commands without running them."
+        )
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise RightsError(f"netem.py needs iproute2 ({', '.join(missing)} not found); nothing was created")
+
+
+# --------------------------------------------------------------------------- the lab
+
+
+@dataclass
+class Lab:
+    """The emulated network: namespaces, links, shaping; :meth:`destroy` undoes everything.
+
+    Args:
+        workers: number of worker namespaces.
+        subnet: private IPv4 network for the worker addresses.
+        runner: runs one command; ``None`` is :func:`run_command` (tests pass a recorder).
+        pid: names the namespaces (this process's id by default).
+    """
+
+    workers: int
+    subnet: str = "10.77.0.0/24"
+    runner: Runner | None = None
+    pid: int = field(default_factory=os.getpid)
+    created: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.runner = self.runner or run_command
+        self.hub, self.names = namespace_names(self.pid, self.workers)
+        self.addresses = worker_addresses(self.subnet, self.workers)
+        self.prefixlen = ipaddress.ip_network(self.subnet).prefixlen
+
+    def existing(self) -> set[str]:
+        """Names of every network namespace now on the machine."""
+        out = self.runner(["ip", "netns", "list"])
+        return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+    def create(self) -> None:
+        """Build the namespaces and links (unshaped).
+
+        Raises:
+            RightsError: the first ``ip netns add`` failed (no rights).
+            LabError: a name is taken, or another command failed (cleanup is the caller's
+                :meth:`destroy`).
+        """
+        taken = sorted({self.hub, *self.names} & self.existing())
+        if taken:
+            raise LabError(f"namespaces {taken} exist already; run --cleanup-stale if they are left over")
+        for i, ns in enumerate([self.hub, *self.names]):
+            # Recorded before the command: a signal arriving just after it succeeds must not
+            # leave it behind. The names were checked free, so deleting never hits another's.
+            self.created.append(ns)
+            try:
+                self.runner(["ip", "netns", "add", ns])
+            except LabError as exc:
+                self.created.pop()
+                if i == 0:
+                    raise RightsError(f"cannot create network namespaces ({exc}); nothing was created") from None
+                raise
+        for cmd in topology_commands(self.hub, self.names, self.addresses, self.prefixlen):
+            self.runner(cmd)
+
+    def shape(self, rate_mbit: float, delay_ms: float) -> None:
+        """Cap both directions of every worker's link: its egress, and the hub's port to it.
+
+        Raises:
+            LabError: a ``tc`` command failed (e.g. a kernel without ``sch_netem``).
+        """
+        # The delay sits on the worker's egress only, so worker-to-worker one-way latency
+        # grows by delay_ms (a packet crosses its sender's egress and the receiver's port).
+        links = [(ns, WORKER_IFNAME, delay_ms) for ns in self.names]
+        links += [(self.hub, f"h{i}", 0.0) for i in range(self.workers)]
+        for ns, dev, delay in links:
+            delete, *rest = shaping_commands(ns, dev, rate_mbit, delay)
+            with contextlib.suppress(LabError):
+                self.runner(delete)
+            for cmd in rest:
+                try:
+                    self.runner(cmd)
+                except LabError as exc:
+                    hint = (" (this kernel lacks the qdisc; for netem use --delay-ms 0)"
+                            if "unknown" in str(exc).lower() else "")
+                    raise LabError(f"{exc}{hint}") from None
+
+    def destroy(self) -> list[str]:
+        """Delete every namespace this lab created (veths and qdiscs go with them).
+
+        Returns:
+            Error messages of deletions that failed (also logged); empty on success.
+        """
+        errors = []
+        while self.created:
+            ns = self.created.pop()
+            try:
+                self.runner(["ip", "netns", "del", ns])
+            except LabError as exc:
+                errors.append(str(exc))
+                log.error("cleanup: %s", exc)
+        return errors
+
+
+def stale_namespaces(names: Sequence[str], alive: Callable[[int], bool]) -> list[str]:
+    """Namespaces of this naming scheme whose creating process no longer runs."""
+    out = []
+    for name in names:
+        match = NAME_RE.match(name)
+        if match and not alive(int(match.group(1))):
+            out.append(name)
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM/SIGHUP into :class:`Interrupted` so ``finally`` blocks run."""
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signal.Signals(signum).name)
+
+    wanted = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    old = {s: signal.signal(s, handler) for s in wanted}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def signals_blocked() -> Iterator[None]:
+    """Hold termination signals while cleaning up, so a second Ctrl-C cannot cut it short."""
+    wanted = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def kill_group(proc: subprocess.Popen[Any], grace: float = 3.0) -> None:
+    """Terminate a process started with ``start_new_session=True`` and its children."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def netns_exec(ns: str, argv: Sequence[str]) -> list[str]:
+    """The command line running ``argv`` inside namespace ``ns``."""
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> str | None:
+    """Wait for every process; on the first failure or at the deadline kill the rest.
+
+    Returns:
+        ``None`` when all exited 0, else a description of what went wrong.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                return f"worker {bad[0][0]} exited with code {bad[0][1]}"
+            if all(c == 0 for c in codes):
+                return None
+            if time.monotonic() > deadline:
+                return f"timed out after {timeout:g} s"
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            kill_group(p)
+
+
+
+
+def worker_env(master: str, port: int, rank: int, world: int) -> dict[str, str]:
+    """Environment of one worker: the process-group rendezvous on worker 0's address."""
+    env = dict(os.environ)
+    env.update({"MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": str(rank),
+                "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": WORKER_IFNAME,
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+LIVE: list[subprocess.Popen[Any]] = []  # killed by the cleanup whatever happens
+
+
+def spawn(argv: list[str], env: dict[str, str] | None, log_path: Path) -> subprocess.Popen[Any]:
+    """Start ``argv`` in its own session, output to ``log_path``; registered in :data:`LIVE`."""
+    with open(log_path, "w") as fh:
+        proc = subprocess.Popen(argv, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    LIVE.append(proc)
+    return proc
+
+
+def measure_goodput(lab: Lab, rate_mbit: float, tmp: Path) -> dict[str, Any]:
+    """Send about a second's worth of bytes from worker 1 to worker 0 over the shaped path."""
+    count = max(1 << 20, int(rate_mbit * 1e6 / 8))
+    where = f"{lab.addresses[0]}:29400"
+    recv = spawn(netns_exec(lab.names[0], [sys.executable, str(GOODPUT_WORKER), "goodput-recv",
+                                          "--bind", where, "--bytes", str(count)]),
+                 None, tmp / "goodput-recv.log")
+    send = spawn(netns_exec(lab.names[1], [sys.executable, str(GOODPUT_WORKER), "goodput-send",
+                                          "--to", where, "--bytes", str(count)]),
+                 None, tmp / "goodput-send.log")
+    problem = wait_all([recv, send], timeout=60)
+    if problem:
+        raise LabError(f"goodput check {problem}: {(tmp / 'goodput-recv.log').read_text()[-500:]}")
+    lines = (tmp / "goodput-recv.log").read_text().splitlines()
+    return json.loads(lines[-1])
+
+
+def run_workers(lab: Lab, argv: Sequence[str], port: int, tmp: Path, tag: str,
+                timeout: float) -> str | None:
+    """Run ``argv`` once in every worker namespace (rank ``i`` in the ``i``-th) and wait.
+
+    Each rank's output goes to ``tmp/<tag>-rank<i>.log`` (see :func:`rank_log_tails`).
+
+    Returns:
+        ``None`` when every rank exited 0, else what went wrong (:func:`wait_all`).
+    """
+    procs = [spawn(netns_exec(ns, argv), worker_env(lab.addresses[0], port, rank, lab.workers),
+                   tmp / f"{tag}-rank{rank}.log")
+             for rank, ns in enumerate(lab.names)]
+    return wait_all(procs, timeout)
+
+
+def rank_log_tails(tmp: Path, tag: str, workers: int) -> list[str]:
+    """The last 1500 characters of each rank's log of the run ``tag``."""
+    return [(tmp / f"{tag}-rank{r}.log").read_text()[-1500:] for r in range(workers)]
+
+
+def format_tails(tails: Sequence[str]) -> str:
+    """Rank logs one after the other, each under a ``--- rank <i> ---`` line."""
+    return "\n".join(f"--- rank {r} ---\n{t}" for r, t in enumerate(tails))
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU, cores, kernel, Python and torch versions, and the commit, for a record's meta."""
+    import platform
+
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
+                .splitlines() if line.startswith("model name")), platform.processor())
+    try:
+        commit = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
+            "python": platform.python_version(), "torch": torch.__version__, "commit": commit}
+
+
+# --------------------------------------------------------------------------- in the workers
+
+
+def tx_bytes() -> int:
+    """Bytes this namespace's link has sent so far (kernel counter, TCP/IP headers included);
+    -1 where the interface is not there (outside the lab's namespaces)."""
+    path = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "eth0") / "statistics"
+    try:
+        return int((path / "tx_bytes").read_text())
+    except OSError:
+        return -1
+
+
+def exit_skipping_teardown() -> NoReturn:
+    """End a worker whose results are written and whose ranks all passed a final barrier."""
+    # Exiting through the interpreter's teardown (or destroy_process_group) lets gloo's I/O
+    # threads race with destructors, which now and then aborts a rank with "terminate called
+    # without an active exception"; skip that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+# --------------------------------------------------------------------------- the launchers
+
+#: An option a launcher takes and passes on to its worker as it is: (flag, type, default, help).
+#: The worker declares it; both parsers and the launcher's command line come from it.
+Option = tuple[str, type, Any, str | None]
+
+
+def add_options(p: argparse.ArgumentParser, options: Sequence[Option]) -> None:
+    """Declare ``options`` on ``p`` (the launcher's parser or this worker's)."""
+    for flag, kind, default, help_text in options:
+        p.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def option_argv(args: argparse.Namespace, options: Sequence[Option],
+                overrides: Mapping[str, float] | None = None) -> list[str]:
+    """The words passing ``options`` on with the values in ``args`` (floats as ``%g``).
+
+    Args:
+        args: the launcher's parsed options.
+        options: which to pass, in order.
+        overrides: values taking the place of ``args``' (keyed by the attribute name).
+
+    Returns:
+        e.g. ``["--eta", "0.3", "--interval", "22"]``.
+    """
+    words = []
+    for flag, kind, _, _ in options:
+        name = flag[2:].replace("-", "_")
+        value = kind((overrides or {}).get(name, getattr(args, name)))
+        words += [flag, f"{value:g}" if kind is float else str(value)]
+    return words
+
+
+def add_lab_arguments(p: argparse.ArgumentParser, *, workers: int, run_timeout: float,
+                      out: Path) -> None:
+    """The options every launcher takes: workers, subnet, delay, the time a worker run may
+    take, the output file, dry run, cleanup, verbosity."""
+    p.add_argument("--workers", type=int, default=workers)
+    p.add_argument("--subnet", default="10.77.0.0/24")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="one-way delay added between any two workers (netem on each worker's "
+                        "egress; needs a kernel with sch_netem)")
+    p.add_argument("--run-timeout", type=float, default=run_timeout,
+                   help="seconds per worker run")
+    p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--cleanup-stale", action="store_true",
+                   help="delete namespaces left by a killed run of this script, then exit")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def parse_checked(p: argparse.ArgumentParser, argv: Sequence[str] | None,
+                  validate: Callable[[argparse.Namespace], list[str]]) -> argparse.Namespace:
+    """Parse ``argv``; exit with status 2 and every problem ``validate`` finds, if any."""
+    args = p.parse_args(argv)
+    problems = validate(args)
+    if problems:
+        p.error("; ".join(problems))
+    return args
+
+
+def bound_problems(args: argparse.Namespace, *, positive: Sequence[str] = (),
+                   at_least_one: Sequence[str] = ()) -> list[str]:
+    """``"`--name` must be > 0, got ..."`` for each of ``positive`` that is not, and ``">= 1"``
+    likewise for the counts in ``at_least_one`` (attribute names of ``args``)."""
+    out = []
+    for name in positive:
+        if not getattr(args, name) > 0:
+            out.append(f"`--{name.replace('_', '-')}` must be > 0, got {getattr(args, name):g}")
+    for name in at_least_one:
+        if getattr(args, name) < 1:
+            out.append(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
+    return out
+
+
+def validate_lab(args: argparse.Namespace) -> list[str]:
+    """Problems with the options of :func:`add_lab_arguments`, as ``"`name` must ..., got ..."``
+    messages."""
+    out = []
+    if not 2 <= args.workers <= 64:
+        out.append(f"`--workers` must be in [2, 64], got {args.workers}")
+    if not 0 <= args.delay_ms <= 1000:
+        out.append(f"`--delay-ms` must be in [0, 1000], got {args.delay_ms:g}")
+    out += bound_problems(args, positive=("run_timeout",))
+    try:
+        worker_addresses(args.subnet, max(args.workers, 1))
+    except ValueError as exc:
+        out.append(str(exc))
+    return out
+
+
+@contextlib.contextmanager
+def recorded_lab(workers: int, subnet: str) -> Iterator[tuple[Lab, list[list[str]]]]:
+    """A lab that records its commands instead of running them (``--dry-run``): yields it,
+    created, with the list of commands so far; destroys it on leaving."""
+    cmds: list[list[str]] = []
+
+    def record(argv: Sequence[str]) -> str:
+        cmds.append(list(argv))
+        return ""
+
+    lab = Lab(workers, subnet, runner=record)
+    lab.create()
+    yield lab, cmds
+    lab.destroy()
+
+
+def main_with_lab(args: argparse.Namespace, *, prog: str, tmp_prefix: str,
+                  dry_run: Callable[[argparse.Namespace], list[list[str]]],
+                  body: Callable[[argparse.Namespace, Lab, Path], int]) -> int:
+    """What a launcher's ``main`` does around its benchmark.
+
+    Prints the dry run; or refuses without rights; or deletes stale namespaces; or creates
+    the lab, runs ``body(args, lab, tmp)`` with a temporary folder and destroys the lab
+    whatever happens (signals become :class:`Interrupted`; the workers are killed first).
+
+    Args:
+        args: the parsed options (those of :func:`add_lab_arguments` among them).
+        prog: the script's name, prefixed to its messages.
+        tmp_prefix: prefix of the temporary folder.
+        dry_run: every command a real run would issue.
+        body: the benchmark on the created lab; returns the exit status.
+
+    Returns:
+        The exit status: ``body``'s, 2 without rights, 130 after a signal, 1 on a lab error
+        or a failed cleanup.
+    """
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.dry_run:
+        for cmd in dry_run(args):
+            print(" ".join(cmd))
+        return 0
+    try:
+        check_rights()
+    except RightsError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    if args.cleanup_stale:
+        lab = Lab(args.workers, args.subnet)
+        for ns in stale_namespaces(sorted(lab.existing()), pid_alive):
+            run_command(["ip", "netns", "del", ns])
+            print(f"deleted {ns}")
+        return 0
+    lab = Lab(args.workers, args.subnet)
+    status = 1
+    with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp, signals_raise():
+        try:
+            lab.create()
+            status = body(args, lab, Path(tmp))
+        except RightsError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            status = 2
+        except (LabError, Interrupted) as exc:
+            print(f"{prog}: stopped: {exc}", file=sys.stderr)
+            status = 130 if isinstance(exc, Interrupted) else 1
+        finally:
+            with signals_blocked():
+                for proc in LIVE:
+                    kill_group(proc, grace=1.0)
+                errors = lab.destroy()
+            if errors:
+                print(f"{prog}: cleanup failed for: " + "; ".join(errors), file=sys.stderr)
+                status = status or 1
+    return status
