@@ -102,7 +102,8 @@ def gradzip_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futu
         return state._submit(bucket)
     # Synchronous collectives, in bucket order, identical on every rank: see the module
     # docstring for why nothing may wait inside a Future callback.
-    state._reduce_bucket(state.engine, state._named_grads(bucket), bucket.is_last())
+    engine = state.engine
+    state._reduce_bucket(engine, state._layout(engine, bucket), bucket.is_last())
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -18,6 +18,7 @@ from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.ddp_params import named_trainable_parameters, tree_to
 from gradzip.engine import STATS_KEYS, Engine
+from gradzip.engine_flat import BucketLayout
 from gradzip.options import EngineOptions
 from gradzip.spec import compressor_from_spec
 
@@ -84,6 +85,8 @@ class GradzipHookState:
         # talks on the communication thread's private group yet.
         self._failure: BaseException | None = None
         self._private_group = False
+        # Bucket index -> (identity of its parameters and buffer, the engine's layout of it).
+        self._layouts: dict[int, tuple[Any, BucketLayout]] = {}
 
     # -- the engine ------------------------------------------------------------------------
     @property
@@ -124,20 +127,29 @@ class GradzipHookState:
             ) from None
 
     # -- the work of one bucket --------------------------------------------------------------
-    def _named_grads(self, bucket: dist.GradBucket) -> dict[str, torch.Tensor]:
+    def _layout(self, engine: Engine, bucket: dist.GradBucket) -> BucketLayout:
+        """The bucket's layout, built once and reused while the bucket holds the same
+        parameters in the same buffer (DDP rebuilds its buckets after the first iteration)."""
+        params, buffer = bucket.parameters(), bucket.buffer()
+        # Identity of the parameters and of the buffer: a cached layout keeps views of the
+        # buffer it was built for, so that storage stays alive and no other buffer can
+        # start at the same address while the cache holds it.
+        key = (buffer.data_ptr(), buffer.numel(), tuple(id(p) for p in params))
+        cached = self._layouts.get(bucket.index())
+        if cached is not None and cached[0] == key:
+            return cached[1]
         grads = bucket.gradients()  # views into bucket.buffer()
-        return {self.name_of(p): g for p, g in zip(bucket.parameters(), grads, strict=True)}
+        named = {self.name_of(p): g for p, g in zip(params, grads, strict=True)}
+        layout = engine.bucket_layout(named, buffer)
+        self._layouts[bucket.index()] = (key, layout)
+        return layout
 
-    def _reduce_bucket(
-        self, engine: Engine, named: dict[str, torch.Tensor], finish_step: bool
-    ) -> None:
+    def _reduce_bucket(self, engine: Engine, layout: BucketLayout, finish_step: bool) -> None:
         # DDP checked at construction that every rank holds the same parameters and hands
         # every rank the same buckets in the same order (rebuilt buckets follow rank 0's
         # order), so the payload's layout is identical on every rank: the header may ride in
         # it (see gradzip.comm.header).
-        averaged = engine.reduce(named, finish_step=finish_step, same_layout=True)
-        for name, grad in named.items():
-            grad.copy_(averaged[name])
+        engine.reduce_bucket(layout, finish_step=finish_step)
 
     def _submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Queue one bucket's work on the communication thread (``overlap=True``)."""
@@ -152,7 +164,7 @@ class GradzipHookState:
                 # all of them can make the thread's group together.
                 engine.comm.group = private_group(self.process_group)  # type: ignore[attr-defined]
                 self._private_group = True
-            named = self._named_grads(bucket)
+            layout = self._layout(engine, bucket)
             finish_step = bucket.is_last()
         except BaseException as exc:  # noqa: BLE001 - reported through the future
             self._failure = self._failure or exc
@@ -162,7 +174,7 @@ class GradzipHookState:
             if self._failure is not None:
                 raise self._failed()
             try:
-                self._reduce_bucket(engine, named, finish_step)
+                self._reduce_bucket(engine, layout, finish_step)
             except BaseException as exc:
                 self._failure = exc
                 raise

@@ -15,6 +15,7 @@ from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.engine_checkpoint import FORMAT_VERSION, EngineCheckpoints
 from gradzip.engine_device import DevicePath
+from gradzip.engine_flat import FlatPath
 from gradzip.engine_host import HostPath
 from gradzip.ops.random import stable_hash
 from gradzip.options import MAIN_ROUTE, NONFINITE_POLICIES, EngineOptions
@@ -34,7 +35,7 @@ _copy_tree = copy_tree
 _first_mismatch = check_tree
 
 
-class Engine(HostPath, DevicePath, EngineCheckpoints):
+class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints):
     """Compressed gradient averaging with error feedback, for real or simulated workers.
 
     Args:
