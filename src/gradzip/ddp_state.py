@@ -142,6 +142,9 @@ class GradzipHookState:
         named = {self.name_of(p): g for p, g in zip(params, grads, strict=True)}
         layout = engine.bucket_layout(named, buffer)
         self._layouts[bucket.index()] = (key, layout)
+        if bucket.is_last():  # fewer buckets than before the rebuild: drop the others' views
+            for index in [i for i in self._layouts if i > bucket.index()]:
+                del self._layouts[index]
         return layout
 
     def _reduce_bucket(self, engine: Engine, layout: BucketLayout, finish_step: bool) -> None:

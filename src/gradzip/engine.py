@@ -272,6 +272,23 @@ class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints):
             # uninterrupted one.
             names = sorted(named_grads, key=lambda n: self._order.get(n, -1))
             grads = [self._as_worker_axis(n, named_grads[n]) for n in names]
+        except BaseException:
+            self._abort_step()
+            raise
+        return self._reduce_sorted(names, grads, named_grads, finish_step, step, same_layout)
+
+    def _reduce_sorted(
+        self,
+        names: list[str],
+        grads: list[torch.Tensor],
+        named_grads: Mapping[str, torch.Tensor],
+        finish_step: bool,
+        step: int | None,
+        same_layout: bool,
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`reduce` of checked gradients: ``names`` in the engine's order, ``grads``
+        with their worker axis."""
+        try:
             if not self._verified:
                 self._verify_agreement()
             if self._snapshot is None:

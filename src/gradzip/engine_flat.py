@@ -42,6 +42,7 @@ class BucketLayout:
     Attributes:
         named: ``name -> gradient`` (views into ``buffer``, in the bucket's order).
         names: the same names in the engine's parameter order (the message's layout).
+        grads: the gradients with their worker axis, in ``names`` order.
         views: the gradients' flat views, in ``names`` order.
         sizes: their element counts.
         buffer: the bucket's flat buffer.
@@ -51,6 +52,7 @@ class BucketLayout:
 
     named: dict[str, torch.Tensor]
     names: list[str]
+    grads: list[torch.Tensor]
     views: list[torch.Tensor]
     sizes: list[int]
     buffer: torch.Tensor
@@ -91,8 +93,7 @@ class FlatPath:
         Raises:
             TypeError, ValueError: unknown names, wrong shapes or types.
         """
-        for name, grad in named.items():
-            self._as_worker_axis(name, grad)  # type: ignore[attr-defined]
+        checked = {n: self._as_worker_axis(n, g) for n, g in named.items()}  # type: ignore[attr-defined]
         names = sorted(named, key=lambda n: self._order[n])  # type: ignore[attr-defined]
         views = [named[n].reshape(-1) for n in names]
         sizes = [v.numel() for v in views]
@@ -105,7 +106,8 @@ class FlatPath:
             whole, cursor = whole and start == cursor, start + size
         whole = whole and buffer.dim() == 1 and cursor == buffer.storage_offset() + buffer.numel()
         set_code = sum(self._name_codes[n] for n in names) % (1 << 64)  # type: ignore[attr-defined]
-        return BucketLayout(dict(named), names, views, sizes, buffer, whole, set_code)
+        return BucketLayout(dict(named), names, [checked[n] for n in names], views, sizes, buffer,
+                            whole, set_code)
 
     def reduce_bucket(self, layout: BucketLayout, *, finish_step: bool) -> None:
         """Average a DDP bucket's gradients in place: :meth:`reduce` with
@@ -120,8 +122,9 @@ class FlatPath:
             as :meth:`reduce`.
         """
         if not self._flat_applies(layout):
-            averaged = self.reduce(  # type: ignore[attr-defined]
-                layout.named, finish_step=finish_step, same_layout=True
+            # The ordinary call, on the names and worker-axis views checked and ordered once.
+            averaged = self._reduce_sorted(  # type: ignore[attr-defined]
+                layout.names, layout.grads, layout.named, finish_step, None, True
             )
             for name, grad in layout.named.items():
                 grad.copy_(averaged[name])
