@@ -91,15 +91,17 @@ def _faulty_run(rank: int, spec: str, cap: float, policy: str, value: float, fla
             "flat": _took_flat_path(state, every=False)}
 
 
-def _padded_buffer(rank: int) -> dict[str, Any]:
-    """The engine's bucket call on views that do not tile their buffer (a gap between them),
-    against ``reduce`` of the same gradients."""
+def _padded_buffer(rank: int, transposed: bool) -> dict[str, Any]:
+    """The engine's bucket call on views that do not tile their buffer (a gap between them;
+    with ``transposed``, one view is not contiguous), against ``reduce`` of the same
+    gradients."""
     shapes = {"a": torch.Size([3, 4]), "b": torch.Size([5])}
     out = {}
     for spec in SPECS:
         engines = [Engine(shapes, spec, collective=ProcessGroupCollective()) for _ in range(2)]
         buffer = torch.randn(20, generator=torch.Generator().manual_seed(rank))
-        named = {"b": buffer[0:5].view(5), "a": buffer[8:20].view(3, 4)}
+        a = buffer[8:20].view(4, 3).t() if transposed else buffer[8:20].view(3, 4)
+        named = {"b": buffer[0:5].view(5), "a": a}
         expected = engines[1].reduce({n: g.clone() for n, g in named.items()}, same_layout=True)
         layout = engines[0].bucket_layout(named, buffer)
         engines[0].reduce_bucket(layout, finish_step=True)
@@ -139,7 +141,8 @@ def flat_group(rank: int, world: int) -> dict[Any, Any]:
                     out[("faulty", spec, policy, what, cap_name)] = {
                         flat: run for flat, run in runs.items()
                     }
-    out["padded"] = _padded_buffer(rank)
+    out["padded"] = _padded_buffer(rank, transposed=False)
+    out["transposed"] = _padded_buffer(rank, transposed=True)
     dist.barrier()
     return out
 
@@ -200,4 +203,13 @@ def test_views_that_do_not_tile_their_buffer(results: list[dict[Any, Any]]) -> N
     for rank_results in results:
         for spec, got in rank_results["padded"].items():
             assert got == {"whole": False, "flat": True, "same": True, "gap_untouched": True,
+                           "stats": True}, spec
+
+
+def test_views_that_are_not_contiguous_take_the_ordinary_path(
+    results: list[dict[Any, Any]],
+) -> None:
+    for rank_results in results:
+        for spec, got in rank_results["transposed"].items():
+            assert got == {"whole": False, "flat": False, "same": True, "gap_untouched": True,
                            "stats": True}, spec

@@ -43,7 +43,8 @@ class BucketLayout:
         named: ``name -> gradient`` (views into ``buffer``, in the bucket's order).
         names: the same names in the engine's parameter order (the message's layout).
         grads: the gradients with their worker axis, in ``names`` order.
-        views: the gradients' flat views, in ``names`` order.
+        views: the gradients' flat views, in ``names`` order (empty where they are not all
+            contiguous fp32 CPU tensors: then only the ordinary path applies).
         sizes: their element counts.
         buffer: the bucket's flat buffer.
         whole: whether ``views`` tile ``buffer`` exactly (one ``aminmax`` tests them all).
@@ -95,16 +96,20 @@ class FlatPath:
         """
         checked = {n: self._as_worker_axis(n, g) for n, g in named.items()}  # type: ignore[attr-defined]
         names = sorted(named, key=lambda n: self._order[n])  # type: ignore[attr-defined]
-        views = [named[n].reshape(-1) for n in names]
-        sizes = [v.numel() for v in views]
+        # The flat path writes into these views: only plain fp32 CPU tensors qualify.
+        eligible = all(named[n].is_contiguous() and named[n].dtype == torch.float32
+                       and named[n].device.type == "cpu" for n in names)
+        views = [named[n].view(-1) for n in names] if eligible else []
+        sizes = [named[n].numel() for n in names]
         starts = sorted(
             (v.storage_offset(), v.numel()) for v in views
             if v.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
         )
-        cursor, whole = buffer.storage_offset(), len(starts) == len(views)
+        cursor, whole = buffer.storage_offset(), eligible and len(starts) == len(views)
         for start, size in starts:
             whole, cursor = whole and start == cursor, start + size
-        whole = whole and buffer.dim() == 1 and cursor == buffer.storage_offset() + buffer.numel()
+        whole = (whole and buffer.dim() == 1 and buffer.dtype == torch.float32
+                 and cursor == buffer.storage_offset() + buffer.numel())
         set_code = sum(self._name_codes[n] for n in names) % (1 << 64)  # type: ignore[attr-defined]
         return BucketLayout(dict(named), names, [checked[n] for n in names], views, sizes, buffer,
                             whole, set_code)
@@ -149,8 +154,7 @@ class FlatPath:
         # flags must first be settled: the ordinary path does both.
         if self._poisoned or self._poison_dev is not None:  # type: ignore[attr-defined]
             return False
-        buffer = layout.buffer
-        if buffer.device.type != "cpu" or buffer.dtype != torch.float32:
+        if not layout.views:  # not plain fp32 CPU tensors (see bucket_layout)
             return False
         if any(n in self.dense_names for n in layout.names):  # type: ignore[attr-defined]
             return False  # a second message (the dense tensors'): the ordinary path
