@@ -7,6 +7,7 @@ tests below check the results one by one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,8 @@ def test_state_made_before_the_process_group_defers_the_engine() -> None:
 class _Leveled(TopK):
     """A compressor that reports levels, as an Accordion does."""
 
-    def current_levels(self, state: dict[str, Any]) -> dict[str, float]:
-        return {"all": self.ratio}
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        return {**super().report(state), "levels": {"all": self.ratio}}
 
 
 def test_single_process_group_stats_levels_and_gathered_state(tmp_path: Path) -> None:

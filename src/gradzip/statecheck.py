@@ -13,7 +13,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["all_finite", "bad_workers", "check_tree", "first_nonfinite", "nonneg_int"]
+__all__ = [
+    "all_finite", "bad_workers", "check_tree", "copy_tree", "finite_rows", "first_nonfinite",
+    "nonneg_int",
+]
+
+
+def copy_tree(tree: Any) -> Any:
+    """Copy the dict and list structure of a state tree, sharing its tensors (state is
+    replaced, never mutated in place, so a shared tensor never changes under a copy)."""
+    if isinstance(tree, dict):
+        return {k: copy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [copy_tree(v) for v in tree]
+    return tree
 
 def finite_rows(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
     """``[L]`` bool, on the tensors' device: whether every entry of worker ``w``'s part of

@@ -133,6 +133,17 @@ class Collective(ABC):
         flat = torch.cat([p.reshape(self.local_workers, -1) for p in parts], dim=1)
         return self.all_reduce(flat)
 
+    def all_reduce_(self, flat: torch.Tensor) -> None:
+        """Sum this process's one worker's 1-D message ``flat`` over all workers, in place
+        (metered as :meth:`all_reduce` of the same message). Only for ``local_workers == 1``.
+        """
+        if self.local_workers != 1 or flat.dim() != 1:
+            raise ValueError(
+                f"`flat` must be one worker's 1-D message (local_workers == 1), got shape "
+                f"{tuple(flat.shape)} with {self.local_workers} local workers"
+            )
+        flat.copy_(self.all_reduce(flat[None]))
+
     def all_gather(
         self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True
     ) -> torch.Tensor:

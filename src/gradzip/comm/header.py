@@ -34,9 +34,8 @@ from gradzip.ops.flat import to_device
 from gradzip.ops.random import stable_hash
 
 __all__ = [
-    "HEADER_BYTES", "HeaderRider", "call_code", "make_header", "read_header", "rider_bytes",
-    "rider_digit_bits",
-    "verify_configuration",
+    "HEADER_BYTES", "HeaderRider", "call_code", "make_header", "read_header", "read_summed",
+    "rider_bytes", "rider_digit_bits", "summed_row", "verify_configuration",
 ]
 
 HEADER_FIELDS = 3
@@ -141,6 +140,22 @@ def _summed_values(code: int, bits: int) -> list[int]:
     return [v for d in _digits(code, bits) for v in ((d, d * d) if bits > 1 else (d,))]
 
 
+def summed_row(code: int, bits: int, nonfinite: bool) -> list[int]:
+    """The header elements one worker appends to a summed message (digits of ``code`` and
+    their squares at ``bits`` bits per digit, then its non-finite flag)."""
+    return [*_summed_values(code, bits), int(nonfinite)]
+
+
+def read_summed(sums: Sequence[int], world_size: int, bits: int) -> tuple[bool, bool]:
+    """(every worker sent the same code, some worker's gradient is non-finite) from the sum
+    of every worker's :func:`summed_row`."""
+    step = 2 if bits > 1 else 1
+    agreed = all(
+        world_size * sums[i + step - 1] == sums[i] * sums[i] for i in range(0, len(sums) - 1, step)
+    )
+    return agreed, sums[-1] > 0
+
+
 class HeaderRider(Collective):
     """The engine's collective for one call, carrying the header in its first message.
 
@@ -239,11 +254,7 @@ class HeaderRider(Collective):
             self.disagree = ~(world * s2 == s1 * s1).all()
             self.bad_flag = tail[-1] > 0
             return total[:n]
-        sums = [int(v) for v in total[n:].tolist()]
-        agreed = all(
-            world * sums[i + step - 1] == sums[i] * sums[i] for i in range(0, len(sums) - 1, step)
-        )
-        self.bad = sums[-1] > 0
+        agreed, self.bad = read_summed([int(v) for v in total[n:].tolist()], world, bits)
         if not agreed:
             self.refuse()
         return total[:n]

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip._validate import check_real
-from gradzip.comm.base import Collective
+from gradzip.comm.base import Collective, allreduce_wire_bytes
 
 __all__ = ["ProcessGroupCollective", "default_collective", "shutdown_process_group"]
 
@@ -58,6 +58,17 @@ class ProcessGroupCollective(Collective):
         out = self._on_device(x[0]).contiguous().clone()
         dist.all_reduce(out, group=self.group)
         return out.to(x.device)
+
+    def all_reduce_(self, flat: torch.Tensor) -> None:
+        """:meth:`Collective.all_reduce_`, without the copies of :meth:`all_reduce` where
+        ``flat`` is contiguous and already where collectives run."""
+        if not (flat.dim() == 1 and flat.is_contiguous() and self._on_device(flat) is flat):
+            super().all_reduce_(flat)
+            return
+        nbytes = flat.numel() * flat.element_size()
+        self.meter.add([nbytes], [allreduce_wire_bytes(nbytes, self.world_size)])
+        if self.world_size > 1:
+            dist.all_reduce(flat, group=self.group)
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         mine = self._on_device(x[0]).contiguous()
