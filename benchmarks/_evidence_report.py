@@ -1,0 +1,140 @@
+"""The outputs of claims_evidence.py: its markdown tables (per seed, and pooled over seeds)
+and its plot of the metric per epoch. Pure formatting of what the analysis computed; nothing
+here reads run files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _fmt(value: Any, pattern: str = "{:.2f}") -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def markdown(groups: list[dict[str, Any]]) -> str:
+    """The tables of ``groups`` as markdown."""
+    lines: list[str] = []
+    for group in groups:
+        roles = group["roles"]
+        title = f"{group['setting']}, {group['family']}, seed {group['seed']}"
+        lines += [f"#### {title}", ""]
+        names = [f"{p['phase']} ({p['epochs'][0]:g}-{p['epochs'][1]:g})"
+                 for p in next(iter(roles.values()))["phases"]]
+        lines += ["Gentle share of layer-steps, overall and per phase (epochs):", "",
+                  "| role | final | overall | " + " | ".join(names) + " |",
+                  "|---|---:|---:|" + "---:|" * len(names)]
+        for role, entry in roles.items():
+            lines.append(f"| {role} | {entry['final']:.2f} | "
+                         f"{_fmt(entry['gentle_share'], '{:.1%}')} | " + " | ".join(
+                             _fmt(p["gentle_share"], "{:.0%}") for p in entry["phases"]) + " |")
+        lines += ["", "Metric at each phase's end (change over the phase) [share of the static "
+                  "levels' gap recovered there]:", "",
+                  "| role | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+        for role, entry in roles.items():
+            cells = [f"{p['end_value']:.2f} ({_fmt(p.get('gain'), '{:+.2f}')}) "
+                     f"[{_fmt(p.get('recovered'), '{:.0%}')}]" for p in entry["phases"]]
+            lines.append(f"| {role} | " + " | ".join(cells) + " |")
+        drops = [p for p in next(iter(roles.values()))["phases"] if "first_epoch_value" in p]
+        if drops:
+            lines += ["", "Metric one epoch after each LR drop [gap recovered there]:", "",
+                      "| role | " + " | ".join(f"epoch {p['epochs'][0] + 1:g}" for p in drops)
+                      + " |", "|---|" + "---:|" * len(drops)]
+            for role, entry in roles.items():
+                cells = [f"{p['first_epoch_value']:.2f} "
+                         f"[{_fmt(p.get('first_epoch_recovered'), '{:.0%}')}]"
+                         for p in entry["phases"] if "first_epoch_value" in p]
+                lines.append(f"| {role} | " + " | ".join(cells) + " |")
+        fitted = group["fit"]
+        if fitted:
+            lines += ["", f"Fit of the final value against gentle share: slope "
+                      f"{fitted['slope']:.2f} per unit share, intercept {fitted['intercept']:.2f}, "
+                      f"R^2 {_fmt(fitted['r2'], '{:.3f}')}, RMSE {fitted['rmse']:.2f}."]
+            if "off_static_line" in fitted:
+                lines.append("Distance from the line between the static levels: " + ", ".join(
+                    f"{k} {v:+.2f}" for k, v in fitted["off_static_line"].items()) + ".")
+        weights = group.get("phase_weights")
+        if weights:
+            lines.append(f"Share of the gap the gentle level recovers per phase (least squares, "
+                         f"rank {weights['rank']} of {len(weights['phases'])}; timing-free value "
+                         "in brackets): " + ", ".join(
+                             f"{w['phase']} {w['weight']:.2f} ({w['timing_free']:.2f})"
+                             for w in weights["phases"]) + "; residuals " + ", ".join(
+                             f"{k} {v:+.2f}" for k, v in weights["residuals"].items()) + ".")
+        decisions = roles.get("accordion", {}).get("decisions")
+        if decisions:
+            lines += ["", "| decision | step (epoch) | reasons | critical / steady layers | "
+                      "largest relative norm change (median) | layers >= eta |",
+                      "|---:|---:|---|---:|---:|---:|"]
+            for d in decisions:
+                reasons = ", ".join(f"{k} {v}" for k, v in d["reasons"].items())
+                lines.append(f"| {d['decision']} | {d['step']} ({d['epoch']:g}) | {reasons} | "
+                             f"{d['critical']} / {d['steady']} | "
+                             f"{_fmt(d['max_rel_change'], '{:.3f}')} "
+                             f"({_fmt(d['median_rel_change'], '{:.3f}')}) | "
+                             f"{d['at_or_above_eta']} (eta {d['eta']}) |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def markdown_pooled(pools: list[dict[str, Any]]) -> str:
+    """The seed means of :func:`pooled` as markdown."""
+    lines: list[str] = []
+    for pool in pools:
+        lines += [f"#### {pool['setting']}, {pool['family']}, mean over seeds", "",
+                  "| role | seeds | mean final | spread | mean gap recovered |",
+                  "|---|---|---:|---:|---:|"]
+        for role, r in pool["roles"].items():
+            lines.append(f"| {role} | {','.join(map(str, r['seeds']))} | {r['mean_final']:.2f} | "
+                         f"{r['spread']:.2f} | {_fmt(r['mean_recovered'], '{:.0%}')} |")
+        weights = pool["phase_weights"]
+        if weights:
+            lines += ["", f"Phase weights over every seed's runs (rank {weights['rank']}): "
+                      + ", ".join(f"{w['phase']} {w['weight']:.2f} ({w['timing_free']:.2f})"
+                                  for w in weights["phases"]) + "."]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(groups: list[dict[str, Any]], runs: list[dict[str, Any]],
+         drops: dict[tuple[str, str, int], list[float]], path: Path) -> bool:
+    """The metric per epoch of every role, one panel per setting, family and seed, with the
+    LR drops marked.
+
+    Args:
+        groups: the per-seed analyses (``analyse`` in claims_evidence.py).
+        runs: the runs they came from (the metric's name is read from their summaries).
+        drops: the epochs at which each (setting, family, seed)'s LR drops fall.
+        path: the PNG file to write.
+
+    Returns:
+        False when matplotlib is missing (nothing written), else True.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    shown = [g for g in groups if len(g["roles"]) > 0]
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.2 * len(shown), 3.8), squeeze=False)
+    for ax, group in zip(axes[0], shown, strict=True):
+        for role, entry in group["roles"].items():
+            values = entry["per_epoch"]
+            style = "-" if role in ("gentle", "aggressive") else "--"
+            ax.plot(range(1, len(values) + 1), values, style, marker=".", label=role)
+        key = (group["setting"], group["family"], group["seed"])
+        run = next(r for r in runs if (r["setting"], r["family"], r["seed"]) == key)
+        for first in drops[key]:
+            ax.axvline(first, color="grey", linewidth=0.6)
+        ax.set_title(f"{group['setting']} {group['family']} seed {group['seed']}", fontsize=9)
+        ax.set_xlabel("epoch")
+        metric = run["summary"]["metric"]
+        ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return True
