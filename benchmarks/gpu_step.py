@@ -32,7 +32,8 @@ ends. A row that raises is recorded with its error and the next row runs; a row 
 ``--row-timeout`` (a hang) gets its processes killed, is recorded as a timeout, and the setup
 restarts after it. Rows that would start after ``--budget-s`` are recorded as skipped. Results
 go to ``gpu_step.json`` and ``gpu_step.md`` in ``--out`` (default ``$OUT`` when set, else
-``benchmarks/results/``); the Markdown table is printed last.
+``benchmarks/results/``); the Markdown table is printed last. The configurations, the setup
+plan and the table are in ``_gpu_step_plan.py`` beside this file.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import os
 import platform
 import queue
 import socket
-import statistics
 import sys
 import time
 import traceback
@@ -57,42 +57,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:  # the repository copied, not installed
     sys.path.insert(0, str(ROOT / "src"))
+if str(ROOT / "benchmarks") not in sys.path:  # the plan and report module sits beside this file
+    sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
+from _gpu_step_plan import CONFIGS, finish_row, make_row, plan, sync_sites, table  # noqa: E402
 
-ACCORDION = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=10)"
-# name -> what it is. ``local`` has no DDP at all: the floor no communication scheme can beat.
-CONFIGS = {
-    "local": "the model without DDP (no communication)",
-    "ddp": "native DDP, no hook (fp32 all-reduce overlapped with the backward pass)",
-    "torch-fp16": "PyTorch's fp16_compress_hook",
-    "torch-powersgd:rank=4": "PyTorch's powerSGD_hook, rank 4, start_powerSGD_iter=2, one bucket",
-    "gradzip:none": "gradzip hook, no compression",
-    "gradzip:fp16": "gradzip hook, fp16",
-    "gradzip:powersgd:rank=4": "gradzip hook, PowerSGD rank 4",
-    "gradzip:topk:ratio=0.01": "gradzip hook, Top-k 1%",
-    f"gradzip:{ACCORDION}": "gradzip hook, Accordion PowerSGD rank 1 <-> 4 (interval 10 steps)",
-}
 ONE_BUCKET_MB = 1024.0  # PyTorch's PowerSGD hook runs with the whole model in one bucket
-
-
-def plan(device: str, gpus: int) -> list[dict[str, Any]]:
-    """The setups to run for ``device`` ("cuda" or "cpu") with ``gpus`` GPUs present."""
-    if device == "cpu":
-        return [{"name": "cpu-gloo-2", "backend": "gloo", "world": 2, "device": "cpu",
-                 "placement": "two CPU processes"}]
-    setups = []
-    if gpus >= 2:
-        setups.append({"name": "nccl-2gpu", "backend": "nccl", "world": 2, "device": "cuda",
-                       "placement": "two ranks, one GPU each, NCCL"})
-    else:
-        setups.append({"name": "gloo-1gpu", "backend": "gloo", "world": 2, "device": "cuda",
-                       "placement": "two ranks sharing GPU 0 over gloo (CUDA tensors staged "
-                                    "through host memory; NCCL refuses two ranks on one GPU)"})
-    setups.append({"name": "nccl-1rank", "backend": "nccl", "world": 1, "device": "cuda",
-                   "placement": "one rank on GPU 0, NCCL: nothing travels; compression "
-                                "arithmetic only"})
-    return setups
 
 
 # -- the worker (one rank) -----------------------------------------------------------------
@@ -234,12 +205,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _row(setup: dict[str, Any], config: str, **fields: Any) -> dict[str, Any]:
-    return {"setup": setup["name"], "backend": setup["backend"], "world": setup["world"],
-            "device": setup["device"], "config": config, "median_s": None, "min_s": None,
-            "steps": 0, "syncs": None, "error": None, **fields}
-
-
 def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
               deadline: float, log: Any) -> list[dict[str, Any]]:
     """Every config of one setup, restarting the processes after a row that hangs."""
@@ -249,7 +214,7 @@ def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
     while pending:
         if time.monotonic() >= deadline:
             for config in pending:
-                rows[config] = _row(setup, config, error="skipped: --budget-s spent")
+                rows[config] = make_row(setup, config, error="skipped: --budget-s spent")
             break
         out = ctx.Queue()
         port = _free_port()
@@ -276,7 +241,7 @@ def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
                 # raised may have moved on while another waits in a collective of that row).
                 victim = pending[0]
                 partial = [f"rank {r}: {v}" for r, (_, v) in sorted(reports.get(victim, {}).items())]
-                rows[victim] = _row(setup, victim, error="\n".join([*partial, why]))
+                rows[victim] = make_row(setup, victim, error="\n".join([*partial, why]))
                 log(f"  {setup['name']} {victim}: {why}")
                 pending = pending[1:]
                 break
@@ -285,7 +250,7 @@ def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
             elif kind in ("done", "error"):
                 reports.setdefault(config, {})[rank] = (kind, value)
                 if len(reports[config]) == setup["world"]:
-                    rows[config] = _finish(setup, config, reports[config])
+                    rows[config] = finish_row(setup, config, reports[config])
                     log(f"  {setup['name']} {config}: " + (
                         f"{rows[config]['median_s'] * 1e3:.1f} ms" if rows[config]["error"] is None
                         else rows[config]["error"].strip().splitlines()[-1]))
@@ -297,7 +262,7 @@ def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
         else:  # every rank exited: whatever is still pending never ran
             why = f"setup failed:\n{fatal}" if fatal is not None else "not reported by every rank"
             for config in pending:
-                rows[config] = _row(setup, config, error=why)
+                rows[config] = make_row(setup, config, error=why)
             pending = []
         for proc in procs:
             proc.join(timeout=3)
@@ -305,44 +270,6 @@ def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
                 proc.kill()
                 proc.join(timeout=3)
     return [rows[c] for c in configs if c in rows]
-
-
-def _finish(setup: dict[str, Any], config: str, reports: dict[int, tuple[str, Any]]) -> dict[str, Any]:
-    errors = [f"rank {r}: {v}" for r, (kind, v) in sorted(reports.items()) if kind == "error"]
-    if errors:
-        return _row(setup, config, error="\n".join(errors))
-    # A step ends for everyone when the slowest rank finishes it.
-    per_step = [max(reports[r][1][0][i] for r in reports) for i in range(len(reports[0][1][0]))]
-    return _row(setup, config, median_s=statistics.median(per_step), min_s=min(per_step),
-                steps=len(per_step), syncs=reports[0][1][1])
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one line per row, ratios to native DDP (and to no DDP) in the same setup."""
-    base = {r["setup"]: r["median_s"] for r in rows if r["config"] == "ddp" and r["median_s"]}
-    floor = {r["setup"]: r["median_s"] for r in rows if r["config"] == "local" and r["median_s"]}
-    lines = ["| setup | backend, ranks | configuration | ms/step (median) | x native DDP | x no DDP "
-             "| host syncs/step | note |", "|---|---|---|---:|---:|---:|---:|---|"]
-    for r in rows:
-        med = r["median_s"]
-        ratio = f"{med / base[r['setup']]:.2f}" if med and r["setup"] in base else ""
-        over = f"{med / floor[r['setup']]:.2f}" if med and r["setup"] in floor else ""
-        note = "" if r["error"] is None else r["error"].strip().splitlines()[-1][:100].replace("|", "/")
-        ms = f"{med * 1e3:.1f}" if med else "-"
-        syncs = f"{r['syncs']['per_step']:g}" if r.get("syncs") else ""
-        lines.append(f"| {r['setup']} | {r['backend']}, {r['world']} | `{r['config']}` | {ms} | "
-                     f"{ratio} | {over} | {syncs} | {note} |")
-    return "\n".join(lines)
-
-
-def sync_sites(rows: list[dict[str, Any]], top: int = 6) -> str:
-    """Where each row's host syncs come from (per step, most frequent first)."""
-    lines = []
-    for r in rows:
-        if r.get("syncs") and r["syncs"]["sites"]:
-            sites = list(r["syncs"]["sites"].items())[:top]
-            lines.append(f"{r['setup']} {r['config']}: " + ", ".join(f"{k} x{v:g}" for k, v in sites))
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
