@@ -1,12 +1,12 @@
-"""The emulated network shared by the netem benchmarks and their workers.
+"""The emulated network shared by the netem benchmarks.
 
 ``benchmarks/netem.py`` (time to accuracy) and ``benchmarks/netem_steps.py`` (seconds per step)
 build the same lab here: one network namespace per worker and a hub namespace holding a
 bridge, each worker joined to the bridge with a veth pair, every link capped in both
 directions with ``tc`` (``tbf`` for bandwidth; ``netem`` on each worker's egress for delay when
-``--delay-ms`` > 0). This module also holds what both launchers share around the lab (their
-common options, the rights check, the dry run, the cleanup on every exit, starting one worker
-per namespace) and what both workers share (the link's byte counter, the exit).
+``--delay-ms`` > 0). This module also holds the rights check, the signal handling around the
+cleanup, the worker processes it starts and kills, and the goodput check of a shaped link;
+what the launchers and workers share around it is in ``benchmarks/_netlab_launch.py``.
 
 What it touches, and nothing else:
 
@@ -25,7 +25,6 @@ with a message otherwise, and ``--dry-run`` prints the commands as any user.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ipaddress
 import json
@@ -36,12 +35,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 log = logging.getLogger("netlab")
 
@@ -351,17 +349,6 @@ def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> str | No
             kill_group(p)
 
 
-
-
-def worker_env(master: str, port: int, rank: int, world: int) -> dict[str, str]:
-    """Environment of one worker: the process-group rendezvous on worker 0's address."""
-    env = dict(os.environ)
-    env.update({"MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": str(rank),
-                "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": WORKER_IFNAME,
-                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    return env
-
-
 LIVE: list[subprocess.Popen[Any]] = []  # killed by the cleanup whatever happens
 
 
@@ -391,31 +378,6 @@ def measure_goodput(lab: Lab, rate_mbit: float, tmp: Path) -> dict[str, Any]:
     return json.loads(lines[-1])
 
 
-def run_workers(lab: Lab, argv: Sequence[str], port: int, tmp: Path, tag: str,
-                timeout: float) -> str | None:
-    """Run ``argv`` once in every worker namespace (rank ``i`` in the ``i``-th) and wait.
-
-    Each rank's output goes to ``tmp/<tag>-rank<i>.log`` (see :func:`rank_log_tails`).
-
-    Returns:
-        ``None`` when every rank exited 0, else what went wrong (:func:`wait_all`).
-    """
-    procs = [spawn(netns_exec(ns, argv), worker_env(lab.addresses[0], port, rank, lab.workers),
-                   tmp / f"{tag}-rank{rank}.log")
-             for rank, ns in enumerate(lab.names)]
-    return wait_all(procs, timeout)
-
-
-def rank_log_tails(tmp: Path, tag: str, workers: int) -> list[str]:
-    """The last 1500 characters of each rank's log of the run ``tag``."""
-    return [(tmp / f"{tag}-rank{r}.log").read_text()[-1500:] for r in range(workers)]
-
-
-def format_tails(tails: Sequence[str]) -> str:
-    """Rank logs one after the other, each under a ``--- rank <i> ---`` line."""
-    return "\n".join(f"--- rank {r} ---\n{t}" for r, t in enumerate(tails))
-
-
 def machine_info() -> dict[str, Any]:
     """CPU, cores, kernel, Python and torch versions, and the commit, for a record's meta."""
     import platform
@@ -431,193 +393,3 @@ def machine_info() -> dict[str, Any]:
         commit = ""
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(),
             "python": platform.python_version(), "torch": torch.__version__, "commit": commit}
-
-
-# --------------------------------------------------------------------------- in the workers
-
-
-def tx_bytes() -> int:
-    """Bytes this namespace's link has sent so far (kernel counter, TCP/IP headers included);
-    -1 where the interface is not there (outside the lab's namespaces)."""
-    path = Path("/sys/class/net") / os.environ.get("GLOO_SOCKET_IFNAME", "eth0") / "statistics"
-    try:
-        return int((path / "tx_bytes").read_text())
-    except OSError:
-        return -1
-
-
-def exit_skipping_teardown() -> NoReturn:
-    """End a worker whose results are written and whose ranks all passed a final barrier."""
-    # Exiting through the interpreter's teardown (or destroy_process_group) lets gloo's I/O
-    # threads race with destructors, which now and then aborts a rank with "terminate called
-    # without an active exception"; skip that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-# --------------------------------------------------------------------------- the launchers
-
-#: An option a launcher takes and passes on to its worker as it is: (flag, type, default, help).
-#: The worker declares it; both parsers and the launcher's command line come from it.
-Option = tuple[str, type, Any, str | None]
-
-
-def add_options(p: argparse.ArgumentParser, options: Sequence[Option]) -> None:
-    """Declare ``options`` on ``p`` (the launcher's parser or this worker's)."""
-    for flag, kind, default, help_text in options:
-        p.add_argument(flag, type=kind, default=default, help=help_text)
-
-
-def option_argv(args: argparse.Namespace, options: Sequence[Option],
-                overrides: Mapping[str, float] | None = None) -> list[str]:
-    """The words passing ``options`` on with the values in ``args`` (floats as ``%g``).
-
-    Args:
-        args: the launcher's parsed options.
-        options: which to pass, in order.
-        overrides: values taking the place of ``args``' (keyed by the attribute name).
-
-    Returns:
-        e.g. ``["--eta", "0.3", "--interval", "22"]``.
-    """
-    words = []
-    for flag, kind, _, _ in options:
-        name = flag[2:].replace("-", "_")
-        value = kind((overrides or {}).get(name, getattr(args, name)))
-        words += [flag, f"{value:g}" if kind is float else str(value)]
-    return words
-
-
-def add_lab_arguments(p: argparse.ArgumentParser, *, workers: int, run_timeout: float,
-                      out: Path) -> None:
-    """The options every launcher takes: workers, subnet, delay, the time a worker run may
-    take, the output file, dry run, cleanup, verbosity."""
-    p.add_argument("--workers", type=int, default=workers)
-    p.add_argument("--subnet", default="10.77.0.0/24")
-    p.add_argument("--delay-ms", type=float, default=0.0,
-                   help="one-way delay added between any two workers (netem on each worker's "
-                        "egress; needs a kernel with sch_netem)")
-    p.add_argument("--run-timeout", type=float, default=run_timeout,
-                   help="seconds per worker run")
-    p.add_argument("--out", type=Path, default=out)
-    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
-    p.add_argument("--cleanup-stale", action="store_true",
-                   help="delete namespaces left by a killed run of this script, then exit")
-    p.add_argument("-v", "--verbose", action="store_true")
-
-
-def parse_checked(p: argparse.ArgumentParser, argv: Sequence[str] | None,
-                  validate: Callable[[argparse.Namespace], list[str]]) -> argparse.Namespace:
-    """Parse ``argv``; exit with status 2 and every problem ``validate`` finds, if any."""
-    args = p.parse_args(argv)
-    problems = validate(args)
-    if problems:
-        p.error("; ".join(problems))
-    return args
-
-
-def bound_problems(args: argparse.Namespace, *, positive: Sequence[str] = (),
-                   at_least_one: Sequence[str] = ()) -> list[str]:
-    """``"`--name` must be > 0, got ..."`` for each of ``positive`` that is not, and ``">= 1"``
-    likewise for the counts in ``at_least_one`` (attribute names of ``args``)."""
-    out = []
-    for name in positive:
-        if not getattr(args, name) > 0:
-            out.append(f"`--{name.replace('_', '-')}` must be > 0, got {getattr(args, name):g}")
-    for name in at_least_one:
-        if getattr(args, name) < 1:
-            out.append(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
-    return out
-
-
-def validate_lab(args: argparse.Namespace) -> list[str]:
-    """Problems with the options of :func:`add_lab_arguments`, as ``"`name` must ..., got ..."``
-    messages."""
-    out = []
-    if not 2 <= args.workers <= 64:
-        out.append(f"`--workers` must be in [2, 64], got {args.workers}")
-    if not 0 <= args.delay_ms <= 1000:
-        out.append(f"`--delay-ms` must be in [0, 1000], got {args.delay_ms:g}")
-    out += bound_problems(args, positive=("run_timeout",))
-    try:
-        worker_addresses(args.subnet, max(args.workers, 1))
-    except ValueError as exc:
-        out.append(str(exc))
-    return out
-
-
-@contextlib.contextmanager
-def recorded_lab(workers: int, subnet: str) -> Iterator[tuple[Lab, list[list[str]]]]:
-    """A lab that records its commands instead of running them (``--dry-run``): yields it,
-    created, with the list of commands so far; destroys it on leaving."""
-    cmds: list[list[str]] = []
-
-    def record(argv: Sequence[str]) -> str:
-        cmds.append(list(argv))
-        return ""
-
-    lab = Lab(workers, subnet, runner=record)
-    lab.create()
-    yield lab, cmds
-    lab.destroy()
-
-
-def main_with_lab(args: argparse.Namespace, *, prog: str, tmp_prefix: str,
-                  dry_run: Callable[[argparse.Namespace], list[list[str]]],
-                  body: Callable[[argparse.Namespace, Lab, Path], int]) -> int:
-    """What a launcher's ``main`` does around its benchmark.
-
-    Prints the dry run; or refuses without rights; or deletes stale namespaces; or creates
-    the lab, runs ``body(args, lab, tmp)`` with a temporary folder and destroys the lab
-    whatever happens (signals become :class:`Interrupted`; the workers are killed first).
-
-    Args:
-        args: the parsed options (those of :func:`add_lab_arguments` among them).
-        prog: the script's name, prefixed to its messages.
-        tmp_prefix: prefix of the temporary folder.
-        dry_run: every command a real run would issue.
-        body: the benchmark on the created lab; returns the exit status.
-
-    Returns:
-        The exit status: ``body``'s, 2 without rights, 130 after a signal, 1 on a lab error
-        or a failed cleanup.
-    """
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    if args.dry_run:
-        for cmd in dry_run(args):
-            print(" ".join(cmd))
-        return 0
-    try:
-        check_rights()
-    except RightsError as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 2
-    if args.cleanup_stale:
-        lab = Lab(args.workers, args.subnet)
-        for ns in stale_namespaces(sorted(lab.existing()), pid_alive):
-            run_command(["ip", "netns", "del", ns])
-            print(f"deleted {ns}")
-        return 0
-    lab = Lab(args.workers, args.subnet)
-    status = 1
-    with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp, signals_raise():
-        try:
-            lab.create()
-            status = body(args, lab, Path(tmp))
-        except RightsError as exc:
-            print(f"{prog}: {exc}", file=sys.stderr)
-            status = 2
-        except (LabError, Interrupted) as exc:
-            print(f"{prog}: stopped: {exc}", file=sys.stderr)
-            status = 130 if isinstance(exc, Interrupted) else 1
-        finally:
-            with signals_blocked():
-                for proc in LIVE:
-                    kill_group(proc, grace=1.0)
-                errors = lab.destroy()
-            if errors:
-                print(f"{prog}: cleanup failed for: " + "; ".join(errors), file=sys.stderr)
-                status = status or 1
-    return status

@@ -49,6 +49,10 @@ HERE = Path(__file__).resolve().parent
 # The package of the checkout this script belongs to (installed or not, e.g. on a machine
 # that only has a copy of the repository), ahead of any other installed copy.
 sys.path.insert(0, str(HERE.parent / "src"))
+if str(HERE) not in sys.path:  # the shared helpers sit beside this file (also when imported)
+    sys.path.append(str(HERE))
+
+from _overrides import parse_sets  # noqa: E402
 
 from gradzip.train.metrics import read_summary  # noqa: E402
 from gradzip.train.runner import RunConfig, resolve_config, run  # noqa: E402
@@ -448,13 +452,6 @@ def check() -> None:
             print(f"{name} missing")
 
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -505,12 +502,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume_from:
         restored = unpack(Path(args.resume_from), root)
         print(f"restored {restored} finished runs from {args.resume_from}", file=sys.stderr)
-    overrides = dict(item.partition("=")[::2] for item in args.set)
     runs: list[Planned] = []
     for name in names:
         setting = SETTINGS[name]
         options = {**data_options(setting, args, root), "device": args.device,
-                   **{k: _value(v) for k, v in overrides.items()}}
+                   **parse_sets(args.set)}
         runs += plan(setting, seeds, root, options)
     runs = select(runs, args.only)
     if args.collect or args.dry_run:

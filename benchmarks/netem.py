@@ -44,6 +44,7 @@ if str(HERE) not in sys.path:  # the lab and the worker sit beside this file
     sys.path.insert(0, str(HERE))
 
 import _netlab as netlab  # noqa: E402
+import _netlab_launch as launch  # noqa: E402
 import netem_worker as worker  # noqa: E402
 
 log = logging.getLogger("netem")
@@ -105,13 +106,13 @@ def worker_argv(args: argparse.Namespace, method: str, result: str) -> list[str]
     base, overrides = parse_method(method)
     spec = METHODS[base]
     argv = [sys.executable, str(WORKER), "train", "--spec", spec, "--result", result,
-            *netlab.option_argv(args, worker.TRAINING_OPTIONS),
+            *launch.option_argv(args, worker.TRAINING_OPTIONS),
             "--collective-timeout", f"{args.run_timeout:g}",
-            *netlab.option_argv(args, worker.BUCKET_OPTIONS)]
+            *launch.option_argv(args, worker.BUCKET_OPTIONS)]
     if overrides.get("sync"):
         argv.append("--sync")
     if spec == "accordion":
-        argv += netlab.option_argv(args, worker.ACCORDION_OPTIONS, overrides)
+        argv += launch.option_argv(args, worker.ACCORDION_OPTIONS, overrides)
     if args.stop_at_target:
         argv.append("--stop-at-target")
     return argv
@@ -123,12 +124,12 @@ def run_one(lab: netlab.Lab, args: argparse.Namespace, method: str, port: int, t
     result = tmp / f"{tag}.json"
     result.unlink(missing_ok=True)
     started = time.perf_counter()
-    problem = netlab.run_workers(lab, worker_argv(args, method, str(result)), port, tmp, tag,
+    problem = launch.run_workers(lab, worker_argv(args, method, str(result)), port, tmp, tag,
                                  args.run_timeout)
     wall = time.perf_counter() - started
     if problem is not None or not result.exists():
-        tails = netlab.rank_log_tails(tmp, tag, lab.workers)
-        log.error("%s: %s\n%s", method, problem or "no result", netlab.format_tails(tails))
+        tails = launch.rank_log_tails(tmp, tag, lab.workers)
+        log.error("%s: %s\n%s", method, problem or "no result", launch.format_tails(tails))
         return {"method": method, "error": problem or "no result", "wall_seconds": wall,
                 "log_tails": tails}
     record = json.loads(result.read_text())
@@ -260,26 +261,26 @@ def plot(runs: list[dict[str, Any]], rate_mbit: float, target: float, path: Path
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Compressed DDP training over an emulated slow network (needs root).")
-    netlab.add_lab_arguments(p, workers=4, run_timeout=300.0, out=HERE / "results" / "netem.json")
+    launch.add_lab_arguments(p, workers=4, run_timeout=300.0, out=HERE / "results" / "netem.json")
     p.add_argument("--bandwidth-mbit", type=float, nargs="+", default=[1000.0, 150.0, 40.0],
                    help="per-link rate cap in Mbit/s, each direction; one set of runs each")
     p.add_argument("--methods", nargs="+", default=list(METHODS),
                    help=f"among {', '.join(METHODS)}; also accordion:eta=X,interval=N")
     for options in (worker.TRAINING_OPTIONS, worker.BUCKET_OPTIONS, worker.ACCORDION_OPTIONS):
-        netlab.add_options(p, options)
+        launch.add_options(p, options)
     p.add_argument("--stop-at-target", action="store_true")
     p.add_argument("--plot", type=Path, default=None, help="PNG of accuracy vs time")
-    return netlab.parse_checked(p, argv, validate)
+    return launch.parse_checked(p, argv, validate)
 
 
 def validate(args: argparse.Namespace) -> list[str]:
     """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
-    out = netlab.validate_lab(args)
+    out = launch.validate_lab(args)
     if any(not 0 < b <= 100_000 for b in args.bandwidth_mbit):
         out.append(f"`--bandwidth-mbit` values must be in (0, 100000], got {args.bandwidth_mbit}")
     if not 0 < args.target <= 1:
         out.append(f"`--target` must be in (0, 1], got {args.target:g}")
-    out += netlab.bound_problems(args, at_least_one=("epochs", "batch_size", "width", "interval",
+    out += launch.bound_problems(args, at_least_one=("epochs", "batch_size", "width", "interval",
                                                      "window"))
     if not args.lr > 0 or not args.eta > 0:
         out.append(f"`--lr` and `--eta` must be > 0, got {args.lr:g} and {args.eta:g}")
@@ -295,7 +296,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 def dry_run(args: argparse.Namespace) -> list[list[str]]:
     """Every command a real run would issue, in order (workers shown for rank 0 only)."""
-    with netlab.recorded_lab(args.workers, args.subnet) as (lab, cmds):
+    with launch.recorded_lab(args.workers, args.subnet) as (lab, cmds):
         for rate in args.bandwidth_mbit:
             lab.shape(rate, args.delay_ms)
             for method in args.methods:
@@ -346,7 +347,7 @@ def run_and_report(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return netlab.main_with_lab(parse_args(argv), prog="netem.py", tmp_prefix="gz-netem-",
+    return launch.main_with_lab(parse_args(argv), prog="netem.py", tmp_prefix="gz-netem-",
                                 dry_run=dry_run, body=run_and_report)
 
 

@@ -41,6 +41,7 @@ if str(HERE) not in sys.path:  # the lab and the worker sit beside this file
     sys.path.insert(0, str(HERE))
 
 import _netlab as netlab  # noqa: E402
+import _netlab_launch as launch  # noqa: E402
 import netem_steps_worker as worker  # noqa: E402
 
 log = logging.getLogger("netem_steps")
@@ -220,7 +221,7 @@ def worker_argv(args: argparse.Namespace, configs: Sequence[str], rounds: int,
     """``netem_steps_worker.py`` arguments (every rank gets the same)."""
     return [sys.executable, str(WORKER), "--result", result, "--configs", *configs,
             "--gradzip-modes", *args.gradzip_modes,
-            *netlab.option_argv(args, worker.STEP_OPTIONS, {"rounds": rounds}), "--progress"]
+            *launch.option_argv(args, worker.STEP_OPTIONS, {"rounds": rounds}), "--progress"]
 
 
 def run_workers(lab: netlab.Lab, args: argparse.Namespace, configs: Sequence[str], rounds: int,
@@ -231,10 +232,10 @@ def run_workers(lab: netlab.Lab, args: argparse.Namespace, configs: Sequence[str
         netlab.LabError: a worker failed or the run timed out (with the ranks' log tails).
     """
     result = tmp / f"{tag}.json"
-    problem = netlab.run_workers(lab, worker_argv(args, configs, rounds, str(result)), port, tmp,
+    problem = launch.run_workers(lab, worker_argv(args, configs, rounds, str(result)), port, tmp,
                                  tag, args.run_timeout)
     if problem is not None or not result.exists():
-        tails = netlab.format_tails(netlab.rank_log_tails(tmp, tag, lab.workers))
+        tails = launch.format_tails(launch.rank_log_tails(tmp, tag, lab.workers))
         raise netlab.LabError(f"{tag} run: {problem or 'no result'}\n{tails}")
     return json.loads(result.read_text())
 
@@ -341,7 +342,7 @@ def _bandwidth(text: str) -> str | float:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    netlab.add_lab_arguments(p, workers=2, run_timeout=3600.0,
+    launch.add_lab_arguments(p, workers=2, run_timeout=3600.0,
                              out=HERE / "results" / "netem_steps.json")
     p.add_argument("--bandwidth-mbit", type=_bandwidth, default="auto",
                    help="link cap in Mbit/s each way, or 'auto': chosen from a compute probe "
@@ -352,15 +353,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    choices=["default", "sync"],
                    help="gradzip hook modes to time; 'sync' only where register() has a "
                         "keyword for it")
-    netlab.add_options(p, worker.STEP_OPTIONS)
+    launch.add_options(p, worker.STEP_OPTIONS)
     p.add_argument("--probe-rounds", type=int, default=5)
-    return netlab.parse_checked(p, argv, validate)
+    return launch.parse_checked(p, argv, validate)
 
 
 def validate(args: argparse.Namespace) -> list[str]:
     """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
-    out = netlab.validate_lab(args)
-    out += netlab.bound_problems(
+    out = launch.validate_lab(args)
+    out += launch.bound_problems(
         args, positive=("comm_compute", "bucket_cap_mb", "torch_powersgd_bucket_cap_mb",
                         "collective_timeout"),
         at_least_one=("rounds", "steps", "probe_rounds", "comm_probes", "width", "batch_size"))
@@ -375,7 +376,7 @@ def validate(args: argparse.Namespace) -> list[str]:
 def dry_run(args: argparse.Namespace) -> list[list[str]]:
     """Every command a real run would issue, in order (workers shown for rank 0 only; with
     ``auto``, the shaping shows 1000 Mbit/s in place of the rate the probe will choose)."""
-    with netlab.recorded_lab(args.workers, args.subnet) as (lab, cmds):
+    with launch.recorded_lab(args.workers, args.subnet) as (lab, cmds):
         if args.bandwidth_mbit == "auto":
             cmds.append(netlab.netns_exec(lab.names[0], worker_argv(args, ["floor"],
                                                                     args.probe_rounds, "PROBE")))
@@ -398,7 +399,7 @@ def run_and_report(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return netlab.main_with_lab(parse_args(argv), prog="netem_steps.py",
+    return launch.main_with_lab(parse_args(argv), prog="netem_steps.py",
                                 tmp_prefix="gz-netem-steps-", dry_run=dry_run,
                                 body=run_and_report)
 

@@ -37,7 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import _netlab as netlab
+import _netlab_launch as launch
 
 #: Configuration name -> gradzip spec (``None``: not a gradzip hook).
 GRADZIP_SPECS = {"gradzip-none": "none", "gradzip-fp16": "fp16",
@@ -45,7 +45,7 @@ GRADZIP_SPECS = {"gradzip-none": "none", "gradzip-fp16": "fp16",
 CONFIGS = ("floor", "ddp", "torch-fp16", "torch-powersgd-r4", *GRADZIP_SPECS)
 SYNC_SUFFIX = "-sync"
 #: Options the launcher (``netem_steps.py``) takes and passes on, in the order it passes them.
-STEP_OPTIONS: tuple[netlab.Option, ...] = (
+STEP_OPTIONS: tuple[launch.Option, ...] = (
     ("--rounds", int, 40, None),
     ("--steps", int, 3, "steps per configuration per round"),
     ("--warmup", int, 3, None),
@@ -238,12 +238,12 @@ def run(args: argparse.Namespace) -> None:
         for name in rotated(configs, r):
             # Every rank starts the block together (the floor too: the same CPU sharing).
             dist.barrier()
-            tx0, t0, c0 = netlab.tx_bytes(), time.perf_counter(), time.process_time()
+            tx0, t0, c0 = launch.tx_bytes(), time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 step(*runs[name][:2])
             seconds[name].append((time.perf_counter() - t0) / args.steps)
             cpu[name].append((time.process_time() - c0) / args.steps)
-            tx[name] += netlab.tx_bytes() - tx0
+            tx[name] += launch.tx_bytes() - tx0
         if rank == 0 and args.progress:
             print(f"round {r + 1}/{args.rounds}", flush=True)
     timed = args.rounds * args.steps
@@ -271,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     p.add_argument("--gradzip-modes", nargs="+", default=["default", "sync"],
                    choices=["default", "sync"])
-    netlab.add_options(p, STEP_OPTIONS)
+    launch.add_options(p, STEP_OPTIONS)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -283,7 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     run(args)
-    netlab.exit_skipping_teardown()
+    launch.exit_skipping_teardown()
 
 
 if __name__ == "__main__":

@@ -30,12 +30,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import _netlab as netlab
+import _netlab_launch as launch
 
 log = logging.getLogger("netem_worker")
 
 #: Training options the launcher takes and passes on to ``train``, in the order it passes them.
-TRAINING_OPTIONS: tuple[netlab.Option, ...] = (
+TRAINING_OPTIONS: tuple[launch.Option, ...] = (
     ("--epochs", int, 16, None),
     ("--drop-epoch", float, 10.0, None),
     ("--lr", float, 0.05, None),
@@ -47,12 +47,12 @@ TRAINING_OPTIONS: tuple[netlab.Option, ...] = (
                          "evaluations (one per step) reaches it"),
 )
 #: DDP's bucket cap (the launcher passes it after ``--collective-timeout``).
-BUCKET_OPTIONS: tuple[netlab.Option, ...] = (
+BUCKET_OPTIONS: tuple[launch.Option, ...] = (
     ("--bucket-cap-mb", float, 25.0,
      "DDP's bucket size; below the model's size the hook can overlap buckets"),
 )
 #: Accordion's levels and rule (passed for ``--spec accordion`` only).
-ACCORDION_OPTIONS: tuple[netlab.Option, ...] = (
+ACCORDION_OPTIONS: tuple[launch.Option, ...] = (
     ("--steady", str, "powersgd:rank=1", None),
     ("--critical", str, "powersgd:rank=4", None),
     ("--eta", float, 0.5, None),
@@ -236,7 +236,7 @@ def train(args: argparse.Namespace) -> None:
     test_per = -(-len(data.test) // world)
     x_test = data.test.x[rank * test_per:(rank + 1) * test_per]
     y_test = data.test.y[rank * test_per:(rank + 1) * test_per]
-    tx_start = netlab.tx_bytes()
+    tx_start = launch.tx_bytes()
     step_seconds: list[float] = []
     accuracy: list[float] = []
     lrs: list[float] = []
@@ -282,7 +282,7 @@ def train(args: argparse.Namespace) -> None:
         if args.stop_at_target and smoothed:
             break
 
-    tx_train = netlab.tx_bytes() - tx_start
+    tx_train = launch.tx_bytes() - tx_start
     stats: list[Any] = [None] * world
     mine = baseline.stats() if hook is None else {
         k: v for k, v in hook.stats.items() if k != "levels"}
@@ -331,7 +331,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     t.add_argument("--sync", action="store_true",
                    help="the synchronous gradzip hook (overlap=False) instead of the default")
     for options in (ACCORDION_OPTIONS, TRAINING_OPTIONS, BUCKET_OPTIONS):
-        netlab.add_options(t, options)
+        launch.add_options(t, options)
     t.add_argument("--warmup-epochs", type=float, default=1.0)
     t.add_argument("--weight-decay", type=float, default=1e-4)
     t.add_argument("--stop-at-target", action="store_true",
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     if args.mode == "train":
         train(args)
-        netlab.exit_skipping_teardown()
+        launch.exit_skipping_teardown()
     elif args.mode == "goodput-recv":
         print(json.dumps(goodput_recv(args.bind, args.bytes, args.timeout)), flush=True)
     else:

@@ -47,9 +47,14 @@ from gradzip.train.compare import Grid, load_grid, run_grid
 from gradzip.train.metrics import read_metrics, read_summary
 from gradzip.train.runner import RunConfig, resolve_config, run
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the shared helpers sit beside this file (also when imported)
+    sys.path.append(str(HERE))
+
+from _overrides import parse_sets  # noqa: E402
+
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).resolve().parent
 CONFIGS = {"cifar10": HERE / "quality_cifar10.toml", "logreg": HERE / "quality_logreg.toml"}
 #: (Accordion row, its gentle level's static row), compared for the papers' claim.
 ACCORDION_PAIRS = (
@@ -353,13 +358,6 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _value(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=("cifar10", "logreg", "all"), default="all")
@@ -383,10 +381,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a run option of every run (JSON values)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    overrides: dict[str, Any] = {"threads": args.threads}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        overrides[key.strip().replace("-", "_")] = _value(value)
+    overrides: dict[str, Any] = {"threads": args.threads,
+                                 **parse_sets(args.set, option_names=True)}
     parts = ("cifar10", "logreg") if args.part == "all" else (args.part,)
     for part in parts:
         extra = dict(overrides)

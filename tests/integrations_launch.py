@@ -57,10 +57,14 @@ def torchrun(script: Path, *args: str, timeout: float = 180.0) -> str:
 
 def load_script(path: Path, name: str) -> ModuleType:
     """The script at ``path`` (an example or a benchmark; their folders are no packages) as a
-    module called ``name``, without running its ``__main__`` block."""
+    module called ``name``, without running its ``__main__`` block.
+
+    The module is registered in ``sys.modules`` under ``name`` before it runs: dataclasses
+    (and pickling) look a class's module up there by name."""
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

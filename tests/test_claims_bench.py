@@ -4,31 +4,19 @@ claims.json rows from the runs' own summaries)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import tarfile
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from gradzip.control import parse_level_schedule
+from integrations_launch import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("claims_bench", BENCH / "claims.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["claims_bench"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-claims = _load()
+claims = load_script(BENCH / "claims.py", "claims_bench")
 
 
 def test_critical_regimes_and_their_schedules() -> None:

@@ -1,5 +1,5 @@
 """Smoke tests of the emulated-network benchmarks (benchmarks/netem.py, netem_steps.py), their
-workers and the lab they share (benchmarks/_netlab.py) that need no rights.
+workers and the lab they share (benchmarks/_netlab.py, _netlab_launch.py) that need no rights.
 
 Nothing here creates a namespace or runs ``ip``/``tc``: the lab runs on a recording runner,
 rights are checked through the function and the ``GRADZIP_NETEM_ASSUME_UNPRIVILEGED``
@@ -29,6 +29,7 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 sys.path.insert(0, str(BENCH))  # the scripts import the lab and their workers beside them
 import _netlab as netlab  # noqa: E402
+import _netlab_launch as launch  # noqa: E402
 import netem  # noqa: E402
 import netem_steps as steps  # noqa: E402
 import netem_steps_worker as steps_worker  # noqa: E402
@@ -295,7 +296,7 @@ def test_worker_accepts_what_the_launcher_passes():
     parsed = worker.parse_args(argv[2:])
     assert (parsed.spec, parsed.interval, parsed.eta, parsed.stop_at_target) == (
         "accordion", 33, 0.4, True)
-    env = netlab.worker_env("10.77.0.1", 29501, 2, 4)
+    env = launch.worker_env("10.77.0.1", 29501, 2, 4)
     assert (env["MASTER_ADDR"], env["RANK"], env["WORLD_SIZE"], env["GLOO_SOCKET_IFNAME"]) == (
         "10.77.0.1", "2", "4", "eth0")
 

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
+
+from integrations_launch import load_script
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plain_loop.py"
 
 
 def test_plain_loop_example_learns_and_compresses(capsys) -> None:
-    spec = importlib.util.spec_from_file_location("plain_loop", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script(EXAMPLE, "plain_loop")
     result = module.main(["--compressor", "powersgd:rank=1", "--accordion", "powersgd:rank=4",
                           "--epochs", "3", "--workers", "2"])
     assert result["accuracy"] > 0.5  # ten classes: chance is 0.1

@@ -4,27 +4,18 @@ the script and its two grid files run end to end and write well-formed rows (no 
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from integrations_launch import load_script
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("quality_bench", BENCH / "quality.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-quality = _load()
+quality = load_script(BENCH / "quality.py", "quality_bench")
 
 
 def _image_tree(root: Path, classes: int, train: int, test: int) -> Path:
