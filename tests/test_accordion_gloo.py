@@ -10,7 +10,7 @@ import torch
 from gradzip import Engine, SimulatedGroup, compressor_from_spec
 from gradzip.comm import run_processes
 from gradzip.control import Accordion
-from test_accordion import scaled_grads as grads_for
+from test_accordion_state import scaled_grads as grads_for
 
 WORLD = 4
 STEPS = 16

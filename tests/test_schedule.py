@@ -12,7 +12,7 @@ import torch
 import gradzip
 from gradzip import Engine, Schedule, SimulatedGroup, compressor_from_spec
 from gradzip.control import parse_level_schedule
-from test_accordion import scaled_grads
+from test_accordion_state import scaled_grads
 
 C, S, D = "critical", "steady", "dense"
 SHAPES = {n: g.shape[1:] for n, g in scaled_grads(0).items()}

@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradzip.ddp
 from ddp_helpers import TINY_BUCKET_MB, batch, mlp, replicas_identical, spawn
 from gradzip import Engine, Schedule, SimulatedGroup
-from test_accordion import scaled_grads
+from test_accordion_state import scaled_grads
 
 WORLD = 2
 STEPS = 14
