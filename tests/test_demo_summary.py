@@ -55,8 +55,8 @@ def test_accordion_against_its_levels_and_the_line_between_them() -> None:
 
 def test_summary_line_is_one_line_and_validates() -> None:
     line = summary_line(ROWS)
-    assert line.startswith("summary: no other run is both more accurate and cheaper than "
-                           "r1, acc, r4; acc 90.0%")
+    assert line.startswith("summary: best for their bytes (no other run is both better and "
+                           "cheaper): r4 96.0%, acc 90.0%, r1 80.0%; acc 90.0%")
     assert "\n" not in line
     with pytest.raises(ValueError, match="`rows` must hold at least one row"):
         summary_line([])

@@ -89,8 +89,8 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
         rows: grid rows (:func:`gradzip.train.compare.run_grid`), all of one metric.
 
     Returns:
-        ``"summary: ..."``: the runs no other run beats on both metric and bytes, and each
-        Accordion run against its static levels (:func:`accordion_verdict`).
+        ``"summary: ..."``: the runs no other run beats on both metric and bytes (best metric
+        first), and each Accordion run against its static levels (:func:`accordion_verdict`).
 
     Raises:
         TypeError: ``rows`` is not a list of dicts.
@@ -106,9 +106,10 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
     front = efficient(rows)
     if not front:
         return "summary: no run finished"
-    better = "more accurate" if metrics[0] == "accuracy" else "better"
-    parts = [f"summary: no other run is both {better} and cheaper than "
-             + ", ".join(r["label"] for r in front)]
+    lower = metrics[0] in LOWER_IS_BETTER
+    best_first = sorted(front, key=lambda r: r["final"], reverse=not lower)
+    parts = ["summary: best for their bytes (no other run is both better and cheaper): "
+             + ", ".join(f"{r['label']} {_format(r['final'], metrics[0])}" for r in best_first)]
     for row in rows:
         if row.get("accordion"):
             verdict = accordion_verdict(row, rows)
