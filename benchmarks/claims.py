@@ -22,6 +22,8 @@ keeping their partial files aside (``seedN.stopped``; a later call starts them a
 ``summary.json``, ``metrics.jsonl`` and ``accordion_decisions.json``, rewritten after each run.
 ``--collect`` writes ``benchmarks/results/claims.json`` (one row per finished run, from its own
 ``summary.json``) and prints a table.
+The settings and the plan of the grid are in ``_claims_plan.py`` beside this file; which runs
+are finished, the archive and the rows in ``_claims_results.py``.
 
 Usage::
 
@@ -34,7 +36,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -52,208 +53,29 @@ sys.path.insert(0, str(HERE.parent / "src"))
 if str(HERE) not in sys.path:  # the shared helpers sit beside this file (also when imported)
     sys.path.append(str(HERE))
 
+# The grid's plan and its finished runs sit beside this file. ROLES and the schedule helpers,
+# unused here, are imported too: the script's users read them as claims.ROLES etc.
+from _claims_plan import (  # noqa: E402, F401
+    ROLES,
+    SETTINGS,
+    Planned,
+    Setting,
+    critical_ranges,
+    plan,
+    schedule_text,
+    select,
+)
+from _claims_results import collect, finished, pack, table, unpack  # noqa: E402
 from _overrides import parse_sets  # noqa: E402
 
 from gradzip.train.metrics import read_summary  # noqa: E402
 from gradzip.train.runner import RunConfig, resolve_config, run  # noqa: E402
 
-ROLES = ("none", "gentle", "aggressive", "accordion", "critical-gentle", "critical-aggressive",
-         "topk", "threshold")
-PACKED = ("summary.json", "metrics.jsonl", "accordion_decisions.json")
 #: Seconds kept free before the deadline to end the runs in flight and write the archive.
 MARGIN_S = 20.0
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """One setting: the runner options shared by its runs, its level pairs and its regimes.
-
-    Attributes:
-        name: the folder and the ``setting`` of the rows.
-        base: runner options (``gradzip train`` names) of every run; ``data`` is filled from
-            ``--cifar-data``/``--text-data`` by ``data``.
-        families: family -> ``(aggressive, gentle)`` specs.
-        critical: ``(K, K')``: epochs of the first critical regime and after each LR drop.
-        densities: Top-k ratios (and threshold budgets) of the curves.
-        data: ``"cifar"``, ``"text"`` or ``None`` (the task needs no file).
-    """
-
-    name: str
-    base: dict[str, Any]
-    families: dict[str, tuple[str, str]]
-    critical: tuple[float, float]
-    densities: tuple[float, ...]
-    data: str | None = None
-
-
-_CIFAR = {"task": "cifar10", "workers": 4, "momentum": 0.9, "weight_decay": 1e-4, "eta": 0.5,
-          "milestones": [0.5, 0.75], "lr": 0.1}
-SETTINGS = {s.name: s for s in (
-    # Seconds-long, for CI: embedded digits, 2 workers.
-    Setting("smoke", {"task": "digits", "workers": 2, "epochs": 4, "limit_train": 256,
-                      "batch_size": 16, "milestones": [0.5], "interval_epochs": 1.0},
-            {"powersgd": ("powersgd:rank=1", "powersgd:rank=2")}, (1.0, 1.0), (0.05,)),
-    # All 50,000 CIFAR-10 images, ResNet-8 (width 16), batch 4 x 128 as in the paper, 16
-    # epochs, LR /10 at 50% and 75%; decisions every 2 epochs, each over the last epoch;
-    # critical regimes: epochs 0-2, 8-10, 12-14.
-    Setting("cifar10-resnet8", {**_CIFAR, "model": "resnet8:width=16", "batch_size": 128,
-                                "epochs": 16, "warmup_epochs": 2, "interval_epochs": 2.0},
-            {"powersgd": ("powersgd:rank=1", "powersgd:rank=4"),
-             "topk": ("topk:ratio=0.1", "topk:ratio=0.99")},
-            (2.0, 2.0), (0.003, 0.01, 0.03), data="cifar"),
-    # The same, twice as wide (4x the parameters): more room between the levels.
-    Setting("cifar10-resnet8w32", {**_CIFAR, "model": "resnet8:width=32", "batch_size": 128,
-                                   "epochs": 16, "warmup_epochs": 2, "interval_epochs": 2.0},
-            {"powersgd": ("powersgd:rank=1", "powersgd:rank=4"),
-             "topk": ("topk:ratio=0.1", "topk:ratio=0.99")},
-            (2.0, 2.0), (0.003, 0.01, 0.03), data="cifar"),
-    # Word-level 2-layer LSTM, trained on WikiText-2's test.txt, evaluated on valid.txt;
-    # critical regimes: epochs 0-2, 12-14, 18-20.
-    Setting("wikitext2-lstm", {"task": "lm", "workers": 4, "epochs": 24, "batch_size": 20,
-                               "lr": 1.25, "momentum": 0.0, "warmup_epochs": 2,
-                               "milestones": [0.5, 0.75], "interval_epochs": 2.0, "clip": 0.25,
-                               "eta": 0.5},
-            {"topk": ("topk:ratio=0.02", "topk:ratio=0.99")}, (2.0, 2.0), (0.003, 0.01, 0.03),
-            data="text"),
-)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Planned:
-    """One run of the grid: its row keys and configuration."""
-
-    setting: str
-    family: str
-    role: str
-    spec: str
-    seed: int
-    config: RunConfig
-
-
-def critical_ranges(setting: Setting, epochs: int, milestones: list[float]) -> list[tuple[float, float]]:
-    """The critical regimes in epochs: ``[0, K)`` and ``[m, m + K')`` for each LR drop ``m``."""
-    first, after = setting.critical
-    drops = [m * epochs if m < 1 else m for m in milestones]
-    ranges = [(0.0, min(first, epochs))] + [(m, min(m + after, epochs)) for m in drops]
-    merged: list[tuple[float, float]] = []
-    for a, b in sorted(r for r in ranges if r[1] > r[0]):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
-        else:
-            merged.append((a, b))
-    return merged
-
-
-def schedule_text(ranges: list[tuple[float, float]], epochs: int, gentle_inside: bool) -> str:
-    """``--level-schedule`` text: gentle inside ``ranges`` (or outside, when not
-    ``gentle_inside``)."""
-    inside, outside = ("gentle", "aggressive") if gentle_inside else ("aggressive", "gentle")
-    parts, at = [], 0.0
-    for a, b in ranges:
-        if a > at:
-            parts.append(f"{outside}:{at:g}-{a:g}")
-        parts.append(f"{inside}:{a:g}-{b:g}")
-        at = b
-    if at < epochs:
-        parts.append(f"{outside}:{at:g}-{epochs:g}")
-    return ",".join(parts)
-
-
-def plan(setting: Setting, seeds: list[int], root: Path, options: dict[str, Any]) -> list[Planned]:
-    """Every run of ``setting`` for ``seeds``; ``options`` override the setting's base."""
-    base = {**setting.base, **options}
-    epochs = int(base["epochs"])
-    ranges = critical_ranges(setting, epochs, list(base.get("milestones") or []))
-    runs: list[Planned] = []
-
-    def add(family: str, role: str, spec: str, label: str, seed: int, **fields: Any) -> None:
-        out = root / setting.name / family / label / f"seed{seed}"
-        cfg = RunConfig.from_dict({**base, **fields, "seed": seed, "out": str(out), "threads": 1})
-        runs.append(Planned(setting.name, family, role, spec, seed, cfg))
-
-    for seed in seeds:
-        add("dense", "none", "none", "none", seed, compressor="none")
-        for family, (aggressive, gentle) in setting.families.items():
-            add(family, "gentle", gentle, "gentle", seed, compressor=gentle)
-            add(family, "aggressive", aggressive, "aggressive", seed, compressor=aggressive)
-            add(family, "accordion", f"{aggressive}<->{gentle}", "accordion", seed,
-                compressor=aggressive, accordion=gentle)
-            for role, inside in (("critical-gentle", True), ("critical-aggressive", False)):
-                text = schedule_text(ranges, epochs, inside)
-                add(family, role, f"{aggressive}<->{gentle} [{text}]", role, seed,
-                    compressor=aggressive, gentle=gentle, level_schedule=text)
-        for density in setting.densities:
-            topk, threshold = f"topk:ratio={density:g}", f"threshold:budget={density:g}"
-            add("sparse", "topk", topk, f"topk-{density:g}", seed, compressor=topk)
-            add("sparse", "threshold", threshold, f"threshold-{density:g}", seed,
-                compressor=threshold)
-    return runs
-
-
-def select(runs: list[Planned], only: list[str]) -> list[Planned]:
-    """Keep runs matching any ``ROLE``, ``ROLE/FAMILY`` or ``/FAMILY`` filter (all when none)."""
-    def match(r: Planned, f: str) -> bool:
-        role, _, family = f.partition("/")
-        return (not role or role == r.role) and (not family or family == r.family)
-    return [r for r in runs if not only or any(match(r, f) for f in only)]
-
-
 # -- running ----------------------------------------------------------------------------------
-#: Options that may differ between a planned run and a finished one it is taken for: where the
-#: data and outputs lie and how the run was executed (results packed on another machine).
-PLACE = ("out", "data", "cache_dir", "device", "threads", "timeout", "launcher")
-
-
-def finished(cfg: RunConfig) -> dict[str, Any] | None:
-    """The summary in ``cfg.out`` when it is a finished run of ``cfg``: every option the plan
-    sets (all but :data:`PLACE`) equal in the stored configuration. Options the plan leaves to
-    the task's defaults are not compared, so no data need be present to check."""
-    summary = read_summary(cfg.out)
-    if summary is None:
-        return None
-    config = RunConfig.from_stored(summary.get("config", {})).to_dict()
-    for key, value in cfg.to_dict().items():
-        if key not in PLACE and value is not None and config.get(key) != value:
-            return None
-    return summary
-
-
-def unpack(archive: Path, root: Path) -> int:
-    """Restore the finished runs of an archive written by :func:`pack` under ``root``
-    (existing files are kept); returns the number of summaries restored."""
-    count = 0
-    with tarfile.open(archive, "r:*") as tar:
-        for member in tar.getmembers():
-            parts = Path(member.name).parts
-            if not member.isfile() or any(p.endswith(".stopped") for p in parts):
-                continue
-            if (root / member.name).exists():
-                continue
-            tar.extract(member, root, filter="data")
-            count += member.name.endswith("summary.json")
-    return count
-
-
-def pack(root: Path, archive: Path) -> int:
-    """Archive every finished run's files under ``root`` (paths relative to it), the partial
-    ones of runs the deadline ended (``*.stopped`` folders), and every run's log
-    (``<run>.log`` beside its folder), into ``archive``, atomically; returns the number of
-    finished runs packed."""
-    runs = sorted(p.parent for p in root.rglob("summary.json"))
-    stopped = sorted(root.rglob("seed*.stopped"))
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    tmp = archive.with_name(archive.name + ".tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
-        for folder in runs + stopped:
-            for name in PACKED:
-                if (folder / name).is_file():
-                    tar.add(folder / name, arcname=str((folder / name).relative_to(root)))
-        for log in sorted(root.rglob("seed*.log")):
-            tar.add(log, arcname=str(log.relative_to(root)))
-    os.replace(tmp, archive)
-    return len(runs)
-
-
 def _stopped(out: Path) -> Path:
     """Where a run ended by the deadline keeps its partial files."""
     return out.with_name(out.name + ".stopped")
@@ -332,41 +154,6 @@ def execute(runs: list[Planned], parallel: int, deadline: float | None,
                 pack(root, archive)
     counts["left"] = len(todo)
     return counts
-
-
-# -- collecting -------------------------------------------------------------------------------
-def collect(runs: list[Planned]) -> list[dict[str, Any]]:
-    """One row per finished run, from its own ``summary.json``."""
-    rows = []
-    for r in runs:
-        summary = finished(r.config)
-        if summary is None:
-            continue
-        metric = summary["metric"]
-        final = summary.get(f"final_{metric}")
-        if final is not None and metric == "accuracy":
-            final = 100.0 * final
-        rows.append({"setting": r.setting, "family": r.family, "role": r.role, "spec": r.spec,
-                     "seed": r.seed, "metric": metric, "final": final,
-                     "wire_bytes_per_worker": summary["bytes_sent_per_worker"]})
-    return rows
-
-
-def table(rows: list[dict[str, Any]]) -> str:
-    """Mean final metric and bytes over seeds, per setting, family and spec."""
-    groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
-    for row in rows:
-        groups.setdefault((row["setting"], row["family"], row["role"], row["spec"]), []).append(row)
-    lines = [f"{'setting':<20} {'family':<9} {'role':<20} {'seeds':>5} {'final':>8} {'spread':>7} "
-             f"{'MB/worker':>10}  spec"]
-    for (setting, family, role, spec), items in groups.items():
-        finals = [i["final"] for i in items if i["final"] is not None]
-        mean = sum(finals) / len(finals) if finals else float("nan")
-        spread = max(finals) - min(finals) if finals else float("nan")
-        mb = sum(i["wire_bytes_per_worker"] for i in items) / len(items) / 1e6
-        lines.append(f"{setting:<20} {family:<9} {role:<20} {len(items):>5} {mean:>8.2f} "
-                     f"{spread:>7.2f} {mb:>10.1f}  {spec}")
-    return "\n".join(lines)
 
 
 # -- data -------------------------------------------------------------------------------------
