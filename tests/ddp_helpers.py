@@ -114,6 +114,17 @@ def init_(model: nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
 
 
+def chain(n: int) -> nn.Sequential:
+    """A ReLU chain of Linear layers with exactly ``n`` parameters (the last layer has no bias
+    when ``n`` is odd): with a tiny bucket cap, ``n`` buckets after DDP's rebuild."""
+    dims = [12] + [8] * ((n + 1) // 2 - 1) + [4]
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        layers += [nn.Linear(a, b, bias=not (n % 2 and i == len(dims) - 2)), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    init_(model, n)
+    return model
+
 class Branchy(nn.Module):
     """``unused`` never takes part; ``odd`` only on odd ranks (``find_unused_parameters``)."""
 

@@ -25,7 +25,7 @@ from ddp_helpers import (
     ALL_SPECS,
     TINY_BUCKET_MB,
     batch,
-    init_,
+    chain,
     replicas_identical,
     spawn,
     train_ddp,
@@ -39,18 +39,6 @@ ACCORDION = "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,interval=1
 SPECS = (*ALL_SPECS, ACCORDION)
 BUCKET_COUNTS = tuple(range(1, 17))
 MODES = {"async": {}, "sync": {"overlap": False}}
-
-
-def chain(n: int) -> nn.Sequential:
-    """A ReLU chain of Linear layers with exactly ``n`` parameters (the last layer has no bias
-    when ``n`` is odd): with a tiny bucket cap, ``n`` buckets after DDP's rebuild."""
-    dims = [12] + [8] * ((n + 1) // 2 - 1) + [4]
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
-        layers += [nn.Linear(a, b, bias=not (n % 2 and i == len(dims) - 2)), nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
-    init_(model, n)
-    return model
 
 
 def _bucket_count(ddp: DDP) -> int:

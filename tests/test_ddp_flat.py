@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip.ddp
-from ddp_helpers import TINY_BUCKET_MB, batch, flat_params, init_, spawn, train_ddp
+from ddp_helpers import TINY_BUCKET_MB, batch, chain, flat_params, spawn, train_ddp
 from gradzip import Engine
 from gradzip.comm.torch_dist import ProcessGroupCollective
 
@@ -32,16 +32,6 @@ POLICIES = ("skip", "zero", "raise")
 #: Written into one parameter's gradient: a NaN on rank 1 only, and on every rank a finite
 #: value whose sum overflows fp32 (and which, divided by the world size, overflows fp16).
 INJECTED = {"nan": float("nan"), "huge": 3e38}
-
-
-def _chain(n: int) -> nn.Sequential:
-    dims = [12] + [8] * ((n + 1) // 2 - 1) + [4]
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
-        layers += [nn.Linear(a, b, bias=not (n % 2 and i == len(dims) - 2)), nn.ReLU()]
-    model = nn.Sequential(*layers[:-1])
-    init_(model, n)
-    return model
 
 
 def _flat(on: bool) -> Any:
@@ -61,7 +51,7 @@ def _faulty_run(rank: int, spec: str, cap: float, policy: str, value: float, fla
     """Four steps; at step 1 the gradient of one parameter (one bucket of several) is filled
     with ``value``: on rank 1 for a NaN, on every rank otherwise. The optimizer steps only on
     finite gradients."""
-    model = _chain(5)
+    model = chain(5)
     ddp = DDP(model, bucket_cap_mb=cap)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = gradzip.ddp.register(ddp, spec, optimizer=opt, nonfinite=policy, overlap=overlap)
@@ -123,7 +113,7 @@ def flat_group(rank: int, world: int) -> dict[Any, Any]:
         for cap_name, cap in CAPS.items():
             for mode, kwargs in MODES.items():
                 runs = {flat: train_ddp(rank, spec=spec, steps=3, bucket_cap_mb=cap,
-                                        model=_chain(5), setup=_flat(flat), hook_kwargs=kwargs)
+                                        model=chain(5), setup=_flat(flat), hook_kwargs=kwargs)
                         for flat in (True, False)}
                 out[("clean", spec, cap_name, mode)] = {
                     "same_params": torch.equal(runs[True]["params"], runs[False]["params"]),
