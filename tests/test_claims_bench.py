@@ -87,14 +87,15 @@ def test_smoke_grid_runs_resumes_packs_and_collects(tmp_path: Path,
 
 @pytest.mark.slow
 def test_deadline_launches_nothing_too_long_and_ends_runs_in_flight(tmp_path: Path) -> None:
-    runs = claims.select(claims.plan(claims.SETTINGS["smoke"], [0], tmp_path, {"epochs": 400}),
+    runs = claims.select(claims.plan(claims.SETTINGS["smoke"], [0], tmp_path, {"epochs": 100_000}),
                          ["gentle"])
     # Expected to take longer than the time left: not launched.
     counts = claims.execute(runs, 1, time.monotonic() + 30, None, tmp_path, estimate_s=1000)
     assert counts == {"skipped": 0, "done": 0, "failed": 0, "stopped": 0, "left": 1}
     # Launched without an estimate, ended at the deadline, its partial files kept aside (and
-    # packed); the next call starts it afresh. 15 s: on a loaded machine the run's process
-    # takes several seconds to import torch and create its folder.
+    # packed); the next call starts it afresh. 100,000 epochs: a run no machine finishes within
+    # the deadline (400 took under 15 s on a quiet one). 15 s: on a loaded machine the run's
+    # process takes several seconds to import torch and create its folder.
     archive = tmp_path / "out.tar.gz"
     counts = claims.execute(runs, 1, time.monotonic() + 15, archive, tmp_path, margin_s=0.0)
     assert counts["stopped"] == 1 and counts["done"] == 0
