@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -169,27 +170,47 @@ def _unpack_fields(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
     # Stage (shift, high, low): the upper field of each lane moves up by ``shift`` to the
     # start of the lane's upper half (``high`` keeps it, and drops what the shift carried in
     # from below or from the next group's bytes); ``low`` keeps the lower field in place.
-    quad = (1 << (4 * bits)) - 1
-    pair = ((1 << (2 * bits)) - 1) * (1 | 1 << 32)
-    one = ((1 << bits) - 1) * (1 | 1 << 16 | 1 << 32 | 1 << 48)
+    quad, pair, one = _lane_masks(bits)
     stages = [
         (np.uint64(32 - 4 * bits), np.uint64(quad << 32), np.uint64(quad)),
         (np.uint64(16 - 2 * bits), np.uint64(pair << 16), np.uint64(pair)),
         (np.uint64(8 - bits), np.uint64(one << 8), np.uint64(one)),
     ]
     out = np.empty((rows, groups), dtype=np.uint64)
+    _run_stages(out, stages, np.left_shift, source=windows)
+    return out.view(np.uint8)[:, :count]
+
+
+def _lane_masks(bits: int) -> tuple[int, int, int]:
+    """The stages' field masks, one field at the bottom of each lane: ``quad`` four codes
+    wide in the low 32-bit half, ``pair`` two codes wide in each 32-bit half, ``one`` one
+    code wide in each 16-bit quarter."""
+    quad = (1 << (4 * bits)) - 1
+    pair = ((1 << (2 * bits)) - 1) * (1 | 1 << 32)
+    one = ((1 << bits) - 1) * (1 | 1 << 16 | 1 << 32 | 1 << 48)
+    return quad, pair, one
+
+
+def _run_stages(
+    y_all: np.ndarray, stages: list[tuple[Any, Any, Any]], shift_op: Any,
+    source: np.ndarray | None = None,
+) -> None:
+    """Apply ``stages`` to the words of ``y_all`` in place, chunk by chunk (in cache):
+    per stage, ``y = (y & low) | (shift_op(y, shift) & high)``. With ``source``, each chunk
+    is first copied from it (an unaligned view, read once)."""
+    rows, groups = y_all.shape
     scratch = np.empty(_SPREAD_CHUNK, dtype=np.uint64)
     step = max(1, _SPREAD_CHUNK // rows)
     for start in range(0, groups, step):
-        y = out[:, start : start + step]
-        np.copyto(y, windows[:, start : start + step])
+        y = y_all[:, start : start + step]
+        if source is not None:
+            np.copyto(y, source[:, start : start + step])
         moved = scratch[: y.size].reshape(y.shape)
         for shift, high, low in stages:
-            np.left_shift(y, shift, out=moved)
+            shift_op(y, shift, out=moved)
             moved &= high
             y &= low
             y |= moved
-    return out.view(np.uint8)[:, :count]
 
 
 #: Most workers whose one-bit streams :func:`bit_keys` combines (a key is one byte).
@@ -257,9 +278,7 @@ def _pack_fields(codes: np.ndarray, bits: int) -> np.ndarray:
     words = np.zeros((rows, groups * 8), dtype=np.uint8)
     words[:, :n] = codes
     y_all = words.view(np.uint64)  # [rows, groups]
-    quad = (1 << (4 * bits)) - 1
-    pair = ((1 << (2 * bits)) - 1) * (1 | 1 << 32)
-    one = ((1 << bits) - 1) * (1 | 1 << 16 | 1 << 32 | 1 << 48)
+    quad, pair, one = _lane_masks(bits)
     # Stage (shift, high, low): the field at the start of each lane's upper half moves down by
     # ``shift`` to sit just above the lower field (``high`` keeps it there).
     stages = [
@@ -267,15 +286,6 @@ def _pack_fields(codes: np.ndarray, bits: int) -> np.ndarray:
         (np.uint64(16 - 2 * bits), np.uint64(pair << (2 * bits)), np.uint64(pair)),
         (np.uint64(32 - 4 * bits), np.uint64(quad << (4 * bits)), np.uint64(quad)),
     ]
-    scratch = np.empty(_SPREAD_CHUNK, dtype=np.uint64)
-    step = max(1, _SPREAD_CHUNK // rows)
-    for start in range(0, groups, step):
-        y = y_all[:, start : start + step]
-        moved = scratch[: y.size].reshape(y.shape)
-        for shift, high, low in stages:
-            np.right_shift(y, shift, out=moved)
-            moved &= high
-            y &= low
-            y |= moved
+    _run_stages(y_all, stages, np.right_shift)
     packed = words.reshape(rows, groups, 8)[:, :, :bits].reshape(rows, groups * bits)
     return np.ascontiguousarray(packed[:, : packed_size(n, bits)])
