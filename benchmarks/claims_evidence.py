@@ -48,7 +48,7 @@ from _evidence_report import markdown, markdown_pooled, plot  # noqa: E402
 LEVEL_ROLES = ("gentle", "aggressive", "accordion", "critical-gentle", "critical-aggressive")
 #: First critical regime (epochs) of the grid's settings; other settings use their warm-up.
 EARLY_EPOCHS = {"smoke": 1.0, "cifar10-resnet8": 2.0, "cifar10-resnet8w32": 2.0,
-                "wikitext2-lstm": 2.0}
+                "wikitext2-lstm": 1.0}
 
 
 # -- reading ----------------------------------------------------------------------------------
