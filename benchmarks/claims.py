@@ -21,9 +21,10 @@ an interrupted grid resumes. ``--deadline`` stops launching runs that would not 
 keeping their partial files aside (``seedN.stopped``; a later call starts them afresh). ``--pack`` keeps an archive of every finished run's
 ``summary.json``, ``metrics.jsonl`` and ``accordion_decisions.json``, rewritten after each run.
 ``--collect`` writes ``benchmarks/results/claims.json`` (one row per finished run, from its own
-``summary.json``) and prints a table.
+``summary.json``), prints a table and draws ``claims.png`` beside it (the metric against the
+bytes sent, one panel per setting).
 The settings and the plan of the grid are in ``_claims_plan.py`` beside this file; which runs
-are finished, the archive and the rows in ``_claims_results.py``.
+are finished, the archive and the rows in ``_claims_results.py``; the plot in ``_claims_plot.py``.
 
 Usage::
 
@@ -65,6 +66,7 @@ from _claims_plan import (  # noqa: E402, F401
     schedule_text,
     select,
 )
+from _claims_plot import plot  # noqa: E402
 from _claims_results import collect, finished, pack, table, unpack  # noqa: E402
 from _overrides import parse_sets  # noqa: E402
 
@@ -309,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         (results / "claims.json").write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
         print(table(rows))
         print(f"wrote {results / 'claims.json'} ({len(rows)} rows)")
+        if plot(rows, results / "claims.png"):
+            print(f"wrote {results / 'claims.png'}")
         return 0
     if any(SETTINGS[n].data == "cifar" for n in names):
         prepare_cifar(str(Path(args.cifar_data).expanduser().resolve()), root / "cache")

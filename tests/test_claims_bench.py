@@ -83,6 +83,7 @@ def test_smoke_grid_runs_resumes_packs_and_collects(tmp_path: Path,
         assert row["metric"] == "accuracy" and row["final"] == 100 * summary["final_accuracy"]
         assert row["wire_bytes_per_worker"] == summary["bytes_sent_per_worker"]
     assert "critical-aggressive" in capsys.readouterr().out
+    assert (results / "claims.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
@@ -102,3 +103,26 @@ def test_deadline_launches_nothing_too_long_and_ends_runs_in_flight(tmp_path: Pa
     out = Path(runs[0].config.out)
     assert not out.exists() and out.with_name("seed0.stopped").is_dir()
     assert "smoke/powersgd/gentle/seed0.log" in tarfile.open(archive).getnames()
+
+
+def test_plot_summarises_seeds_and_draws_one_panel_per_setting(tmp_path: Path) -> None:
+    import _claims_plot
+
+    def row(setting: str, role: str, seed: int, final: float | None, nbytes: int,
+            family: str = "powersgd", spec: str = "s") -> dict[str, object]:
+        return {"setting": setting, "family": family, "role": role, "spec": spec, "seed": seed,
+                "metric": "accuracy", "final": final, "wire_bytes_per_worker": nbytes}
+
+    rows = [row("a", "gentle", 0, 70.0, 2_000_000), row("a", "gentle", 1, 72.0, 4_000_000),
+            row("a", "aggressive", 0, None, 1_000_000),
+            row("b", "topk", 0, 60.0, 1_000_000, "sparse", "topk:ratio=0.01"),
+            row("b", "threshold", 0, 61.0, 900_000, "sparse", "threshold:budget=0.01")]
+    groups = _claims_plot.summarise(rows)
+    gentle = next(g for g in groups if g["role"] == "gentle")
+    assert (gentle["seeds"], gentle["mean"], gentle["low"], gentle["high"], gentle["mb"]) == \
+        (2, 71.0, 70.0, 72.0, 3.0)
+    assert not any(g["role"] == "aggressive" for g in groups)  # no final value: left out
+    assert _claims_plot.plot(rows, tmp_path / "c.png")
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert not _claims_plot.plot([row("a", "gentle", 0, None, 1)], tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
