@@ -135,6 +135,7 @@ class DevicePath:
         else:
             self._poison_dev = _or(self._poison_dev, flag)
             mask, fill = self._poison_dev, float("nan")
+        self._error_add(jobs)  # before end_step: a controller's levels are this call's
         if finish_step:
             self._finish_on_device(device)
         return {
@@ -175,6 +176,7 @@ class DevicePath:
                     for n, r in self.residuals.items()
                 }
             handled = poison
+        self._error_commit(dropped=handled)  # a step the policy handled counts zero
         count = handled.to(torch.int64)
         self._skipped_pending = count if self._skipped_pending is None else self._skipped_pending + count
         self._poison_dev = self._handled_dev = None

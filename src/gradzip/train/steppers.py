@@ -102,6 +102,11 @@ class SimStepper:
         # Checkpoints are read onto the CPU; residuals and warm starts live with the model.
         self.engine.load_state_dict(to_device(state, self.device))
 
+    def compression_error(self) -> dict[str, float | None]:
+        """The relative compression error since the last call, over every simulated worker
+        (see :mod:`gradzip.engine_error`)."""
+        return self.engine.compression_error()
+
     def all_sum(self, x: Tensor) -> Tensor:
         return x
 
@@ -163,6 +168,21 @@ class DDPStepper:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hook.load_state_dict(state)
+
+    def compression_error(self) -> dict[str, float | None]:
+        """The relative compression error since the last call: each rank's ratio (see
+        :mod:`gradzip.engine_error`), averaged over the ranks (a collective: every rank
+        calls it). Which keys are ``None`` is the same on every rank (same tensors, steps
+        and levels), so only the known values travel."""
+        engine = getattr(self.hook, "engine", None)
+        if engine is None:
+            return {}
+        mine = engine.compression_error()
+        known = [k for k, v in mine.items() if v is not None]
+        if known:
+            total = self.all_sum(torch.tensor([mine[k] for k in known], dtype=torch.float64))
+            mine.update({k: float(v) / self.world for k, v in zip(known, total.tolist(), strict=True)})
+        return mine
 
     def _reduce(self, x: Tensor, op: Any) -> Tensor:
         y = x.to(self.device)
