@@ -30,7 +30,7 @@ waits for the device. The sums are not part of ``state_dict()``: the training lo
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -109,37 +109,55 @@ class ErrorMeter:
         used = [self.compressor, *self.rule_compressors]  # type: ignore[attr-defined]
         return all(c is None or isinstance(c, NoCompression) for c in used)
 
-    def compression_error(self, *, reset: bool = True) -> dict[str, float | None]:
+    def compression_error(
+        self, *, reset: bool = True, pool: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> dict[str, float | None]:
         """The relative compression error since the last reset (see the module docstring).
 
         Args:
             reset: start a new span after reading (the training loop reads once per epoch).
+            pool: where each process holds its own workers, a function that sums a float64
+                tensor over every process (an all-reduce, e.g. ``torch.distributed``'s
+                ``all_reduce`` wrapped to return its input): the ratios are then over every
+                worker of the group, and every process must call this alike. ``None``: over
+                this process's workers (every worker of a simulated group).
 
         Returns:
-            ``compression_error``: ``sqrt(sum ||e||^2 / sum ||x||^2)`` over this process's
-            workers, or ``0.0`` where every compressor is exact and no tensor keeps a
-            residual, or ``None`` where it cannot be known (no residual kept by a lossy
-            compressor, or no step in the span); with a two-level controller also
-            ``compression_error_gentle`` and ``compression_error_aggressive`` (``None`` for
-            a level no tensor took in the span). One host read of the device sums.
+            ``compression_error``: ``sqrt(sum ||e||^2 / sum ||x||^2)``, or ``0.0`` where
+            every compressor is exact and no tensor keeps a residual, or ``None`` where it
+            cannot be known (no residual kept by a lossy compressor, or no step in the
+            span); with a two-level controller also ``compression_error_gentle`` and
+            ``compression_error_aggressive`` (``None`` for a level no tensor took in the
+            span). One host read of the device sums.
 
         Raises:
-            TypeError: ``reset`` is not a bool.
+            TypeError: ``reset`` is not a bool, or ``pool`` is not callable.
         """
         check_bool("reset", reset)
-        values: list[list[float] | None] = [
-            None if t is None else [float(v) for v in t.tolist()] for t in self._error_totals
-        ]
+        if pool is not None and not callable(pool):
+            raise TypeError(f"`pool` must be a callable or None, got {type(pool).__name__}")
+        totals = self._error_totals
         if reset:
             self._error_totals = [None, None, None]
+        # Which groups hold sums is the same on every process (same tensors, steps and
+        # levels), so only those travel, in a fixed order.
+        known = [i for i, t in enumerate(totals) if t is not None]
+        values: list[list[float] | None] = [None, None, None]
+        if known:
+            flat = torch.cat([totals[i].to(torch.float64).cpu() for i in known])  # type: ignore[union-attr]
+            if pool is not None:
+                flat = pool(flat)
+            got = [float(v) for v in flat.tolist()]
+            for n, i in enumerate(known):
+                values[i] = got[2 * n:2 * n + 2]
         out: dict[str, float | None] = {}
         first = values[0]
         if first is not None:
             out[ERROR_KEYS[0]] = relative_error(*first)
         else:
-            out[ERROR_KEYS[0]] = 0.0 if not self._feedback and self._error_exact() else None  # type: ignore[attr-defined]
+            exact = not self._feedback and self._error_exact()  # type: ignore[attr-defined]
+            out[ERROR_KEYS[0]] = 0.0 if exact else None
         if callable(getattr(self.compressor, "current_levels", None)):  # type: ignore[attr-defined]
             for key, value in zip(ERROR_KEYS[1:], values[1:], strict=True):
                 out[key] = None if value is None else relative_error(*value)
         return out
-

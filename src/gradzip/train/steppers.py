@@ -170,19 +170,10 @@ class DDPStepper:
         self.hook.load_state_dict(state)
 
     def compression_error(self) -> dict[str, float | None]:
-        """The relative compression error since the last call: each rank's ratio (see
-        :mod:`gradzip.engine_error`), averaged over the ranks (a collective: every rank
-        calls it). Which keys are ``None`` is the same on every rank (same tensors, steps
-        and levels), so only the known values travel."""
+        """The relative compression error since the last call, over every rank's worker
+        (see :mod:`gradzip.engine_error`; a collective: every rank calls it)."""
         engine = getattr(self.hook, "engine", None)
-        if engine is None:
-            return {}
-        mine = engine.compression_error()
-        known = [k for k, v in mine.items() if v is not None]
-        if known:
-            total = self.all_sum(torch.tensor([mine[k] for k in known], dtype=torch.float64))
-            mine.update({k: float(v) / self.world for k, v in zip(known, total.tolist(), strict=True)})
-        return mine
+        return {} if engine is None else engine.compression_error(pool=self.all_sum)
 
     def _reduce(self, x: Tensor, op: Any) -> Tensor:
         y = x.to(self.device)
