@@ -176,7 +176,6 @@ class DevicePath:
                     for n, r in self.residuals.items()
                 }
             handled = poison
-        self._error_commit(dropped=handled)  # a step the policy handled counts zero
         count = handled.to(torch.int64)
         self._skipped_pending = count if self._skipped_pending is None else self._skipped_pending + count
         self._poison_dev = self._handled_dev = None
@@ -193,6 +192,7 @@ class DevicePath:
                     f"call of the step); every rank must make the same sequence of reduce "
                     f"calls. Found at the step's end; the step was abandoned."
                 )
+        self._error_commit(dropped=handled)  # a step the policy handled counts zero
 
     def _settle_device_flags(self) -> None:
         """Bring this step's device flags to the host (a host read), as if every earlier call
