@@ -173,3 +173,13 @@ def test_a_schedule_run_records_each_level(tmp_path: Path) -> None:
     assert second["compression_error_aggressive"] > 0.5
     assert first["compression_error"] == 0.0
     assert second["compression_error"] == second["compression_error_aggressive"]
+
+
+def test_procs_runs_pool_the_ranks_like_the_simulator(tmp_path: Path) -> None:
+    """Two gloo processes, each measuring its own worker, sum their norms before the ratio:
+    the simulator's value over both workers, to float rounding."""
+    base = dict(TINY, epochs=1, compressor="topk:ratio=0.1", threads=1)
+    run(RunConfig(**base, out=str(tmp_path / "sim")))  # type: ignore[arg-type]
+    run(RunConfig(**base, launcher="procs", timeout=300, out=str(tmp_path / "procs")))  # type: ignore[arg-type]
+    (sim,), (procs,) = _records(tmp_path / "sim"), _records(tmp_path / "procs")
+    assert procs["compression_error"] == pytest.approx(sim["compression_error"], rel=1e-4)
