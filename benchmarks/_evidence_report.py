@@ -35,6 +35,7 @@ def markdown(groups: list[dict[str, Any]]) -> str:
             cells = [f"{p['end_value']:.2f} ({_fmt(p.get('gain'), '{:+.2f}')}) "
                      f"[{_fmt(p.get('recovered'), '{:.0%}')}]" for p in entry["phases"]]
             lines.append(f"| {role} | " + " | ".join(cells) + " |")
+        lines += _error_table(roles, names)
         drops = [p for p in next(iter(roles.values()))["phases"] if "first_epoch_value" in p]
         if drops:
             lines += ["", "Metric one epoch after each LR drop [gap recovered there]:", "",
@@ -75,6 +76,26 @@ def markdown(groups: list[dict[str, Any]]) -> str:
                              f"{d['at_or_above_eta']} (eta {d['eta']}) |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _error_table(roles: dict[str, Any], names: list[str]) -> list[str]:
+    """The relative compression error per role and phase (nothing for runs that did not
+    record it)."""
+    if not any("compression_error" in p for e in roles.values() for p in e["phases"]):
+        return []
+    lines = ["", "Relative compression error sqrt(sum ||e||^2 / sum ||x||^2), mean over each "
+             "phase's epochs [at the gentle / aggressive level, where a run switches]:", "",
+             "| role | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for role, entry in roles.items():
+        cells = []
+        for p in entry["phases"]:
+            cell = _fmt(p.get("compression_error"), "{:.3f}")
+            if "compression_error_gentle" in p or "compression_error_aggressive" in p:
+                cell += (f" [{_fmt(p.get('compression_error_gentle'), '{:.3f}')} / "
+                         f"{_fmt(p.get('compression_error_aggressive'), '{:.3f}')}]")
+            cells.append(cell)
+        lines.append(f"| {role} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown_pooled(pools: list[dict[str, Any]]) -> str:

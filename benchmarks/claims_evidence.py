@@ -10,6 +10,9 @@ and reports:
   the epochs after each drop): the share of layer-steps at the gentle level, and the accuracy at
   the phase's end against the two static levels of the same seed (the share of their gap
   recovered there);
+* per phase, the mean relative compression error of the phase's epochs
+  (``sqrt(sum ||e||^2 / sum ||x||^2)``, the epoch records' ``compression_error``; with a
+  controller also at the gentle and the aggressive level) where the runs recorded it;
 * what the rule decided at each decision: the reasons, the levels, and the largest relative
   change of a layer's gradient norm against ``eta``;
 * per seed, a least-squares fit of the final metric against the run's overall gentle share
@@ -183,6 +186,7 @@ def analyse_group(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 phase["static_gap"] = round(g - w, 3)
                 rec = _recovered(values[b - 1], g, w)
                 phase["recovered"] = None if rec is None else round(rec, 3)
+            phase.update(phase_errors(run["epochs"][a:b]))
             if entry["phases"]:
                 phase["gain"] = round(values[b - 1] - entry["phases"][-1]["end_value"], 3)
             if len(entry["phases"]) >= 2 and a < len(values):  # a phase opened by an LR drop
@@ -198,6 +202,21 @@ def analyse_group(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["roles"][role] = entry
     out["fit"] = fit(out["roles"])
     out["phase_weights"] = phase_weights(out["roles"])
+    return out
+
+
+#: The epoch records' compression-error keys (gradzip.engine_error); older runs lack them.
+ERROR_KEYS = ("compression_error", "compression_error_gentle", "compression_error_aggressive")
+
+
+def phase_errors(records: list[dict[str, Any]]) -> dict[str, float]:
+    """The mean of each compression-error key over a phase's epoch records, for the keys some
+    record of the phase holds a value for (none for runs recorded before the key existed)."""
+    out = {}
+    for key in ERROR_KEYS:
+        values = [r[key] for r in records if r.get(key) is not None]
+        if values:
+            out[key] = round(sum(values) / len(values), 4)
     return out
 
 

@@ -89,6 +89,39 @@ def test_group_analysis_fits_and_recovers(runs_root: Path) -> None:
     assert all(d["eta"] == 0.5 for d in decisions)
 
 
+def test_compression_error_per_role_and_phase(runs_root: Path) -> None:
+    runs = evidence.load_runs(runs_root)
+    (group,) = evidence.analyse(runs)
+    roles = group["roles"]
+    for role, entry in roles.items():
+        for phase in entry["phases"]:
+            assert 0.0 < phase["compression_error"] < 1.0, (role, phase)
+    # critical-gentle: the gentle level alone in the first epoch, the aggressive one in the
+    # second; each phase reports the level it ran. The overall ratio also counts the tensors
+    # both levels send dense (biases under PowerSGD: nothing unsent), so it is lower.
+    first, second, _ = roles["critical-gentle"]["phases"]
+    assert "compression_error_aggressive" not in first
+    assert first["compression_error"] < first["compression_error_gentle"]
+    assert "compression_error_gentle" not in second
+    assert second["compression_error"] < second["compression_error_aggressive"]
+    # The mean over a phase's epochs, from the records themselves.
+    run_ = next(r for r in runs if r["role"] == "accordion")
+    last = roles["accordion"]["phases"][-1]
+    values = [r["compression_error"] for r in run_["epochs"][2:4]]
+    assert last["compression_error"] == round(sum(values) / len(values), 4)
+    text = evidence.markdown([group])
+    assert "Relative compression error" in text
+    # Runs recorded before the key existed: no error entries, no table.
+    for r in runs:
+        for rec in r["epochs"]:
+            for key in evidence.ERROR_KEYS:
+                rec.pop(key, None)
+    (old,) = evidence.analyse(runs)
+    assert not any(k in p for e in old["roles"].values() for p in e["phases"]
+                   for k in evidence.ERROR_KEYS)
+    assert "Relative compression error" not in evidence.markdown([old])
+
+
 def test_fit_on_known_points() -> None:
     def role(share: float, final: float) -> dict[str, object]:
         return {"gentle_share": share, "final": final, "phases": []}

@@ -15,6 +15,7 @@ from gradzip.comm.torch_dist import default_collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.engine_checkpoint import FORMAT_VERSION, EngineCheckpoints
 from gradzip.engine_device import DevicePath
+from gradzip.engine_error import ErrorMeter
 from gradzip.engine_flat import FlatPath
 from gradzip.engine_host import HostPath
 from gradzip.ops.random import stable_hash
@@ -35,7 +36,7 @@ _copy_tree = copy_tree
 _first_mismatch = check_tree
 
 
-class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints):
+class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints, ErrorMeter):
     """Compressed gradient averaging with error feedback, for real or simulated workers.
 
     Args:
@@ -128,6 +129,7 @@ class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints):
         self._name_codes = {n: stable_hash("tensor", n, tuple(s)) for n, s in self.shapes.items()}
         self._verified = self.comm.simulated or self.comm.world_size == 1
         self.handshake_bytes = 0
+        self._error_reset()  # the compression-error sums (gradzip.engine_error)
 
     # -- routing: which compressor reduces which tensor (see gradzip.routing) ---------------
     def _compressed_shapes(self) -> dict[str, torch.Size]:
@@ -307,6 +309,8 @@ class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints):
         if finish_step:
             if self._skipped:
                 self.skipped_steps += 1
+            else:
+                self._error_commit()
             self.step += 1
             self._reset_step()
 
@@ -341,6 +345,7 @@ class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints):
         self._reset_step()
 
     def _reset_step(self) -> None:
+        self._error_pending = [None, None, None]
         self._snapshot = None
         self._poison_dev = self._handled_dev = self._desync_dev = None
         self._poisoned = False

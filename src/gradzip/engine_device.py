@@ -135,6 +135,7 @@ class DevicePath:
         else:
             self._poison_dev = _or(self._poison_dev, flag)
             mask, fill = self._poison_dev, float("nan")
+        self._error_add(jobs)  # before end_step: a controller's levels are this call's
         if finish_step:
             self._finish_on_device(device)
         return {
@@ -191,6 +192,7 @@ class DevicePath:
                     f"call of the step); every rank must make the same sequence of reduce "
                     f"calls. Found at the step's end; the step was abandoned."
                 )
+        self._error_commit(dropped=handled)  # a step the policy handled counts zero
 
     def _settle_device_flags(self) -> None:
         """Bring this step's device flags to the host (a host read), as if every earlier call

@@ -153,6 +153,7 @@ class HostPath:
             for job in jobs:
                 if job.name in self._feedback:
                     self.residuals[job.name] = job.leftover()
+            self._error_add(jobs)  # before end_step: a controller's levels are this call's
             if finish_step:
                 overflow = self._end_step(before[0])
         if overflow is not None:

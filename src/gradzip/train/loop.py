@@ -331,6 +331,9 @@ class TrainLoop:
             density, mark = self._density(tuple(done["density_mark"]))  # type: ignore[arg-type]
             if density is not None:
                 rec["density"] = density
+            # Relative compression error of the epoch (read once, which starts the next span;
+            # see gradzip.engine_error): ``compression_error`` and, with a controller, per level.
+            rec.update(stepper.compression_error())
             rec.update(self._control_fields(done["marks"]))
             now = time.perf_counter()
             rec["eval_seconds"] = now - eval_start

@@ -102,6 +102,11 @@ class SimStepper:
         # Checkpoints are read onto the CPU; residuals and warm starts live with the model.
         self.engine.load_state_dict(to_device(state, self.device))
 
+    def compression_error(self) -> dict[str, float | None]:
+        """The relative compression error since the last call, over every simulated worker
+        (see :mod:`gradzip.engine_error`)."""
+        return self.engine.compression_error()
+
     def all_sum(self, x: Tensor) -> Tensor:
         return x
 
@@ -163,6 +168,12 @@ class DDPStepper:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.hook.load_state_dict(state)
+
+    def compression_error(self) -> dict[str, float | None]:
+        """The relative compression error since the last call, over every rank's worker
+        (see :mod:`gradzip.engine_error`; a collective: every rank calls it)."""
+        engine = getattr(self.hook, "engine", None)
+        return {} if engine is None else engine.compression_error(pool=self.all_sum)
 
     def _reduce(self, x: Tensor, op: Any) -> Tensor:
         y = x.to(self.device)

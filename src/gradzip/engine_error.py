@@ -1,0 +1,163 @@
+"""The engine's compression-error meter: how much of each compressed tensor stays unsent.
+
+A mixin of :class:`~gradzip.Engine` (it reads the engine's attributes). For every step and
+every tensor that keeps a residual (error feedback on, tensor not routed dense), the
+compressor's input is ``x = gradient + residual`` and what it leaves unsent is the new
+residual ``e`` (recorded through :meth:`~gradzip.compressors.base.Job.keep`). The meter sums
+``||e||^2`` and ``||x||^2`` over the steps and tensors since it was last read, and over this
+process's workers (every worker of a simulated group, the one worker of a process). The
+**relative compression error** of that span is ``sqrt(sum ||e||^2 / sum ||x||^2)``.
+
+Choices, documented in IMPLEMENTING.md:
+
+* Tensors routed dense (``dense_1d``, ``min_numel``, a dense rule) never reach a compressor:
+  they are left out (not counted with ``e = 0``), so the ratio describes compression only.
+* Where no tensor keeps a residual, the error is ``0.0`` when every compressor in use is
+  exact (``none``), else unknown (``None``: fp16, QSGD, error feedback off).
+* Steps handled by the non-finite policy (counted in ``stats["skipped_steps"]``) are left
+  out whole.
+* With a two-level controller (Accordion, level schedules) the same ratio is also kept per
+  level: ``gentle`` (the tensors reduced at the critical level) and ``aggressive`` (the
+  steady level); tensors that both levels send dense (level ``"dense"``) count in the
+  overall ratio only.
+
+Cost: two norms per tensor per call, summed on the device where the data is; nothing is read
+on the host until :meth:`compression_error` (once per epoch in the training loop), so no call
+waits for the device. The sums are not part of ``state_dict()``: the training loop reads
+(and so resets) them before each checkpoint, and a resumed run records the same values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from gradzip._validate import check_bool
+from gradzip.compressors.base import Job
+from gradzip.compressors.none import NoCompression
+
+__all__ = ["ERROR_KEYS", "ErrorMeter", "relative_error"]
+
+#: The keys :meth:`ErrorMeter.compression_error` returns (per-level ones with a controller).
+ERROR_KEYS = ("compression_error", "compression_error_gentle", "compression_error_aggressive")
+
+# A controller's level name -> the meter's group (see gradzip.control.switch).
+_GROUPS = {"critical": 1, "steady": 2}
+
+
+def relative_error(error_sq: float, input_sq: float) -> float:
+    """``sqrt(error_sq / input_sq)``; ``0.0`` when the input is zero (nothing to lose)."""
+    return math.sqrt(error_sq / input_sq) if input_sq > 0 else 0.0
+
+
+def _sums(jobs: Sequence[Job]) -> torch.Tensor:
+    """``[2]`` float64 on the jobs' device: ``sum ||residual||^2`` and ``sum ||tensor||^2``."""
+    norms = torch.stack([torch.stack([torch.linalg.vector_norm(j.leftover()),
+                                      torch.linalg.vector_norm(j.tensor)]) for j in jobs])
+    return norms.to(torch.float64).square().sum(0)
+
+
+class ErrorMeter:
+    """The compression-error meter of :class:`~gradzip.Engine` (a mixin; see the module
+    docstring)."""
+
+    #: Per group (all, gentle, aggressive): ``[2]`` sums of completed steps since the last
+    #: read, and of the step in progress (``None`` where nothing was added).
+    _error_totals: list[torch.Tensor | None]
+    _error_pending: list[torch.Tensor | None]
+
+    def _error_reset(self) -> None:
+        self._error_totals = [None, None, None]
+        self._error_pending = [None, None, None]
+
+    def _error_add(self, jobs: Sequence[Job]) -> None:
+        """Add this call's jobs that keep a residual (after ``reduce``, before the
+        compressor's ``end_step``: a controller's levels are still those the jobs took)."""
+        jobs = [j for j in jobs if j.name in self._feedback]  # type: ignore[attr-defined]
+        if not jobs:
+            return
+        groups: list[list[Job]] = [jobs, [], []]
+        current = getattr(self.compressor, "current_levels", None)  # type: ignore[attr-defined]
+        if callable(current):
+            levels = current(self.compressor_state)  # type: ignore[attr-defined]
+            for j in jobs:
+                where = _GROUPS.get(levels.get(j.name, ""))
+                if where is not None:
+                    groups[where].append(j)
+        for i, group in enumerate(groups):
+            if group:
+                part = _sums(group)
+                pending = self._error_pending[i]
+                self._error_pending[i] = part if pending is None else pending + part
+
+    def _error_commit(self, dropped: torch.Tensor | None = None) -> None:
+        """Move the step's sums to the totals (``dropped``: a 0-d bool tensor deciding on
+        the device that the non-finite policy handled the step, so it counts zero)."""
+        for i, part in enumerate(self._error_pending):
+            if part is None:
+                continue
+            if dropped is not None:
+                part = torch.where(dropped, torch.zeros_like(part), part)
+            total = self._error_totals[i]
+            self._error_totals[i] = part if total is None else total + part
+        self._error_pending = [None, None, None]
+
+    def _error_exact(self) -> bool:
+        """Whether every compressor in use sends tensors unchanged (``none``)."""
+        used = [self.compressor, *self.rule_compressors]  # type: ignore[attr-defined]
+        return all(c is None or isinstance(c, NoCompression) for c in used)
+
+    def compression_error(
+        self, *, reset: bool = True, pool: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> dict[str, float | None]:
+        """The relative compression error since the last reset (see the module docstring).
+
+        Args:
+            reset: start a new span after reading (the training loop reads once per epoch).
+            pool: where each process holds its own workers, a function that sums a float64
+                tensor over every process (an all-reduce, e.g. ``torch.distributed``'s
+                ``all_reduce`` wrapped to return its input): the ratios are then over every
+                worker of the group, and every process must call this alike. ``None``: over
+                this process's workers (every worker of a simulated group).
+
+        Returns:
+            ``compression_error``: ``sqrt(sum ||e||^2 / sum ||x||^2)``, or ``0.0`` where
+            every compressor is exact and no tensor keeps a residual, or ``None`` where it
+            cannot be known (no residual kept by a lossy compressor, or no step in the
+            span); with a two-level controller also ``compression_error_gentle`` and
+            ``compression_error_aggressive`` (``None`` for a level no tensor took in the
+            span). One host read of the device sums.
+
+        Raises:
+            TypeError: ``reset`` is not a bool, or ``pool`` is not callable.
+        """
+        check_bool("reset", reset)
+        if pool is not None and not callable(pool):
+            raise TypeError(f"`pool` must be a callable or None, got {type(pool).__name__}")
+        totals = self._error_totals
+        if reset:
+            self._error_totals = [None, None, None]
+        # Which groups hold sums is the same on every process (same tensors, steps and
+        # levels), so only those travel, in a fixed order.
+        known = [i for i, t in enumerate(totals) if t is not None]
+        values: list[list[float] | None] = [None, None, None]
+        if known:
+            flat = torch.cat([totals[i].to(torch.float64).cpu() for i in known])  # type: ignore[union-attr]
+            if pool is not None:
+                flat = pool(flat)
+            got = [float(v) for v in flat.tolist()]
+            for n, i in enumerate(known):
+                values[i] = got[2 * n:2 * n + 2]
+        out: dict[str, float | None] = {}
+        first = values[0]
+        if first is not None:
+            out[ERROR_KEYS[0]] = relative_error(*first)
+        else:
+            exact = not self._feedback and self._error_exact()  # type: ignore[attr-defined]
+            out[ERROR_KEYS[0]] = 0.0 if exact else None
+        if callable(getattr(self.compressor, "current_levels", None)):  # type: ignore[attr-defined]
+            for key, value in zip(ERROR_KEYS[1:], values[1:], strict=True):
+                out[key] = None if value is None else relative_error(*value)
+        return out
