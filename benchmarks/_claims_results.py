@@ -82,7 +82,7 @@ def collect(runs: list[Planned]) -> list[dict[str, Any]]:
         metric = summary["metric"]
         final = summary.get(f"final_{metric}")
         if final is not None and metric == "accuracy":
-            final = 100.0 * final
+            final = round(100.0 * final, 6)  # percent, without binary noise (70.51, not 70.50999999999999)
         rows.append({"setting": r.setting, "family": r.family, "role": r.role, "spec": r.spec,
                      "seed": r.seed, "metric": metric, "final": final,
                      "wire_bytes_per_worker": summary["bytes_sent_per_worker"]})

@@ -80,7 +80,7 @@ def test_smoke_grid_runs_resumes_packs_and_collects(tmp_path: Path,
                               "summary.json").read_text())
         assert set(row) == {"setting", "family", "role", "spec", "seed", "metric", "final",
                             "wire_bytes_per_worker"}
-        assert row["metric"] == "accuracy" and row["final"] == 100 * summary["final_accuracy"]
+        assert row["metric"] == "accuracy" and row["final"] == round(100 * summary["final_accuracy"], 6)
         assert row["wire_bytes_per_worker"] == summary["bytes_sent_per_worker"]
     assert "critical-aggressive" in capsys.readouterr().out
     assert (results / "claims.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
