@@ -61,6 +61,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return False
     settings = list(dict.fromkeys(g["setting"] for g in groups))
@@ -71,6 +72,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         families = list(dict.fromkeys(g["family"] for g in mine if g["role"] not in CURVES))
         for n, family in enumerate(families):
             colour = f"C{n}"
+            ends = {g["role"]: g for g in mine if g["family"] == family
+                    and g["role"] in ("gentle", "aggressive")}
+            if len(ends) == 2:
+                # What any split of the steps between the static levels buys: the straight
+                # line between them in bytes (drawn on the log axis, so sampled).
+                lo, hi = ends["aggressive"], ends["gentle"]
+                xs = [lo["mb"] + (hi["mb"] - lo["mb"]) * t / 40 for t in range(41)]
+                ys = [lo["mean"] + (hi["mean"] - lo["mean"]) * t / 40 for t in range(41)]
+                ax.plot(xs, ys, ":", color=colour, linewidth=1,
+                        label=f"{family}: line between the static levels")
             for g in (g for g in mine if g["family"] == family):
                 ax.errorbar(g["mb"], g["mean"], yerr=[[g["mean"] - g["low"]],
                                                       [g["high"] - g["mean"]]],
@@ -87,6 +98,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
                             label=f"{role} (n={min(g['seeds'] for g in curve)})")
         metric = mine[0]["metric"]
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel("MB sent per worker (log)")
         ax.set_ylabel("test accuracy (%)" if metric == "accuracy"
                       else "validation perplexity (lower is better)")
