@@ -61,7 +61,7 @@ SETTINGS = {s.name: s for s in (
     # trained on WikiText-2's test.txt, evaluated on valid.txt; 10 epochs (about 19 minutes
     # on one core: an epoch is about 90 s of training and 22 s of evaluation), LR 5 x 4
     # workers (20, with the gradient clipped at 0.25, as PyTorch's word-language-model
-    # example; 1.25 and 0.3125 x 4 learned several times slower: validation perplexity 821
+    # example; 1.25 and 0.3125 x 4 learned more slowly: validation perplexity 821
     # and 688 after 3 epochs against 521), /10 at epochs 5 and 7.5; decisions every epoch;
     # critical regimes: epochs 0-1, 5-6, 7.5-8.5.
     Setting("wikitext2-lstm", {"task": "lm", "workers": 4, "epochs": 10, "batch_size": 20,
