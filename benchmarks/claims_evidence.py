@@ -136,7 +136,8 @@ def phases(run: dict[str, Any]) -> list[tuple[str, float, float]]:
     early = EARLY_EPOCHS.get(run["setting"], float(config.get("warmup_epochs") or 1))
     drops = sorted(m * epochs if m < 1 else float(m) for m in config.get("milestones") or [])
     bounds = [0.0, min(early, epochs)] + [d for d in drops if early < d < epochs] + [epochs]
-    names = [f"first {early:g} epochs", "before the first LR drop"] + [
+    first = "first epoch" if early == 1 else f"first {early:g} epochs"
+    names = [first, "before the first LR drop"] + [
         f"after LR drop {n + 1}" for n in range(len(bounds) - 3)]
     if len(drops) == 0 or bounds[1] >= bounds[2]:
         names[1] = "after the first epochs"

@@ -65,7 +65,7 @@ def test_gentle_share_follows_the_logged_decisions(runs_root: Path) -> None:
 
 def test_phases_follow_the_settings_regimes_and_drops(runs_root: Path) -> None:
     run_ = evidence.load_runs(runs_root)[0]
-    assert evidence.phases(run_) == [("first 1 epochs", 0.0, 1.0),
+    assert evidence.phases(run_) == [("first epoch", 0.0, 1.0),
                                      ("before the first LR drop", 1.0, 2.0),
                                      ("after LR drop 1", 2.0, 4.0)]
 
