@@ -99,7 +99,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         metric = mine[0]["metric"]
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+        span = max(g["mb"] for g in mine) / max(min(g["mb"] for g in mine), 1e-12)
+        # Label the minor ticks only within a decade, where no major tick would show.
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter() if span < 10
+                                     else matplotlib.ticker.NullFormatter())
         ax.set_xlabel("MB sent per worker (log)")
         ax.set_ylabel("test accuracy (%)" if metric == "accuracy"
                       else "validation perplexity (lower is better)")
