@@ -46,12 +46,14 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the report module sits beside this file
     sys.path.insert(0, str(HERE))
 
+from _claims_plan import SETTINGS  # noqa: E402
 from _evidence_report import markdown, markdown_pooled, plot  # noqa: E402
+
+from gradzip.engine_error import ERROR_KEYS  # noqa: E402
 
 LEVEL_ROLES = ("gentle", "aggressive", "accordion", "critical-gentle", "critical-aggressive")
 #: First critical regime (epochs) of the grid's settings; other settings use their warm-up.
-EARLY_EPOCHS = {"smoke": 1.0, "cifar10-resnet8": 2.0, "cifar10-resnet8w32": 2.0,
-                "wikitext2-lstm": 1.0}
+EARLY_EPOCHS = {name: setting.critical[0] for name, setting in SETTINGS.items()}
 
 
 # -- reading ----------------------------------------------------------------------------------
@@ -204,10 +206,6 @@ def analyse_group(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out["fit"] = fit(out["roles"])
     out["phase_weights"] = phase_weights(out["roles"])
     return out
-
-
-#: The epoch records' compression-error keys (gradzip.engine_error); older runs lack them.
-ERROR_KEYS = ("compression_error", "compression_error_gentle", "compression_error_aggressive")
 
 
 def phase_errors(records: list[dict[str, Any]]) -> dict[str, float]:

@@ -172,8 +172,7 @@ class DDPStepper:
     def compression_error(self) -> dict[str, float | None]:
         """The relative compression error since the last call, over every rank's worker
         (see :mod:`gradzip.engine_error`; a collective: every rank calls it)."""
-        engine = getattr(self.hook, "engine", None)
-        return {} if engine is None else engine.compression_error(pool=self.all_sum)
+        return self.hook.engine.compression_error(pool=self.all_sum)
 
     def _reduce(self, x: Tensor, op: Any) -> Tensor:
         y = x.to(self.device)
