@@ -37,6 +37,7 @@ import torch
 from gradzip._validate import check_bool
 from gradzip.compressors.base import Job
 from gradzip.compressors.none import NoCompression
+from gradzip.control.switch import TwoLevel
 
 __all__ = ["ERROR_KEYS", "ErrorMeter", "relative_error"]
 
@@ -79,9 +80,8 @@ class ErrorMeter:
         if not jobs:
             return
         groups: list[list[Job]] = [jobs, [], []]
-        current = getattr(self.compressor, "current_levels", None)  # type: ignore[attr-defined]
-        if callable(current):
-            levels = current(self.compressor_state)  # type: ignore[attr-defined]
+        if isinstance(self.compressor, TwoLevel):  # type: ignore[attr-defined]
+            levels = TwoLevel.levels(self.compressor_state)  # type: ignore[attr-defined]
             for j in jobs:
                 where = _GROUPS.get(levels.get(j.name, ""))
                 if where is not None:
@@ -157,7 +157,7 @@ class ErrorMeter:
         else:
             exact = not self._feedback and self._error_exact()  # type: ignore[attr-defined]
             out[ERROR_KEYS[0]] = 0.0 if exact else None
-        if callable(getattr(self.compressor, "current_levels", None)):  # type: ignore[attr-defined]
+        if isinstance(self.compressor, TwoLevel):  # type: ignore[attr-defined]
             for key, value in zip(ERROR_KEYS[1:], values[1:], strict=True):
                 out[key] = None if value is None else relative_error(*value)
         return out

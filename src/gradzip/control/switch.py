@@ -225,10 +225,6 @@ class TwoLevel(Compressor):
             since = max((r["decision"] for r in records), default=0)
         return [dict(r) for r in records if r["decision"] >= since]
 
-    def current_levels(self, state: Any) -> dict[str, str]:
-        """:meth:`levels`, for callers that ask any compressor for its current choice."""
-        return TwoLevel.levels(state)
-
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Levels, counts, and the density where both levels tell one.
 
