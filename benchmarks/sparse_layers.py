@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=1, help="epochs of each run (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cifar-data", default=None, help="CIFAR-10 archive or tree")
+    p.add_argument("--cache-dir", default="runs/claims/cache",
+                   help="decoded CIFAR-10 cache (default: the claims grid's, runs/claims/cache)")
     p.add_argument("--text-data", default=None, help="wikitext-2-partial archive or folder")
     p.add_argument("--out", default=None,
                    help="JSON file (default results/sparse_layers-SETTING-DENSITY.json)")
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.cifar_data is None:
                 raise SystemExit(f"setting {setting.name} needs --cifar-data")
             options.update(data=str(Path(args.cifar_data).resolve()),
-                           cache_dir=str(Path(work) / "cache"))
+                           cache_dir=str(Path(args.cache_dir).resolve()))
         elif setting.data == "text":
             if args.text_data is None:
                 raise SystemExit(f"setting {setting.name} needs --text-data")
