@@ -65,13 +65,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     settings = list(dict.fromkeys(g["setting"] for g in groups))
+    # One colour per family and per curve across every panel, so that a series reads the same
+    # in each setting.
+    series = list(dict.fromkeys(g["family"] for g in groups if g["role"] not in CURVES))
+    # (A family and a curve may share a name: the Top-k family and the Top-k curve.)
+    keys = [*(("family", f) for f in series), *(("curve", c) for c in CURVES)]
+    colours = {key: f"C{n}" for n, key in enumerate(keys)}
     fig, axes = plt.subplots(1, len(settings), figsize=(6.0 * len(settings), 4.4),
                              squeeze=False)
     for ax, setting in zip(axes[0], settings, strict=True):
         mine = [g for g in groups if g["setting"] == setting]
         families = list(dict.fromkeys(g["family"] for g in mine if g["role"] not in CURVES))
-        for n, family in enumerate(families):
-            colour = f"C{n}"
+        for family in families:
+            colour = colours[("family", family)]
             ends = {g["role"]: g for g in mine if g["family"] == family
                     and g["role"] in ("gentle", "aggressive")}
             if len(ends) == 2:
@@ -87,14 +93,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
                                                       [g["high"] - g["mean"]]],
                             fmt=MARKERS.get(g["role"], "o"), color=colour, capsize=3,
                             label=f"{family} {g['role']} (n={g['seeds']})")
-        for n, role in enumerate(CURVES):
+        for role in CURVES:
             curve = sorted((g for g in mine if g["role"] == role), key=lambda g: g["mb"])
             if curve:
                 ax.errorbar([g["mb"] for g in curve], [g["mean"] for g in curve],
                             yerr=[[g["mean"] - g["low"] for g in curve],
                                   [g["high"] - g["mean"] for g in curve]],
                             fmt="-" if role == "threshold" else "--", marker=".",
-                            color=f"C{len(families) + n}", capsize=3,
+                            color=colours[("curve", role)], capsize=3,
                             label=f"{role} (n={min(g['seeds'] for g in curve)})")
         metric = mine[0]["metric"]
         ax.set_xscale("log")
