@@ -182,9 +182,9 @@ def text_dir(archive: Path, work: Path) -> Path:
 
 
 def data_options(setting: Setting, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    """The ``data`` (and cache) options of the setting's runs (none needed to collect)."""
-    if args.collect or args.dry_run:
-        return {}
+    """The ``data`` (and cache) options of the setting's runs, from ``args.cifar_data`` and
+    ``args.text_data``: the decoded CIFAR-10 cache under ``root / "cache"``, WikiText-2's
+    training layout under ``root / "data"``. Also used by ``sparse_layers.py``."""
     if setting.data == "cifar":
         if args.cifar_data is None:
             raise SystemExit(f"setting {setting.name} needs --cifar-data")
@@ -294,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Planned] = []
     for name in names:
         setting = SETTINGS[name]
-        options = {**data_options(setting, args, root), "device": args.device,
+        # Collecting and listing read finished runs only: no data needed.
+        data = {} if args.collect or args.dry_run else data_options(setting, args, root)
+        options = {**data, "device": args.device,
                    **parse_sets(args.set)}
         runs += plan(setting, seeds, root, options)
     runs = select(runs, args.only)

@@ -44,6 +44,7 @@ if str(HERE) not in sys.path:
 
 import torch  # noqa: E402
 from _claims_plan import SETTINGS  # noqa: E402
+from claims import data_options  # noqa: E402
 
 from gradzip.compressors.base import Compressor, Job  # noqa: E402
 from gradzip.spec import compressor_from_spec  # noqa: E402
@@ -62,7 +63,7 @@ class Tally:
     def add(self, jobs: Sequence[Job]) -> None:
         """Count one ``reduce`` call's jobs (after the compressor filled them)."""
         for job in jobs:
-            row = self.rows.setdefault(job.name, {"numel": job.tensor[0].numel(), "sent": 0,
+            row = self.rows.setdefault(job.name, {"numel": job.numel, "sent": 0,
                                                    "offered": 0, "error_sq": 0.0,
                                                    "input_sq": 0.0})
             x = job.tensor
@@ -146,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=1, help="epochs of each run (default 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cifar-data", default=None, help="CIFAR-10 archive or tree")
-    p.add_argument("--cache-dir", default="runs/claims/cache",
-                   help="decoded CIFAR-10 cache (default: the claims grid's, runs/claims/cache)")
+    p.add_argument("--root", default="runs/claims",
+                   help="where the claims grid keeps its data (decoded CIFAR-10 cache, "
+                        "WikiText-2 layout); default runs/claims")
     p.add_argument("--text-data", default=None, help="wikitext-2-partial archive or folder")
     p.add_argument("--out", default=None,
                    help="JSON file (default results/sparse_layers-SETTING-DENSITY.json)")
@@ -163,17 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as work:
         options: dict[str, Any] = {**setting.base, "epochs": args.epochs, "seed": args.seed,
                                    "out": str(Path(work) / "run"), "threads": 1}
-        if setting.data == "cifar":
-            if args.cifar_data is None:
-                raise SystemExit(f"setting {setting.name} needs --cifar-data")
-            options.update(data=str(Path(args.cifar_data).resolve()),
-                           cache_dir=str(Path(args.cache_dir).resolve()))
-        elif setting.data == "text":
-            if args.text_data is None:
-                raise SystemExit(f"setting {setting.name} needs --text-data")
-            from claims import text_dir  # the grid's layout of WikiText-2 (train on test.txt)
-
-            options["data"] = str(text_dir(Path(args.text_data), Path(work)))
+        # The grid's own data layout (its decoded CIFAR-10 cache, WikiText-2 trained on
+        # test.txt), under --root.
+        options.update(data_options(setting, args, Path(args.root)))
         results = []
         for spec in (f"topk:ratio={args.density:g}", f"threshold:budget={args.density:g}"):
             cfg = resolve_config(RunConfig.from_dict({**options, "compressor": spec}))
