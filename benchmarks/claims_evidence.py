@@ -271,15 +271,18 @@ def fit(roles: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     return result
 
 
+RCOND = 0.01  # relative singular value below which a combination of phases is not determined
+
+
 def phase_weights(roles: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """How much a phase's gentle time is worth: least squares of each role's final recovered
     share against its gentle share per phase, ``recovered = sum_p w_p * share_p``.
 
     ``w_p`` is the share of the whole gap that the gentle level throughout phase ``p`` recovers
     (timing-free: ``w_p`` = the phase's share of the run's steps). Phases whose gentle shares
-    are equal in every role cannot be told apart: the minimum-norm split is reported, and
-    ``rank`` says how many combinations the runs determine. None without both static levels
-    and at least two other roles.
+    are equal in every role, or nearly (``RCOND``), cannot be told apart: the minimum-norm
+    split is reported, and ``rank`` says how many combinations the runs determine. None
+    without both static levels and at least two other roles.
     """
     fitted = fit(roles)
     if not fitted or "recovered" not in fitted:
@@ -299,7 +302,11 @@ def _solve(rows: list[tuple[str, list[float | None], float]],
         return None
     a = np.array([r[1] for r in rows], dtype=float)
     b = np.array([r[2] for r in rows], dtype=float)
-    w, _, rank, _ = np.linalg.lstsq(a, b, rcond=None)
+    # Why a cut-off: one layer of 29 kept gentle for two more epochs after the second drop
+    # makes the two post-drop phases differ by 0.02 in one run's share, and an exact fit
+    # then splits the gap between them as +-2, fitting noise. A direction the shares span
+    # by less than RCOND of the largest is left undetermined instead.
+    w, _, rank, _ = np.linalg.lstsq(a, b, rcond=RCOND)
     total = phases_[-1]["epochs"][1] - phases_[0]["epochs"][0]
     return {"rank": int(rank), "residuals": {r[0]: round(float(x), 3) for r, x in
                                              zip(rows, b - a @ w, strict=True)},
