@@ -139,8 +139,17 @@ def plot(groups: list[dict[str, Any]], runs: list[dict[str, Any]],
     except ImportError:
         return False
     shown = [g for g in groups if len(g["roles"]) > 0]
-    fig, axes = plt.subplots(1, len(shown), figsize=(5.2 * len(shown), 3.8), squeeze=False)
-    for ax, group in zip(axes[0], shown, strict=True):
+    # One row per setting and family, one column per seed: a seed's panel sits under the
+    # same seed of the other families, and the figure grows down, not sideways.
+    keys = list(dict.fromkeys((g["setting"], g["family"]) for g in shown))
+    seeds = sorted({g["seed"] for g in shown})
+    fig, axes = plt.subplots(len(keys), len(seeds), figsize=(5.2 * len(seeds), 3.6 * len(keys)),
+                             squeeze=False)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    for group in shown:
+        ax = axes[keys.index((group["setting"], group["family"]))][seeds.index(group["seed"])]
+        ax.set_visible(True)
         for role, entry in group["roles"].items():
             values = entry["per_epoch"]
             style = "-" if role in ("gentle", "aggressive") else "--"
@@ -152,7 +161,9 @@ def plot(groups: list[dict[str, Any]], runs: list[dict[str, Any]],
         ax.set_title(f"{group['setting']} {group['family']} seed {group['seed']}", fontsize=9)
         ax.set_xlabel("epoch")
         metric = run["summary"]["metric"]
-        ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else metric)
+        ax.set_ylabel("test accuracy (%)" if metric == "accuracy" else f"{metric} (log scale)")
+        if metric != "accuracy":
+            ax.set_yscale("log")  # the first epochs' perplexities would flatten the rest
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
