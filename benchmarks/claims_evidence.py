@@ -29,6 +29,8 @@ Usage::
 
     python benchmarks/claims_evidence.py                       # the archive in results/
     python benchmarks/claims_evidence.py --runs runs/claims --out /tmp/evidence
+    python benchmarks/claims_evidence.py --runs A.tar.gz --runs B.tar.gz \
+        --only cifar10-resnet8/powersgd --name other   # B's runs replace A's of the same key
 """
 
 from __future__ import annotations
@@ -371,32 +373,46 @@ def lr_drops(runs: list[dict[str, Any]]) -> dict[tuple[str, str, int], list[floa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", default=str(HERE / "results" / "claims-runs.tar.gz"),
-                   help="a runs folder or an archive written by claims.py --pack")
+    p.add_argument("--runs", action="append", metavar="FOLDER_OR_ARCHIVE",
+                   help="a runs folder or an archive written by claims.py --pack (default "
+                        "results/claims-runs.tar.gz); repeatable: a run of a later source "
+                        "replaces the same setting, family, role and seed of an earlier one")
+    p.add_argument("--only", action="append", metavar="SETTING/FAMILY",
+                   help="keep the runs of this setting and family (repeatable; default all)")
     p.add_argument("--out", default=str(HERE / "results"), help="where the outputs go")
     p.add_argument("--name", default="claims_evidence", help="output file stem")
     args = p.parse_args(argv)
-    source = Path(args.runs)
-    if not source.exists():
-        raise SystemExit(f"--runs must be a runs folder or archive, got {args.runs!r}")
+    sources = [Path(r) for r in args.runs or [str(HERE / "results" / "claims-runs.tar.gz")]]
+    for source in sources:
+        if not source.exists():
+            raise SystemExit(f"--runs must be a runs folder or archive, got {str(source)!r}")
+    for only in args.only or []:
+        if only.count("/") != 1 or "" in only.split("/"):
+            raise SystemExit(f"--only must be SETTING/FAMILY, got {only!r}")
+    by_key: dict[tuple[str, str, str, int], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = source
-        if source.is_file():
-            root = Path(tmp)
-            with tarfile.open(source, "r:*") as tar:
-                tar.extractall(root, filter="data")
-        runs = load_runs(root)
-        if not runs:
-            raise SystemExit(f"no finished runs of a level pair under {args.runs!r}")
-        groups = analyse(runs)
-        pools = pooled(groups)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(
-            json.dumps({"per_seed": groups, "pooled": pools}, indent=1) + "\n", encoding="utf-8")
-        text = markdown(groups) + ("\n" + markdown_pooled(pools) if pools else "")
-        (out / f"{args.name}.md").write_text(text, encoding="utf-8")
-        plotted = plot(groups, runs, lr_drops(runs), out / f"{args.name}.png")
+        for i, source in enumerate(sources):
+            root = source
+            if source.is_file():
+                root = Path(tmp) / str(i)
+                with tarfile.open(source, "r:*") as tar:
+                    tar.extractall(root, filter="data")
+            for run in load_runs(root):
+                by_key[(run["setting"], run["family"], run["role"], run["seed"])] = run
+    runs = [by_key[k] for k in sorted(by_key)
+            if not args.only or f"{k[0]}/{k[1]}" in args.only]
+    if not runs:
+        raise SystemExit(f"no finished runs of a level pair in --runs {args.runs or sources}"
+                         + (f" for --only {args.only}" if args.only else ""))
+    groups = analyse(runs)
+    pools = pooled(groups)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(
+        json.dumps({"per_seed": groups, "pooled": pools}, indent=1) + "\n", encoding="utf-8")
+    text = markdown(groups) + ("\n" + markdown_pooled(pools) if pools else "")
+    (out / f"{args.name}.md").write_text(text, encoding="utf-8")
+    plotted = plot(groups, runs, lr_drops(runs), out / f"{args.name}.png")
     print(text)
     print(f"wrote {out / args.name}.json, .md" + (", .png" if plotted else " (no matplotlib)"))
     return 0

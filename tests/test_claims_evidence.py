@@ -197,6 +197,35 @@ def test_script_writes_json_markdown_and_plot(runs_root: Path, tmp_path: Path) -
         evidence.main(["--runs", str(tmp_path / "missing")])
 
 
+def test_later_sources_replace_runs_and_only_filters(runs_root: Path, tmp_path: Path) -> None:
+    import shutil
+
+    # A second source holding one re-run of Accordion (here: the same files, its final
+    # accuracy edited): it replaces the first source's run, the other roles stay.
+    other = tmp_path / "other"
+    rel = Path("smoke/powersgd/accordion/seed0")
+    shutil.copytree(runs_root / rel, other / rel)
+    summary = json.loads((other / rel / "summary.json").read_text())
+    summary["final_accuracy"] = 0.987
+    (other / rel / "summary.json").write_text(json.dumps(summary))
+    archive = tmp_path / "runs.tar.gz"
+    claims.pack(runs_root, archive)
+    out = tmp_path / "out"
+    assert evidence.main(["--runs", str(archive), "--runs", str(other), "--out", str(out),
+                          "--only", "smoke/powersgd"]) == 0
+    (group,) = json.loads((out / "claims_evidence.json").read_text())["per_seed"]
+    assert set(group["roles"]) == set(evidence.LEVEL_ROLES)
+    assert group["roles"]["accordion"]["final"] == pytest.approx(98.7)
+    # In the other order the first source's run wins.
+    assert evidence.main(["--runs", str(other), "--runs", str(archive), "--out", str(out)]) == 0
+    (group,) = json.loads((out / "claims_evidence.json").read_text())["per_seed"]
+    assert group["roles"]["accordion"]["final"] != pytest.approx(98.7)
+    with pytest.raises(SystemExit, match="no finished runs"):
+        evidence.main(["--runs", str(archive), "--out", str(out), "--only", "smoke/topk"])
+    with pytest.raises(SystemExit, match="--only must be SETTING/FAMILY, got 'smoke'"):
+        evidence.main(["--runs", str(archive), "--out", str(out), "--only", "smoke"])
+
+
 def test_pooled_means_and_weights_over_seeds() -> None:
     def group(seed: int, finals: dict[str, float]) -> dict[str, object]:
         shares = {"gentle": [1, 1], "aggressive": [0, 0], "a": [1, 0], "b": [0, 1]}
