@@ -402,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [by_key[k] for k in sorted(by_key)
             if not args.only or f"{k[0]}/{k[1]}" in args.only]
     if not runs:
-        raise SystemExit(f"no finished runs of a level pair in --runs {args.runs or sources}"
-                         + (f" for --only {args.only}" if args.only else ""))
+        raise SystemExit("no finished runs of a level pair in --runs "
+                         + ", ".join(str(s) for s in sources)
+                         + (f" for --only {', '.join(args.only)}" if args.only else ""))
     groups = analyse(runs)
     pools = pooled(groups)
     out = Path(args.out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -198,8 +199,6 @@ def test_script_writes_json_markdown_and_plot(runs_root: Path, tmp_path: Path) -
 
 
 def test_later_sources_replace_runs_and_only_filters(runs_root: Path, tmp_path: Path) -> None:
-    import shutil
-
     # A second source holding one re-run of Accordion (here: the same files, its final
     # accuracy edited): it replaces the first source's run, the other roles stay.
     other = tmp_path / "other"
@@ -220,7 +219,8 @@ def test_later_sources_replace_runs_and_only_filters(runs_root: Path, tmp_path: 
     assert evidence.main(["--runs", str(other), "--runs", str(archive), "--out", str(out)]) == 0
     (group,) = json.loads((out / "claims_evidence.json").read_text())["per_seed"]
     assert group["roles"]["accordion"]["final"] != pytest.approx(98.7)
-    with pytest.raises(SystemExit, match="no finished runs"):
+    with pytest.raises(SystemExit,
+                       match=r"no finished runs .* in --runs .*runs\.tar\.gz for --only smoke/topk$"):
         evidence.main(["--runs", str(archive), "--out", str(out), "--only", "smoke/topk"])
     with pytest.raises(SystemExit, match="--only must be SETTING/FAMILY, got 'smoke'"):
         evidence.main(["--runs", str(archive), "--out", str(out), "--only", "smoke"])
