@@ -175,9 +175,13 @@ def text_dir(archive: Path, work: Path) -> Path:
     dest = work / "wikitext-2-train-on-test"
     dest.mkdir(parents=True, exist_ok=True)
     for name, target in (("train.txt", "test.txt"), ("valid.txt", "valid.txt")):
-        link = dest / name
+        link, want = dest / name, (found[0].parent / target).resolve()
+        # A run folder copied from another checkout keeps links to that checkout's files,
+        # which may be gone (``exists()`` is then False but the name is taken): re-point them.
+        if link.is_symlink() and link.resolve() != want:
+            link.unlink()
         if not link.exists():
-            link.symlink_to((found[0].parent / target).resolve())
+            link.symlink_to(want)
     return dest
 
 

@@ -126,3 +126,21 @@ def test_plot_summarises_seeds_and_draws_one_panel_per_setting(tmp_path: Path) -
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     assert not _claims_plot.plot([row("a", "gentle", 0, None, 1)], tmp_path / "none.png")
     assert not (tmp_path / "none.png").exists()
+
+
+def test_text_layout_repoints_links_left_by_another_checkout(tmp_path: Path) -> None:
+    source = tmp_path / "wikitext" / "wikitext-2-partial"
+    source.mkdir(parents=True)
+    (source / "test.txt").write_text("a b c\n")
+    (source / "valid.txt").write_text("b c\n")
+    work = tmp_path / "runs" / "data"
+    dest = work / "wikitext-2-train-on-test"
+    dest.mkdir(parents=True)
+    (dest / "train.txt").symlink_to(tmp_path / "gone" / "test.txt")  # dangling
+    (dest / "valid.txt").symlink_to(source / "test.txt")  # stale: the wrong file
+    assert claims.text_dir(tmp_path / "wikitext", work) == dest
+    assert (dest / "train.txt").read_text() == "a b c\n"
+    assert (dest / "valid.txt").read_text() == "b c\n"
+    # A second call keeps the (now correct) links.
+    assert claims.text_dir(tmp_path / "wikitext", work) == dest
+    assert (dest / "train.txt").resolve() == (source / "test.txt").resolve()
