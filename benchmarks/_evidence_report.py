@@ -167,6 +167,6 @@ def plot(groups: list[dict[str, Any]], runs: list[dict[str, Any]],
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
