@@ -103,7 +103,8 @@ def gradzip_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futu
     # Synchronous collectives, in bucket order, identical on every rank: see the module
     # docstring for why nothing may wait inside a Future callback.
     engine = state.engine
-    state._reduce_bucket(engine, state._layout(engine, bucket), bucket.is_last())
+    state._reduce_bucket(engine, state._layout(engine, bucket), bucket.is_last(),
+                         state._optimizer_steps)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -6,6 +6,7 @@ See :mod:`gradzip.ddp` for why the hook is shaped as it is; the hook functions a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -87,6 +88,16 @@ class GradzipHookState:
         self._private_group = False
         # Bucket index -> (identity of its parameters and buffer, the engine's layout of it).
         self._layouts: dict[int, tuple[Any, BucketLayout]] = {}
+        # Optimizer steps taken since this state was built (None: no optimizer known). Why:
+        # the engine's own step count advances with every reduction on every rank alike, so
+        # a rank that runs one backward more than the others (a retried batch) and one fewer
+        # later stays "in step" by that count while its replica drifts. Its count of
+        # optimizer steps per reduction differs from the others', and every call's header
+        # carries it, so such a rank is caught at its next reduction, on every rank.
+        self._optimizer_steps: int | None = None
+        if options.optimizer is not None:
+            self._optimizer_steps = 0
+            _count_steps_of(options.optimizer, self)
 
     # -- the engine ------------------------------------------------------------------------
     @property
@@ -147,12 +158,13 @@ class GradzipHookState:
                 del self._layouts[index]
         return layout
 
-    def _reduce_bucket(self, engine: Engine, layout: BucketLayout, finish_step: bool) -> None:
+    def _reduce_bucket(self, engine: Engine, layout: BucketLayout, finish_step: bool,
+                       step: int | None) -> None:
         # DDP checked at construction that every rank holds the same parameters and hands
         # every rank the same buckets in the same order (rebuilt buckets follow rank 0's
         # order), so the payload's layout is identical on every rank: the header may ride in
         # it (see gradzip.comm.header).
-        engine.reduce_bucket(layout, finish_step=finish_step)
+        engine.reduce_bucket(layout, finish_step=finish_step, step=step)
 
     def _submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Queue one bucket's work on the communication thread (``overlap=True``)."""
@@ -169,6 +181,9 @@ class GradzipHookState:
                 self._private_group = True
             layout = self._layout(engine, bucket)
             finish_step = bucket.is_last()
+            # Read now, on the thread that runs the backward pass: the optimizer steps on
+            # that thread once the backward (and so this bucket's work) has finished.
+            step = self._optimizer_steps
         except BaseException as exc:  # noqa: BLE001 - reported through the future
             self._failure = self._failure or exc
             return worker.submit(_raiser(exc), buffer.device)
@@ -177,7 +192,7 @@ class GradzipHookState:
             if self._failure is not None:
                 raise self._failed()
             try:
-                self._reduce_bucket(engine, layout, finish_step)
+                self._reduce_bucket(engine, layout, finish_step, step)
             except BaseException as exc:
                 self._failure = exc
                 raise
@@ -320,6 +335,19 @@ class GatheredState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.state.load_state_dict(state)
+
+
+def _count_steps_of(optimizer: torch.optim.Optimizer, state: GradzipHookState) -> None:
+    """Count ``optimizer``'s steps in ``state._optimizer_steps`` (a step post-hook holding
+    the state weakly, so the optimizer does not keep a discarded state alive)."""
+    ref = weakref.ref(state)
+
+    def count(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        target = ref()
+        if target is not None and target._optimizer_steps is not None:
+            target._optimizer_steps += 1
+
+    optimizer.register_step_post_hook(count)
 
 
 def _raiser(exc: BaseException) -> Any:

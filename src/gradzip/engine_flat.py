@@ -114,7 +114,8 @@ class FlatPath:
         return BucketLayout(dict(named), names, [checked[n] for n in names], views, sizes, buffer,
                             whole, set_code)
 
-    def reduce_bucket(self, layout: BucketLayout, *, finish_step: bool) -> None:
+    def reduce_bucket(self, layout: BucketLayout, *, finish_step: bool,
+                      step: int | None = None) -> None:
         """Average a DDP bucket's gradients in place: :meth:`reduce` with
         ``same_layout=True``, its averages written back into the bucket, bit for bit (the
         flat path where it applies, see the module docstring).
@@ -122,6 +123,8 @@ class FlatPath:
         Args:
             layout: from :meth:`bucket_layout`.
             finish_step: whether this call completes an optimizer step.
+            step: the caller's step number, carried in the header (see :meth:`reduce`); the
+                DDP hook passes its count of optimizer steps when it knows the optimizer.
 
         Raises:
             as :meth:`reduce`.
@@ -129,13 +132,13 @@ class FlatPath:
         if not self._flat_applies(layout):
             # The ordinary call, on the names and worker-axis views checked and ordered once.
             averaged = self._reduce_sorted(  # type: ignore[attr-defined]
-                layout.names, layout.grads, layout.named, finish_step, None, True
+                layout.names, layout.grads, layout.named, finish_step, step, True
             )
             for name, grad in layout.named.items():
                 grad.copy_(averaged[name])
             return
         try:
-            self._reduce_flat(layout, finish_step)
+            self._reduce_flat(layout, finish_step, step)
         except BaseException:
             self._abort_step()  # type: ignore[attr-defined]
             raise
@@ -169,7 +172,7 @@ class FlatPath:
             layout.bits = bits
         return True
 
-    def _reduce_flat(self, layout: BucketLayout, finish_step: bool) -> None:
+    def _reduce_flat(self, layout: BucketLayout, finish_step: bool, step: int | None) -> None:
         comm, world = self.comm, self.comm.world_size  # type: ignore[attr-defined]
         names, message, n = layout.names, layout.message, layout.numel
         assert message is not None
@@ -195,13 +198,13 @@ class FlatPath:
             # As on the host path: a non-finite worker sends zeros (the result is discarded
             # by the policy on every worker alike; zeros keep the message's size).
             message[:n].zero_()
-        code = call_code(self.step, self._call, finish_step, None,  # type: ignore[attr-defined]
+        code = call_code(self.step, self._call, finish_step, step,  # type: ignore[attr-defined]
                          layout.set_code, len(names))
         message[n:] = torch.tensor(summed_row(code, layout.bits, bad), dtype=message.dtype)
         comm.all_reduce_(message)
         agreed, any_bad = read_summed([int(v) for v in message[n:].tolist()], world, layout.bits)
         if not agreed:
-            self._out_of_step(names, finish_step, None)  # type: ignore[attr-defined]
+            self._out_of_step(names, finish_step, step)  # type: ignore[attr-defined]
         if any_bad:
             self._flat_policy(layout, before, finish_step, "a gradient holds NaN or Inf")
             return
