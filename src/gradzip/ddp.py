@@ -69,6 +69,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -103,6 +104,7 @@ def gradzip_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futu
     # Synchronous collectives, in bucket order, identical on every rank: see the module
     # docstring for why nothing may wait inside a Future callback.
     engine = state.engine
+    state._hook_thread = threading.get_ident()
     state._reduce_bucket(engine, state._layout(engine, bucket), bucket.is_last(),
                          state._optimizer_steps)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

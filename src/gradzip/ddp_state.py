@@ -6,8 +6,10 @@ See :mod:`gradzip.ddp` for why the hook is shaped as it is; the hook functions a
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -94,6 +96,14 @@ class GradzipHookState:
         # later stays "in step" by that count while its replica drifts. Its count of
         # optimizer steps per reduction differs from the others', and every call's header
         # carries it, so such a rank is caught at its next reduction, on every rank.
+        # Whether the engine is inside a step (from its first bucket's work to its last's),
+        # guarded by a condition. Why: a checkpoint thread that reads the state while the
+        # communication thread (or autograd) runs the next step's buckets would get one
+        # step's residuals beside another's warm starts or byte counts; readers wait for the
+        # step to close and hold the lock while they read, so the next step waits for them.
+        self._step_cv = threading.Condition()
+        self._step_open = False
+        self._hook_thread: int | None = None  # the thread DDP calls the hook on
         self._optimizer_steps: int | None = None
         if options.optimizer is not None:
             self._optimizer_steps = 0
@@ -119,7 +129,7 @@ class GradzipHookState:
             self._engine = engine
             if self._pending is not None:
                 pending, self._pending = self._pending, None
-                self.load_state_dict(pending)
+                self._load(pending)
         return self._engine
 
     def name_of(self, param: torch.Tensor) -> str:
@@ -160,6 +170,38 @@ class GradzipHookState:
 
     def _reduce_bucket(self, engine: Engine, layout: BucketLayout, finish_step: bool,
                        step: int | None) -> None:
+        with self._step_cv:  # waits while a reader holds the state (see __init__)
+            self._step_open = True
+        try:
+            self._reduce_in_step(engine, layout, finish_step, step)
+        except BaseException:
+            self._close_step()  # the engine abandoned the step, its state as before it
+            raise
+        if finish_step:
+            self._close_step()
+
+    def _close_step(self) -> None:
+        with self._step_cv:
+            self._step_open = False
+            self._step_cv.notify_all()
+
+    @contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """Wait for the work in flight and for the engine's step to close, then hold the next
+        step off while the caller reads or writes the state (from any thread)."""
+        self.wait()
+        with self._step_cv:
+            if self._step_open and threading.get_ident() == self._hook_thread:
+                # The thread that would close the step is this one: waiting would never end.
+                raise RuntimeError(
+                    "the hook state must be read between steps, not inside one (a backward "
+                    "pass that stopped after some of its buckets leaves its step open)"
+                )
+            self._step_cv.wait_for(lambda: not self._step_open)
+            yield
+
+    def _reduce_in_step(self, engine: Engine, layout: BucketLayout, finish_step: bool,
+                        step: int | None) -> None:
         # DDP checked at construction that every rank holds the same parameters and hands
         # every rank the same buckets in the same order (rebuilt buckets follow rank 0's
         # order), so the payload's layout is identical on every rank: the header may ride in
@@ -170,6 +212,7 @@ class GradzipHookState:
         """Queue one bucket's work on the communication thread (``overlap=True``)."""
         buffer = bucket.buffer()
         worker = comm_thread()
+        self._hook_thread = threading.get_ident()
         try:
             if self._failure is not None:
                 raise self._failed()
@@ -223,18 +266,20 @@ class GradzipHookState:
         docstring for the byte counts), plus ``compression_rate`` (dense wire bytes / wire
         bytes, ``None`` before any byte is sent) and ``levels`` (``report(state)["levels"]`` of
         the compressor when it reports one, e.g. an Accordion, else ``None``)."""
-        self.wait()
-        if self._engine is None:
-            # The same keys as once the engine exists (zeros: nothing was sent yet).
-            return {**dict.fromkeys(STATS_KEYS, 0), "compression_rate": None, "levels": None}
-        raw = self._engine.stats
+        with self._between_steps():
+            if self._engine is None:
+                # The same keys as once the engine exists (zeros: nothing was sent yet).
+                return {**dict.fromkeys(STATS_KEYS, 0), "compression_rate": None,
+                        "levels": None}
+            raw = self._engine.stats
+            levels = self._levels()
         out: dict[str, Any] = {
             key: (value[0] if isinstance(value, list) else value) for key, value in raw.items()
         }
         out["compression_rate"] = (
             out["dense_wire_bytes"] / out["wire_bytes"] if out["wire_bytes"] else None
         )
-        out["levels"] = self._levels()
+        out["levels"] = levels
         return out
 
     def _levels(self) -> Any:
@@ -259,14 +304,17 @@ class GradzipHookState:
     def state_dict(self) -> dict[str, Any]:
         """This rank's state (tensors and plain values): save one file per rank.
 
+        Safe from any thread: a call made while a step runs (a background checkpoint thread)
+        waits for the step to end and returns one step's state, whole.
+
         Raises:
-            RuntimeError: called inside a step, or before the process group exists with
-                nothing loaded.
+            RuntimeError: called inside a step on the thread that runs it, or before the
+                process group exists with nothing loaded.
         """
-        self.wait()
-        if self._engine is None and self._pending is not None:
-            return dict(self._pending)
-        return self.engine.state_dict()
+        with self._between_steps():
+            if self._engine is None and self._pending is not None:
+                return dict(self._pending)
+            return self.engine.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` output (or this rank's entry of a :class:`GatheredState`
@@ -281,7 +329,10 @@ class GradzipHookState:
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"`state` must be a mapping, got {type(state).__name__}")
-        self.wait()
+        with self._between_steps():
+            self._load(state)
+
+    def _load(self, state: Mapping[str, Any]) -> None:
         if self._engine is None and not dist.is_initialized():
             self._pending = state
             return
