@@ -392,6 +392,10 @@ def _count_steps_of(optimizer: torch.optim.Optimizer, state: GradzipHookState) -
     """Count ``optimizer``'s steps in ``state._optimizer_steps`` (a step post-hook holding
     the state weakly, so the optimizer does not keep a discarded state alive)."""
     ref = weakref.ref(state)
+    # Wrappers (Accelerate's AcceleratedOptimizer) subclass Optimizer without its hook
+    # registry and step the optimizer they hold: count that one's steps.
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
 
     def count(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
         target = ref()
