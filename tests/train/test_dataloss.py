@@ -121,6 +121,12 @@ def test_overwrite_replaces_the_results_once_the_new_run_finished(tmp_path: Path
     assert plan_out_dir(resolve_config(cfg(out, epochs=2)), resume=True).finished is not None
     with pytest.raises(ValueError, match="another configuration"):  # only this configuration
         run(cfg(out, epochs=2, seed=3), overwrite=True)
+    (out / "summary.json").unlink()
+    (out / "checkpoint" / "latest.json").write_text("{torn")
+    with pytest.raises(ValueError, match="holds a run with a damaged checkpoint"):
+        run(cfg(out, epochs=2))
+    run(cfg(out, epochs=2), overwrite=True)  # starting over needs nothing from the old run
+    assert records(out) == records(ref)
 
 
 @pytest.mark.slow

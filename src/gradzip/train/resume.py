@@ -83,7 +83,10 @@ def _held(out: str) -> str | None:
     if (path / "summary.json").exists():
         return "a finished run"
     if (path / CHECKPOINT_DIR).exists():
-        manifest = read_manifest(out)
+        try:
+            manifest = read_manifest(out)
+        except ValueError:  # still worth keeping unless the user starts over explicitly
+            return "a run with a damaged checkpoint"
         if manifest is not None:
             return f"a run interrupted after epoch {manifest.epoch}"
     metrics = path / "metrics.jsonl"
