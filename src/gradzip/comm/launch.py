@@ -57,6 +57,9 @@ def die_with_parent(parent: int) -> None:
     died before this call, which the pid check after it catches.
     """
     armed = False
+    # The kernel ties the signal to the *thread* that started this process, not to the whole
+    # parent; run_processes starts and waits for its workers in one thread, which therefore
+    # outlives them unless the parent itself dies.
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
