@@ -56,8 +56,9 @@ worker and scaled by the number of workers after a linear warm-up.
 
 A run is checked whole before DIR is written to; DIR holding another configuration's results
 is refused, and so is DIR holding this configuration's results without --resume (continue) or
---overwrite (start over; the old results stay until the new run finishes). A checkpoint is saved every --checkpoint-every epochs; after an interruption, the
-same command with --resume continues from it (also with more --epochs):
+--overwrite (start over; the old results stay until the new run finishes). A checkpoint is
+saved every --checkpoint-every epochs; after an interruption, the same command with --resume
+continues from it (also with more --epochs):
   gradzip train --task digits --compressor topk:ratio=0.01 --out runs/topk --resume
 """
 
