@@ -17,9 +17,11 @@ loaded. Nothing here decides whether a directory may be used: the runner checks 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -36,6 +38,8 @@ __all__ = [
     "prune_checkpoints", "rank_file", "read_manifest", "run_token", "save_hashed", "stored_config",
     "write_run_file",
 ]
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
@@ -348,7 +352,12 @@ def lock_out_dir(out: str | os.PathLike[str]) -> OutDirLock:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            # A file system without locks (some network mounts): run unlocked, as before.
+            log.warning("cannot lock %s (%s): a second run there would not be refused",
+                        path, exc)
+            return OutDirLock(fd, path)
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
         os.close(fd)
         raise ValueError(f"`out` {str(out)!r} is in use by another gradzip run (pid {holder}); "
