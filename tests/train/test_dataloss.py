@@ -327,7 +327,12 @@ def test_a_changed_checkpoint_file_is_refused_naming_it(
     assert snapshot(out) == before
     victim.write_bytes(good)
     run(cfg(out, epochs=2, **extra), resume=True)
-    assert (out / "summary.json").exists()
+    resumed = records(out)
+    # Starting over (every process writing to the staging folder) gives the same run again.
+    run(cfg(out, epochs=2, **extra), overwrite=True)
+    assert records(out) == resumed and not (out / STAGING_DIR).exists()
+    manifest = read_manifest(out)
+    assert manifest is not None and manifest.epoch == 2 and manifest.sha256 is not None
 
 
 def test_a_manifest_without_digests_still_resumes(tmp_path: Path) -> None:
