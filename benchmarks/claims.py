@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         check()
         return 0
     if args.one is not None:
-        run(resolve_config(RunConfig.from_dict(json.loads(args.one))))
+        # An interrupted run continues (a plain re-run over its results is refused).
+        run(resolve_config(RunConfig.from_dict(json.loads(args.one))), resume=True)
         return 0
     start = time.monotonic()
     names = [n for n in args.settings.split(",") if n]

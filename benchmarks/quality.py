@@ -135,7 +135,7 @@ def _run_one(cfg_dict: dict[str, Any]) -> tuple[str, float]:
     cfg = resolve_config(RunConfig.from_dict(cfg_dict))
     start = time.perf_counter()
     if not _finished(cfg):
-        run(cfg)
+        run(cfg, resume=True)  # an interrupted run continues (a re-run over it is refused)
     return cfg.out, time.perf_counter() - start
 
 

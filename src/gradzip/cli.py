@@ -55,8 +55,10 @@ Options left out take the task's defaults (see `gradzip list`). The learning rat
 worker and scaled by the number of workers after a linear warm-up.
 
 A run is checked whole before DIR is written to; DIR holding another configuration's results
-is refused. A checkpoint is saved every --checkpoint-every epochs; after an interruption, the
-same command with --resume continues from it (also with more --epochs):
+is refused, and so is DIR holding this configuration's results without --resume (continue) or
+--overwrite (start over; the old results stay until the new run finishes). A checkpoint is
+saved every --checkpoint-every epochs; after an interruption, the same command with --resume
+continues from it (also with more --epochs):
   gradzip train --task digits --compressor topk:ratio=0.01 --out runs/topk --resume
 """
 
@@ -164,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true",
                        help="continue the run in DIR from its last checkpoint (also to more "
                             "--epochs); without a checkpoint, start from the beginning")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start over although DIR holds results of this configuration; "
+                            "they are replaced only once the new run has finished")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
     cmp = sub.add_parser("compare", help="run a grid of runs from a TOML file or preset",
                          description="Run a grid; print a table, write results.csv and "
@@ -213,7 +218,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gradzip.train.runner import run
 
     cfg = RunConfig.from_dict({name: getattr(args, name) for name in _cli_fields()})
-    summary = run(cfg, progress=_progress(args.quiet), resume=args.resume)
+    summary = run(cfg, progress=_progress(args.quiet), resume=args.resume,
+                  overwrite=args.overwrite)
     if summary is None:  # pragma: no cover - a torchrun rank other than 0 could return None
         return 0
     if os.environ.get("RANK", "0") != "0":

@@ -1,15 +1,22 @@
 """Run a function in N local processes joined by a gloo process group.
 
 Used by the test suite and the runner's ``procs`` launcher; under ``torchrun`` the processes
-already exist and this module is not involved.
+already exist and this module is not involved. Workers die with their parent, however it
+ends (SIGKILL included): an orphaned worker would go on training and writing into a run
+directory that a new run may already be using.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import multiprocessing as mp
+import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -21,7 +28,7 @@ import torch.distributed as dist
 
 from gradzip._validate import check_int, check_real
 
-__all__ = ["free_port", "run_processes"]
+__all__ = ["die_with_parent", "free_port", "run_processes"]
 
 
 def free_port() -> int:
@@ -31,7 +38,43 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _watch_parent(parent: int, poll: float = 0.5) -> None:
+    """Exit at once when the parent process ``parent`` is gone (its children are re-parented,
+    so ``getppid`` changes); runs on a daemon thread where no parent-death signal exists."""
+    while os.getppid() == parent:
+        time.sleep(poll)
+    os._exit(1)
+
+
+def die_with_parent(parent: int) -> None:
+    """Make this process end when the process ``parent`` (which started it) ends.
+
+    On Linux the kernel sends SIGKILL the moment the parent exits (``prctl(PR_SET_PDEATHSIG)``);
+    elsewhere a daemon thread polls the parent's pid. Either way the parent may already have
+    died before this call, which the pid check after it catches.
+    """
+    armed = False
+    # The kernel ties the signal to the *thread* that started this process, not to the whole
+    # parent; run_processes starts and waits for its workers in one thread, which therefore
+    # outlives them unless the parent itself dies.
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
+            armed = False
+    if not armed:  # pragma: no cover - exercised on macOS and other platforms
+        threading.Thread(target=_watch_parent, args=(parent,), name="gradzip-parent-watch",
+                         daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the signal was armed
+        os._exit(1)
+
+
 def _entry(
+    parent: int,
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
@@ -41,6 +84,7 @@ def _entry(
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
+    die_with_parent(parent)
     try:
         dist.init_process_group(
             backend,
@@ -77,7 +121,8 @@ def run_processes(
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
 
     Each process joins a process group on 127.0.0.1 before ``fn`` runs and leaves it after.
-    ``fn`` and ``args`` must be picklable (a module-level function).
+    ``fn`` and ``args`` must be picklable (a module-level function). The workers die with
+    the calling process, even when it is killed with SIGKILL (:func:`die_with_parent`).
 
     Args:
         fn: the worker function; its return value must be picklable.
@@ -104,7 +149,7 @@ def run_processes(
     procs = [
         ctx.Process(
             target=_entry,
-            args=(fn, rank, world_size, port, backend, timeout, args, results),
+            args=(os.getpid(), fn, rank, world_size, port, backend, timeout, args, results),
             daemon=True,
         )
         for rank in range(world_size)

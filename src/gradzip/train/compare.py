@@ -199,7 +199,8 @@ def run_grid(grid: Grid, *, force: bool = False, progress: bool = False,
 
     Args:
         grid: from :func:`load_grid`.
-        force: re-run finished runs too (from the beginning).
+        force: re-run finished runs too (from the beginning; each old run is replaced only
+            once its new run has finished).
         progress: progress bars inside each run.
         stream: where one status line per run goes (None: silent).
         tensorboard: also write ``OUT/tensorboard/<run>/`` event files from each run's records
@@ -218,7 +219,7 @@ def run_grid(grid: Grid, *, force: bool = False, progress: bool = False,
         require_tensorboard()
     for item in resolved:
         try:
-            plan_out_dir(item.config, resume=not force)
+            plan_out_dir(item.config, resume=not force, overwrite=force)
         except ValueError as exc:
             raise ValueError(f"run {item.label!r}: {exc}") from None
     rows = []
@@ -227,7 +228,8 @@ def run_grid(grid: Grid, *, force: bool = False, progress: bool = False,
         status = "skipped (finished)"
         if summary is None:
             start = time.perf_counter()
-            summary = run(replace(item.config), progress=progress, resume=not force)
+            summary = run(replace(item.config), progress=progress, resume=not force,
+                          overwrite=force)
             status = f"done in {time.perf_counter() - start:.1f} s"
         if stream is not None:
             print(f"[{i}/{len(resolved)}] {item.label}: {status}", file=stream, flush=True)

@@ -23,6 +23,10 @@ tag                         from the record
 ==========================  =====================================================
 
 Needs the ``tensorboard`` package (``pip install 'gradzip[tensorboard]'``).
+
+The event folder may be shared (a link to a common log directory, another tool's events):
+every event file gradzip writes ends in ``.gradzip-<token>``, the token being the run
+directory's own, and only files with that ending are ever removed.
 """
 
 from __future__ import annotations
@@ -33,10 +37,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EVENTS_DIR", "EventSink", "clear_events", "require_tensorboard", "write_events"]
+__all__ = [
+    "COMPARE_TOKEN", "EVENTS_DIR", "EventSink", "check_events_dir", "clear_events", "event_files",
+    "require_tensorboard", "write_events",
+]
 
 #: Folder of a run directory holding its event files.
 EVENTS_DIR = "tensorboard"
+#: Token of the event files ``write_events`` (``gradzip compare``) writes.
+COMPARE_TOKEN = "compare"
 
 _EPOCH_TAGS = {
     "train_loss": "loss/train", "test_loss": "loss/test", "accuracy": "accuracy",
@@ -65,13 +74,45 @@ def require_tensorboard() -> Any:
     return SummaryWriter
 
 
-def clear_events(logdir: str | os.PathLike[str]) -> None:
-    """Remove the event files of ``logdir`` (only those: a run's events are rewritten whole
-    from its records when it starts over or resumes)."""
+def check_events_dir(logdir: str | os.PathLike[str]) -> None:
+    """Refuse an event folder that cannot be used, before a run writes anything.
+
+    Raises:
+        ValueError: ``logdir`` is a file, a dangling link, or a folder this user cannot
+            write to.
+    """
+    path = Path(logdir)
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"`tensorboard` needs the folder {str(path)!r}, got a link to nothing; "
+                         "remove it or choose another --out")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"`tensorboard` needs the folder {str(path)!r}, got a file; remove it "
+                         "or choose another --out")
+    if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"`tensorboard` needs a writable folder {str(path)!r}, got one this user "
+                         "cannot write to")
+
+
+def _check_token(token: str) -> str:
+    if not isinstance(token, str) or not token or not token.replace("-", "").isalnum():
+        raise ValueError(f"`token` must be a non-empty string of letters, digits and '-', "
+                         f"got {token!r}")
+    return token
+
+
+def event_files(logdir: str | os.PathLike[str], token: str) -> list[Path]:
+    """The event files in ``logdir`` written under ``token`` (by one run directory)."""
     path = Path(logdir)
     if not path.is_dir():
-        return
-    for file in path.glob("events.out.tfevents.*"):
+        return []
+    return sorted(path.glob(f"events.out.tfevents.*.gradzip-{_check_token(token)}"))
+
+
+def clear_events(logdir: str | os.PathLike[str], token: str) -> None:
+    """Remove the event files of ``logdir`` written under ``token`` and no others (a run's
+    events are rewritten whole from its records when it resumes or starts over; other runs'
+    and other tools' files in a shared folder stay)."""
+    for file in event_files(logdir, token):
         with contextlib.suppress(OSError):
             file.unlink()
 
@@ -86,18 +127,23 @@ class EventSink:
     """Writes records (as they go to ``metrics.jsonl``) to a TensorBoard event file.
 
     Args:
-        logdir: the event folder (created; existing event files are removed first, since the
-            records given to this sink are the whole history).
+        logdir: the event folder (created; event files written earlier under ``token`` are
+            removed first, since the records given to this sink are the whole history).
+        token: marks this sink's file (``.gradzip-<token>``), so that only files written
+            under it are ever removed.
 
     Raises:
-        ValueError: the tensorboard package is missing.
+        ValueError: the tensorboard package is missing, the folder cannot be used, or the
+            token is malformed.
     """
 
-    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+    def __init__(self, logdir: str | os.PathLike[str], token: str) -> None:
         summary_writer = require_tensorboard()
-        clear_events(logdir)
+        check_events_dir(logdir)
+        clear_events(logdir, token)
         self.logdir = Path(logdir)
-        self._writer = summary_writer(log_dir=str(self.logdir))
+        self._writer = summary_writer(log_dir=str(self.logdir),
+                                      filename_suffix=f".gradzip-{token}")
         self._levels: set[str] = set()
         self._closed = False
 
@@ -132,15 +178,16 @@ class EventSink:
 
 
 def write_events(records: Iterable[dict[str, Any]], logdir: str | os.PathLike[str]) -> Path:
-    """Write the event file of a finished run's records (``read_metrics(dir, kind=None)``).
+    """Write the event file of a finished run's records (``read_metrics(dir, kind=None)``),
+    replacing only the one an earlier call wrote there.
 
     Returns:
         ``logdir``.
 
     Raises:
-        ValueError: the tensorboard package is missing.
+        ValueError: the tensorboard package is missing or the folder cannot be used.
     """
-    sink = EventSink(logdir)
+    sink = EventSink(logdir, COMPARE_TOKEN)
     try:
         for record in records:
             sink.write(record)

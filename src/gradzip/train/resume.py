@@ -1,37 +1,46 @@
 """Whether a run may use its output directory, and how it continues there.
 
 The order is the point: :func:`plan_out_dir` (every check, nothing written) decides first;
+:func:`take_out_dir` locks the directory for the writer and checks again under the lock;
 :func:`open_out_dir` (rank 0, after every process has loaded its checkpoint) is the first
 thing that writes; :class:`Checkpointer` then saves after epochs. A run refused at any check
-leaves the directory byte for byte as it was.
+leaves the directory byte for byte as it was. A run told to start over (``overwrite``) works
+in a staging folder and replaces the old results only once it has finished
+(:mod:`gradzip.train.overwrite`).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradzip.train.events import EVENTS_DIR, EventSink
+from gradzip.train.events import EVENTS_DIR, EventSink, check_events_dir
 from gradzip.train.metrics import MetricsWriter, read_metrics, read_summary
+from gradzip.train.overwrite import prepare_staging, staging_dir
 from gradzip.train.rundir import (
+    CHECKPOINT_DIR,
     FORMAT_VERSION,
     Manifest,
-    atomic_save,
+    OutDirLock,
     commit_checkpoint,
     epoch_directory,
+    lock_out_dir,
     prune_checkpoints,
     rank_file,
     read_manifest,
     remove_checkpoints,
+    run_token,
+    save_hashed,
     stored_config,
     write_run_file,
 )
 
-__all__ = ["Checkpointer", "Plan", "agree", "open_out_dir", "plan_out_dir"]
+__all__ = ["Checkpointer", "Plan", "agree", "open_out_dir", "plan_out_dir", "take_out_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +52,23 @@ class Plan:
     Attributes:
         manifest: the checkpoint to continue from (None: start from the beginning).
         finished: the stored summary when a resumed run has nothing left to do.
+        staging: where a run starting over writes until it has finished (None: ``out``).
+        resume, overwrite: what was asked (to plan again under the lock).
     """
 
     manifest: Manifest | None = None
     finished: dict[str, Any] | None = None
+    staging: str | None = None
+    resume: bool = False
+    overwrite: bool = False
 
     @property
     def manifest_dict(self) -> dict[str, Any] | None:
         return None if self.manifest is None else self.manifest.to_dict()
+
+    def root(self, out: str) -> Path:
+        """The folder the run writes its results and checkpoints to."""
+        return Path(self.staging if self.staging is not None else out)
 
 
 def _refuse(out: str, difference: str) -> ValueError:
@@ -58,34 +76,73 @@ def _refuse(out: str, difference: str) -> ValueError:
                       "choose another --out (nothing there was changed)")
 
 
-def plan_out_dir(cfg: Any, resume: bool) -> Plan:
+def _held(out: str) -> str | None:
+    """What ``out`` holds that starting over would lose: a finished run, a checkpoint or
+    records; None when it holds nothing of value (a run stopped before its first record)."""
+    path = Path(out)
+    if (path / "summary.json").exists():
+        return "a finished run"
+    if (path / CHECKPOINT_DIR).exists():
+        try:
+            manifest = read_manifest(out)
+        except ValueError:  # still worth keeping unless the user starts over explicitly
+            return "a run with a damaged checkpoint"
+        if manifest is not None:
+            return f"a run interrupted after epoch {manifest.epoch}"
+    metrics = path / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return "the records of an interrupted run"
+    return None
+
+
+def plan_out_dir(cfg: Any, resume: bool, overwrite: bool = False) -> Plan:
     """Check that ``cfg.out`` may hold this run; read where a resumed run continues.
 
-    Without ``resume`` the directory must be empty of results or hold this very configuration
-    (which then starts over). With ``resume`` the number of epochs may differ: the run continues
-    from the checkpoint, if the learning-rate schedule of the epochs already run is unchanged.
+    Without ``resume`` or ``overwrite`` the directory must be empty of results or hold this
+    configuration with nothing worth keeping (a run stopped before its first record). With
+    ``resume`` the number of epochs may differ: the run continues from the checkpoint, if the
+    learning-rate schedule of the epochs already run is unchanged. With ``overwrite`` a run of
+    this configuration (any number of epochs) starts over in a staging folder; the old results
+    stay until the new run has finished.
 
     Args:
         cfg: a resolved run configuration.
         resume: continue the run in ``cfg.out`` from its checkpoint.
+        overwrite: start over, replacing the results of this configuration once finished.
 
     Raises:
-        ValueError: another configuration's results, unreadable files, a checkpoint past
-            ``cfg.epochs`` or with another schedule, or metrics shorter than the checkpoint.
+        ValueError: another configuration's results, results of this one without ``resume``
+            or ``overwrite``, unreadable files, an unusable TensorBoard folder, a checkpoint
+            past ``cfg.epochs`` or with another schedule, or metrics shorter than the
+            checkpoint.
     """
+    if resume and overwrite:
+        raise ValueError("`resume` and `overwrite` exclude each other (continue the run, or "
+                         "start it over), got both")
+    if cfg.tensorboard:
+        check_events_dir(Path(cfg.out) / EVENTS_DIR)
     stored = stored_config(cfg.out)
     if stored is None:
-        return Plan()
+        return Plan(resume=resume, overwrite=overwrite)
     manifest = read_manifest(cfg.out) if resume else None
-    difference = cfg.first_difference(stored, epochs=manifest is None)
+    difference = cfg.first_difference(stored, epochs=manifest is None and not overwrite)
     if difference:
         if not resume and cfg.first_difference(stored, epochs=False) is None:
-            difference += "; --resume continues it to the new number of epochs"
+            difference += ("; --resume continues it to the new number of epochs, --overwrite "
+                           "starts it over")
         raise _refuse(cfg.out, difference)
+    if not resume:
+        held = _held(cfg.out)
+        if held is None:
+            return Plan(overwrite=overwrite)
+        if not overwrite:
+            raise ValueError(f"`out` {cfg.out!r} holds {held} of this configuration; --resume "
+                             "continues it, --overwrite starts it over (nothing there was "
+                             "changed)")
+        return Plan(staging=str(staging_dir(cfg.out)), overwrite=True)
     if manifest is None:
-        if resume:
-            log.warning("%s holds no checkpoint: the run starts from the beginning", cfg.out)
-        return Plan()
+        log.warning("%s holds no checkpoint: the run starts from the beginning", cfg.out)
+        return Plan(resume=True)
     difference = cfg.first_difference(manifest.config, epochs=False)
     if difference:
         raise _refuse(cfg.out, difference)
@@ -100,9 +157,34 @@ def plan_out_dir(cfg: Any, resume: bool) -> Plan:
     summary = read_summary(cfg.out)
     if (manifest.epoch == cfg.epochs and summary is not None
             and summary.get("config", {}).get("epochs") == cfg.epochs):
-        return Plan(manifest, summary)
+        return Plan(manifest, summary, resume=True)
     _check_metrics_prefix(Path(cfg.out) / "metrics.jsonl", manifest.metrics_bytes)
-    return Plan(manifest)
+    return Plan(manifest, resume=True)
+
+
+def take_out_dir(cfg: Any, plan: Plan) -> OutDirLock:
+    """Lock ``cfg.out`` for this run's writer, and check that the plan still holds.
+
+    The plan was made without the lock; another run may have written since, so it is made
+    again under the lock, and a run whose directory changed meanwhile is refused.
+
+    Returns:
+        The held lock (released when the run ends, or by the kernel when its holder dies).
+
+    Raises:
+        ValueError: another run holds the lock, or the directory changed since the plan.
+    """
+    lock = lock_out_dir(cfg.out)
+    try:
+        again = plan_out_dir(cfg, plan.resume, plan.overwrite)
+    except ValueError:
+        lock.release()
+        raise
+    if again != plan:
+        lock.release()
+        raise ValueError(f"`out` {cfg.out!r} changed while this run was starting (another run "
+                         "wrote there); run the command again")
+    return lock
 
 
 def _check_metrics_prefix(path: Path, length: int) -> None:
@@ -138,20 +220,33 @@ def agree(stepper: Any, error: str | None, what: str = "load its part of the che
 
 
 def open_out_dir(cfg: Any, plan: Plan) -> MetricsWriter:
-    """Rank 0: take the directory over (the first write of the run) and return its writer.
+    """Rank 0, holding the lock: take the directory over (the first write of the run) and
+    return its writer.
 
-    A fresh start removes an old checkpoint of the same configuration; a resumed one keeps the
-    metrics the checkpoint covers. ``run.json`` records the configuration first, so even a run
-    killed before its first record is known.
+    A fresh start removes an old checkpoint of the same configuration (one with nothing worth
+    keeping: :func:`plan_out_dir` refuses the others); a run starting over writes to an empty
+    staging folder instead; a resumed one keeps the metrics the checkpoint covers. The event
+    file is opened first (the one step that may still fail on the file system), then
+    ``run.json`` records the configuration, so even a run killed before its first record is
+    known.
     """
-    out = Path(cfg.out)
+    if plan.staging is not None:
+        prepare_staging(cfg.out)
+    out = plan.root(cfg.out)
     keep = plan.manifest.metrics_bytes if plan.manifest is not None else None
-    write_run_file(out, cfg.to_dict())
-    if plan.manifest is None:
-        remove_checkpoints(out)
-    writer = MetricsWriter(out, keep_bytes=keep)
-    if cfg.tensorboard:
-        sink = EventSink(out / EVENTS_DIR)
+    # The run directory's own token marks its event files, so only those are ever replaced.
+    token = (None if plan.staging is not None else run_token(out)) or secrets.token_hex(6)
+    sink = EventSink(out / EVENTS_DIR, token) if cfg.tensorboard else None
+    try:
+        write_run_file(out, cfg.to_dict(), token)
+        if plan.manifest is None:
+            remove_checkpoints(out)
+        writer = MetricsWriter(out, keep_bytes=keep)
+    except BaseException:
+        if sink is not None:
+            sink.close()
+        raise
+    if sink is not None:
         for record in read_metrics(out, kind=None):  # the records kept, replayed
             sink.write(record)
         writer.sinks.append(sink)
@@ -161,37 +256,53 @@ def open_out_dir(cfg: Any, plan: Plan) -> MetricsWriter:
 class Checkpointer:
     """Saves the loop every ``cfg.checkpoint_every`` epochs and after the last one.
 
-    Every process writes its own file, all agree, then rank 0 commits the manifest and every
-    process removes its files of older checkpoints.
+    Every process writes its own file and its sha256, all agree (and pool the digests), then
+    rank 0 commits the manifest and every process removes its files of older checkpoints.
 
     Args:
         cfg: the resolved run configuration.
         rank: this process's rank.
         processes: number of processes (1 for a simulated run).
         writer: rank 0's metrics writer (its length goes into the manifest), else None.
+        root: the folder written to (``cfg.out``, or the staging folder of a run starting
+            over).
     """
 
-    def __init__(self, cfg: Any, rank: int, processes: int, writer: MetricsWriter | None) -> None:
+    def __init__(self, cfg: Any, rank: int, processes: int, writer: MetricsWriter | None,
+                 root: str | None = None) -> None:
         self.cfg, self.rank, self.processes, self.writer = cfg, rank, processes, writer
+        self.root = cfg.out if root is None else root
+
+    def _pool_digests(self, loop: Any, digest: str) -> dict[str, str]:
+        """Every process's sha256 by file name. Each process hashes only the bytes it wrote
+        (the files may live on disks the others cannot read); the digests travel as one byte
+        per entry of a sum in which every other process contributes zeros, which is exact."""
+        table = torch.zeros(self.processes, 32, dtype=torch.float64)
+        if digest:
+            table[self.rank] = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.float64)
+        table = loop.stepper.all_sum(table) if self.processes > 1 else table
+        return {f"rank-{r}.pt": bytes(int(v) for v in table[r].tolist()).hex()
+                for r in range(self.processes)}
 
     def __call__(self, loop: Any) -> None:
         epoch, every = loop.done["epoch"], self.cfg.checkpoint_every
         if not every or (epoch % every and epoch != self.cfg.epochs):
             return
         directory = epoch_directory(epoch)
-        error = None
+        error, digest = None, ""
         try:
-            atomic_save({"format_version": FORMAT_VERSION, **loop.state_dict()},
-                        rank_file(self.cfg.out, directory, self.rank))
+            digest = save_hashed({"format_version": FORMAT_VERSION, **loop.state_dict()},
+                                 rank_file(self.root, directory, self.rank))
         except OSError as exc:
             error = f"writing the checkpoint failed: {exc}"
         # Every file is complete before the manifest names them.
         agree(loop.stepper, error, "write its part of the checkpoint")
+        digests = self._pool_digests(loop, digest)
         if self.rank == 0:
             assert self.writer is not None
-            commit_checkpoint(self.cfg.out, Manifest(
+            commit_checkpoint(self.root, Manifest(
                 epoch=epoch, step=loop.done["step"], directory=directory,
                 processes=self.processes, metrics_bytes=self.writer.position,
-                config=self.cfg.to_dict()))
+                config=self.cfg.to_dict(), sha256=digests))
         agree(loop.stepper, None)  # the manifest is committed before older files go
-        prune_checkpoints(self.cfg.out, directory, self.rank)
+        prune_checkpoints(self.root, directory, self.rank)

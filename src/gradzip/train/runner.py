@@ -33,8 +33,16 @@ from gradzip.ops.random import stable_hash
 from gradzip.train.config import RunConfig, build_compressor, resolve_config, under_torchrun
 from gradzip.train.loop import TrainLoop
 from gradzip.train.metrics import versions
-from gradzip.train.resume import Checkpointer, Plan, agree, open_out_dir, plan_out_dir
-from gradzip.train.rundir import Manifest, load_rank_file
+from gradzip.train.overwrite import promote
+from gradzip.train.resume import (
+    Checkpointer,
+    Plan,
+    agree,
+    open_out_dir,
+    plan_out_dir,
+    take_out_dir,
+)
+from gradzip.train.rundir import load_rank_file
 from gradzip.train.tasks import get_task
 
 __all__ = ["RunConfig", "build_compressor", "resolve_config", "run", "summarize", "under_torchrun"]
@@ -80,39 +88,55 @@ def summarize(cfg: RunConfig, metric: str, history: list[dict[str, Any]],
 
 # -- launchers ---------------------------------------------------------------------------
 def _run_local(cfg: RunConfig, rank: int, processes: int, progress: bool, started: float,
-               manifest: dict[str, Any] | None) -> dict[str, Any]:
+               plan: Plan, take_lock: bool) -> dict[str, Any]:
     """Train as process ``rank`` of ``processes`` (sim: the one process of all workers).
 
     Everything that can refuse the run (data, batch size, model, compressor, this process's
-    checkpoint) happens before rank 0 first writes to ``cfg.out``.
+    checkpoint, the directory's lock) happens before rank 0 first writes to ``cfg.out``.
+    ``take_lock``: rank 0 locks the directory itself (sim, torchrun); a spawned worker does
+    not, since its parent holds the lock for it.
     """
     task = get_task(cfg.task)
     data = task.load(cfg)
     loop = TrainLoop(cfg, task, data, rank=rank, progress=progress and rank == 0)
     loop.setup(build_compressor)
-    plan = Plan(None if manifest is None else Manifest.from_dict(manifest))
     error = None
     if plan.manifest is not None:
         try:
             loop.load_state_dict(load_rank_file(cfg.out, plan.manifest, rank))
         except ValueError as exc:
             error = f"--resume: {exc}"
-    agree(loop.stepper, error)  # every process loaded its part, or none goes on
-    writer = open_out_dir(cfg, plan) if rank == 0 else None
+    lock = None
+    if rank == 0 and take_lock and error is None:
+        try:
+            lock = take_out_dir(cfg, plan)
+        except ValueError as exc:
+            error = str(exc)
     try:
-        history, stats, train_seconds = loop.run(
-            writer, Checkpointer(cfg, rank, processes, writer))
-        summary = summarize(cfg, task.metric, history, stats, time.perf_counter() - started,
-                            train_seconds)
-        summary.update(loop.summary_fields())
-        if writer is not None:
-            for name, obj in loop.extra_files().items():
-                writer.write_json(name, obj)
-            writer.finish(summary)
-        return summary
+        # Every process loaded its part and rank 0 holds the lock, or none goes on.
+        agree(loop.stepper, error, "load its part of the checkpoint or lock --out")
+        writer = open_out_dir(cfg, plan) if rank == 0 else None
+        try:
+            history, stats, train_seconds = loop.run(
+                writer, Checkpointer(cfg, rank, processes, writer, plan.staging))
+            summary = summarize(cfg, task.metric, history, stats,
+                                time.perf_counter() - started, train_seconds)
+            summary.update(loop.summary_fields())
+            if plan.staging is not None:
+                agree(loop.stepper, None)  # every process is done writing to the staging folder
+            if writer is not None:
+                for name, obj in loop.extra_files().items():
+                    writer.write_json(name, obj)
+                writer.finish(summary)
+                if plan.staging is not None:
+                    promote(cfg.out)
+            return summary
+        finally:
+            if writer is not None:
+                writer.close()
     finally:
-        if writer is not None:
-            writer.close()
+        if lock is not None:
+            lock.release()
 
 
 def _preflight(cfg: RunConfig, plan: Plan) -> None:
@@ -136,21 +160,22 @@ def _preflight(cfg: RunConfig, plan: Plan) -> None:
 
 
 def _proc_main(rank: int, world: int, cfg_dict: dict[str, Any], progress: bool,
-               started: float, manifest: dict[str, Any] | None) -> dict[str, Any]:
+               started: float, plan: Plan) -> dict[str, Any]:
     """Entry point of a spawned worker process (the process group already exists)."""
     torch.set_num_threads(cfg_dict.get("threads") or max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(stable_hash(cfg_dict["seed"], "process", rank))
-    return _run_local(RunConfig.from_dict(cfg_dict), rank, world, progress, started, manifest)
+    return _run_local(RunConfig.from_dict(cfg_dict), rank, world, progress, started, plan,
+                      take_lock=False)
 
 
-def _torchrun_plan(cfg: RunConfig, resume: bool) -> Plan:
+def _torchrun_plan(cfg: RunConfig, resume: bool, overwrite: bool) -> Plan:
     """Rank 0 reads the directory (other machines may not share it) and tells every rank."""
     import torch.distributed as dist
 
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = plan_out_dir(cfg, resume)
+            box[0] = plan_out_dir(cfg, resume, overwrite)
         except (ValueError, TypeError, OSError) as exc:  # raised on every rank, not one
             box[0] = str(exc)
     dist.broadcast_object_list(box, src=0)
@@ -160,7 +185,7 @@ def _torchrun_plan(cfg: RunConfig, resume: bool) -> Plan:
 
 
 def _run_torchrun(cfg: RunConfig, progress: bool, started: float,
-                  resume: bool) -> dict[str, Any]:
+                  resume: bool, overwrite: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
     backend = "nccl" if cfg.device == "cuda" else "gloo"
@@ -171,14 +196,14 @@ def _run_torchrun(cfg: RunConfig, progress: bool, started: float,
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
     try:
         rank = dist.get_rank()
-        plan = _torchrun_plan(cfg, resume)
+        plan = _torchrun_plan(cfg, resume, overwrite)
         if plan.finished is not None:
             summary = plan.finished
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(stable_hash(cfg.seed, "process", rank))
-                summary = _run_local(cfg, rank, cfg.workers, progress, started,
-                                     plan.manifest_dict)
+                summary = _run_local(cfg, rank, cfg.workers, progress, started, plan,
+                                     take_lock=True)
     except BaseException:
         if created:
             dist.destroy_process_group()
@@ -188,7 +213,8 @@ def _run_torchrun(cfg: RunConfig, progress: bool, started: float,
     return summary
 
 
-def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False) -> dict[str, Any]:
+def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False,
+        overwrite: bool = False) -> dict[str, Any]:
     """Train one run and write ``metrics.jsonl`` and ``summary.json`` to ``cfg.out``.
 
     A run is checked whole (configuration, data, batch size against the data, model,
@@ -202,22 +228,30 @@ def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False) -> dict
             every worker's gradzip state, controllers, random generators, records), possibly
             to more epochs; the records equal an uninterrupted run's. Without a checkpoint
             the run starts from the beginning.
+        overwrite: start the run in ``cfg.out`` over although it holds results of this
+            configuration (any number of epochs). The new run writes to a staging folder and
+            replaces the old results only once it has finished, so an interrupted start over
+            leaves the old run whole. Without ``resume`` or ``overwrite``, a directory
+            holding this configuration's results (finished, checkpointed or recorded) is
+            refused.
 
     Returns:
         The summary (as written to ``summary.json``; under torchrun, every rank returns its
         own copy and only rank 0 writes it).
 
     Raises:
-        ValueError, TypeError: an invalid configuration, or ``cfg.out`` holding another
-            configuration's results (the first difference named).
+        ValueError, TypeError: an invalid configuration, ``cfg.out`` holding another
+            configuration's results (the first difference named) or this configuration's
+            without ``resume``/``overwrite``, or ``cfg.out`` in use by another run (locked).
         RuntimeError: a worker process failed.
     """
     started = time.perf_counter()
     cfg = resolve_config(cfg)
     check_bool("resume", resume)
+    check_bool("overwrite", overwrite)
     if under_torchrun():
-        return _run_torchrun(cfg, progress, started, resume)
-    plan = plan_out_dir(cfg, resume)
+        return _run_torchrun(cfg, progress, started, resume, overwrite)
+    plan = plan_out_dir(cfg, resume, overwrite)
     if plan.finished is not None:
         return plan.finished
     if cfg.launcher == "sim":
@@ -227,7 +261,7 @@ def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False) -> dict
                 torch.set_num_threads(cfg.threads)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(stable_hash(cfg.seed, "process", 0))
-                return _run_local(cfg, 0, 1, progress, started, plan.manifest_dict)
+                return _run_local(cfg, 0, 1, progress, started, plan, take_lock=True)
         finally:
             torch.set_num_threads(threads)
     if cfg.device == "cuda" and torch.cuda.device_count() < cfg.workers:
@@ -237,6 +271,9 @@ def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False) -> dict
         )
     _preflight(cfg, plan)
     backend = "nccl" if cfg.device == "cuda" else "gloo"
-    results = run_processes(_proc_main, cfg.workers, cfg.to_dict(), progress, started,
-                            plan.manifest_dict, backend=backend, timeout=cfg.timeout)
+    # The parent holds the lock for its workers: they die with it (see run_processes), and
+    # the kernel releases the lock when it dies, so a later run never races orphans.
+    with take_out_dir(cfg, plan):
+        results = run_processes(_proc_main, cfg.workers, cfg.to_dict(), progress, started,
+                                plan, backend=backend, timeout=cfg.timeout)
     return results[0]
