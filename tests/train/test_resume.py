@@ -127,12 +127,12 @@ def test_results_of_an_unknown_run_are_not_replaced(tmp_path: Path, snapshot) ->
     assert file.read_text() == "keep"
 
 
-def test_the_same_configuration_starts_over_without_resume(tmp_path: Path) -> None:
+def test_the_same_configuration_starts_over_with_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "again"
     cfg = RunConfig(**TINY, epochs=1, out=str(out), compressor="topk:ratio=0.1")  # type: ignore[arg-type]
     first = run(cfg)
     (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text() * 2)
-    second = run(cfg)
+    second = run(cfg, overwrite=True)
     assert len(records(out)) == 1 and second["final_accuracy"] == first["final_accuracy"]
     assert sorted(p.name for p in (out / "checkpoint").iterdir()) == ["epoch-00001",
                                                                       "latest.json"]
