@@ -64,7 +64,10 @@ class Sign(Compressor):
         scales, signs = [], []
         for job in jobs:
             flat = job.tensor.reshape(workers, -1)
-            scale = flat.abs().mean(dim=1, keepdim=True)  # [L, 1]
+            if flat.shape[1] == 0:  # an empty tensor: no mean (NaN), its scale is sent as 0
+                scale = flat.new_zeros(workers, 1)
+            else:
+                scale = flat.abs().mean(dim=1, keepdim=True)  # [L, 1]
             if not bool(torch.isfinite(scale).all()):
                 scale = _mean_abs_scaled(flat)
             bits = (flat >= 0).to(torch.uint8)
