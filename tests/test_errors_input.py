@@ -9,6 +9,7 @@ from torch import nn
 
 import gradzip
 from gradzip.ddp import make_hook
+from gradzip.ops.bits import pack_bits, unpack_bits
 
 
 # -- what an engine is built from ---------------------------------------------------------
@@ -116,3 +117,36 @@ def test_zero_size_tensors_reduce(spec: str, jit: str, monkeypatch: pytest.Monke
         # The empty tensor changes nothing about its neighbour's average.
         assert torch.equal(got["b"], want)
         assert got["e"].shape == (3, 0)
+
+
+# -- bit packing ----------------------------------------------------------------------------
+def test_pack_bits_at_eight_bits_returns_a_copy() -> None:
+    codes = torch.arange(16, dtype=torch.uint8).reshape(2, 8)
+    packed = pack_bits(codes, 8)
+    assert torch.equal(packed, codes)
+    assert packed is not codes
+    assert packed.untyped_storage().data_ptr() != codes.untyped_storage().data_ptr()
+    packed[0, 0] = 99  # writing the result leaves the input alone
+    assert int(codes[0, 0]) == 0
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 5, 7, 8])
+@pytest.mark.parametrize("bad", ["high", "negative"])
+def test_pack_bits_refuses_codes_out_of_range(bits: int, bad: str) -> None:
+    codes = torch.zeros(3, 10, dtype=torch.int64)
+    value = (1 << bits) if bad == "high" else -1
+    codes[1, 4] = value
+    with pytest.raises(ValueError) as info:
+        pack_bits(codes, bits)
+    assert str(info.value) == (
+        f"`codes` must lie in [0, {(1 << bits) - 1}] for bits={bits}, got {value}"
+    )
+    codes[1, 4] = (1 << bits) - 1  # the largest code packs and round-trips
+    assert torch.equal(unpack_bits(pack_bits(codes, bits), bits, 10), codes.to(torch.uint8))
+
+
+def test_pack_bits_refuses_float_codes_and_bad_widths() -> None:
+    with pytest.raises(TypeError, match=r"`codes` must be an integer or bool tensor, got torch.float32"):
+        pack_bits(torch.ones(4), 2)
+    with pytest.raises(ValueError, match=r"`bits` must be in \[1, 8\], got 9"):
+        pack_bits(torch.ones(4, dtype=torch.uint8), 9)

@@ -148,7 +148,8 @@ class QSGD(Compressor):
             code_parts.append(codes)
         # One message per call: every tensor's norms, then all codes as one packed stream.
         total = sum(job.numel for job in jobs)
-        packed = pack_bits(torch.cat(code_parts, dim=1), self.bits)
+        # Codes are clamped to [0, 2 * levels] by _encode: no range test (a host sync).
+        packed = pack_bits(torch.cat(code_parts, dim=1), self.bits, checked=False)
         gathered = comm.all_gather(torch.cat([*norm_parts, packed], dim=1))  # [W, bytes] uint8
         offset = 0
         all_norms = []

@@ -77,7 +77,7 @@ class Sign(Compressor):
         # One message per call: every tensor's scale, then all sign bits as one packed stream.
         total = sum(job.numel for job in jobs)
         head = torch.cat(scales, dim=1).contiguous().view(torch.uint8)  # [L, 4 T]
-        gathered = comm.all_gather(torch.cat([head, pack_bits(torch.cat(signs, dim=1), 1)], dim=1))
+        gathered = comm.all_gather(torch.cat([head, pack_bits(torch.cat(signs, dim=1), 1, checked=False)], dim=1))
         all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
         payload = gathered[:, head.shape[1] :]
         if payload.device.type == "cpu" and MAX_KEY_WORKERS > 0:
