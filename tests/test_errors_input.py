@@ -91,7 +91,7 @@ def test_complex_parameters_refused_by_engine_and_ddp_hook() -> None:
 # -- zero-size tensors --------------------------------------------------------------------
 ZERO_SPECS = ["qsgd:levels=7", "qsgd:levels=7,bucket_size=4", "qsgd:levels=100", "sign",
               "threshold:budget=0.1", "threshold:budget=0.1,padded=true", "threshold:lam=0.1",
-              "topk:ratio=0.5", "randk:ratio=0.5", "powersgd:rank=1", "fp16"]
+              "topk:ratio=0.5", "randk:ratio=0.5", "powersgd:rank=1", "fp16", "bf16", "none"]
 
 
 @pytest.mark.parametrize("jit", ["0", "1"])

@@ -36,7 +36,7 @@ import dataclasses
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from gradzip.compressors.base import Compressor
@@ -121,29 +121,22 @@ def _number(key: str, text: str) -> Any:
 
 
 def _as_int(text: str) -> int:
-    """An integer's text, also written with an exponent when integral (``"1e3"``)."""
+    """An integer's text (ASCII digits), also with an exponent when integral (``"1e3"``)."""
     text = text.strip()
-    if not text.isascii():
-        raise ValueError(text)
     if _INT.match(text):
         return int(text)
-    if not _FLOAT.match(text):
-        raise ValueError(text)
-    try:
-        number = Decimal(text)
-    except InvalidOperation:
-        raise ValueError(text) from None
-    if not number.is_finite() or number.adjusted() >= _MAX_INT_DIGITS or number != number.to_integral_value():
+    number = Decimal(text) if _FLOAT.match(text) else Decimal("nan")
+    if (not number.is_finite() or number.adjusted() >= _MAX_INT_DIGITS
+            or number != number.to_integral_value()):
         raise ValueError(text)
     return int(number)
 
 
 def _as_float(text: str) -> float:
-    """A float's text, ASCII digits only, refusing values a float cannot hold."""
-    value = _number("value", text.strip())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A float's text (ASCII digits; :func:`parse_call` refuses one out of a float's range)."""
+    if not _FLOAT.match(text.strip()):
         raise ValueError(text)
-    return float(value)
+    return float(text)
 
 
 def parse_ranges(text: str) -> list[tuple[int, ...]]:
