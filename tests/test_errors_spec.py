@@ -4,6 +4,7 @@ errors inside a controller's levels."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import gradzip
 from gradzip.spec import parse_level_schedule, parse_spec
@@ -82,3 +83,10 @@ def test_parse_spec_names_and_level_schedules_ignore_whitespace_alike() -> None:
     assert parse_level_schedule(" gentle : 0 - 5 , aggressive : 5 - 9 ") == [(0.0, 5.0)]
     with pytest.raises(ValueError, match="compressor name"):
         parse_spec("top k:ratio=0.5")  # whitespace inside a name is refused
+
+
+def test_rule_text_ignores_whitespace_around_the_equals_sign() -> None:
+    rule = gradzip.Rule.parse(" *.bias = topk : ratio=0.5 ")
+    assert rule.pattern == "*.bias"
+    assert rule.matches("fc.bias", torch.Size([4]))
+    assert gradzip.compressor_from_spec(rule.spec) == gradzip.compressor_from_spec("topk:ratio=0.5")
