@@ -197,3 +197,17 @@ def test_unusable_grid_files_are_refused(tmp_path: Path, capsys: pytest.CaptureF
     line = refused(capsys, "compare", str(grid), "--out", str(out), "--quiet")
     assert fragment in line
     assert not out.exists()
+
+
+def test_unreadable_image_in_a_folder_tree_is_named(tmp_path: Path) -> None:
+    image = pytest.importorskip("PIL.Image")
+    root = tmp_path / "tree"
+    for split in ("train", "test"):
+        (root / split / "cat").mkdir(parents=True)
+        image.new("RGB", (32, 32)).save(root / split / "cat" / "ok.png")
+    (root / "test" / "cat" / "bad.png").write_bytes(b"not an image at all")
+    with pytest.raises(ValueError) as info:
+        load_cifar10(root, use_cache=False)
+    message = str(info.value)
+    assert message.startswith("`path` image 'test/cat/bad.png' must be a readable image, got ")
+    assert "\n" not in message
