@@ -111,7 +111,14 @@ def test_zero_size_tensors_reduce(spec: str, jit: str, monkeypatch: pytest.Monke
         empty.load_state_dict(empty.state_dict())
     mixed = gradzip.Engine({"e": (3, 0), "b": (6,)}, spec,
                            collective=gradzip.SimulatedGroup(workers))
+    # Decisions kept on the device (the CUDA path), forced here on the CPU.
+    on_device = [gradzip.Engine(shapes, spec, collective=gradzip.SimulatedGroup(workers))
+                 for shapes in ({"e": (3, 0), "b": (6,)}, {"b": (6,)})]
+    for engine in on_device:
+        engine._device_decisions = True
     for grad in grads:
+        device_out = on_device[0].reduce({"e": torch.ones(workers, 3, 0), "b": grad})
+        assert torch.equal(device_out["b"], on_device[1].reduce({"b": grad})["b"])
         want = alone.reduce({"b": grad})["b"]
         got = mixed.reduce({"e": torch.ones(workers, 3, 0), "b": grad})
         # The empty tensor changes nothing about its neighbour's average.
