@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradzip._validate import check_grad_dtype
+
 __all__ = ["named_trainable_parameters", "tree_to"]
 
 
@@ -40,6 +42,10 @@ def named_trainable_parameters(
     pairs = [(str(n), p) for n, p in pairs if p.requires_grad]
     if not pairs:
         raise ValueError("`model_or_named_params` must hold at least one trainable parameter, got none")
+    # DDP hands the hook a complex parameter's gradient as a real view of half its length
+    # (the imaginary parts never reach the hook): refuse at registration, by dtype.
+    for name, param in pairs:
+        check_grad_dtype(name, param, "parameter")
     return pairs
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradzip._validate import check_bool, check_int
+from gradzip._validate import check_bool, check_grad_dtype, check_int, named_params_and_shapes
 from gradzip.comm.base import Collective
 from gradzip.comm.header import verify_configuration
 from gradzip.comm.torch_dist import default_collective
@@ -69,23 +69,7 @@ class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints, ErrorMeter):
         options: EngineOptions | None = None,
         **engine_options: Any,
     ) -> None:
-        self.params: dict[str, torch.Tensor] = {}
-        if isinstance(params, nn.Module):
-            self.params = {n: p for n, p in params.named_parameters() if p.requires_grad}
-            shapes = {n: p.shape for n, p in self.params.items()}
-        elif isinstance(params, Mapping):
-            shapes = {
-                str(n): (v.shape if isinstance(v, torch.Tensor) else torch.Size(v))
-                for n, v in params.items()
-            }
-        elif isinstance(params, Iterable) and not isinstance(params, (str, torch.Tensor)):
-            self.params = {str(n): p for n, p in params}
-            shapes = {n: p.shape for n, p in self.params.items()}
-        else:
-            raise TypeError(
-                f"`params` must be a module, (name, parameter) pairs or a name->shape mapping, "
-                f"got {type(params).__name__}"
-            )
+        self.params, shapes = named_params_and_shapes(params)
         self.compressor = compressor_from_spec(compressor)
         self.options = options = EngineOptions.build(options, **engine_options)
         self.error_feedback = options.feedback_for(self.compressor)
@@ -177,6 +161,7 @@ class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints, ErrorMeter):
     def _as_worker_axis(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         if not isinstance(grad, torch.Tensor):
             raise TypeError(f"gradient `{name}` must be a tensor, got {type(grad).__name__}")
+        check_grad_dtype(name, grad)
         if name not in self.shapes:
             raise ValueError(
                 f"gradient names must be parameters of this engine, got unknown name {name!r}"

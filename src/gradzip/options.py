@@ -87,7 +87,7 @@ class Rule:
         pattern, eq, spec = text.partition("=")
         if not eq or not pattern.strip() or not spec.strip():
             raise ValueError(f"`rule` must be PATTERN=SPEC, e.g. '*.bias=dense', got {text!r}")
-        return cls(pattern, spec.strip())
+        return cls(pattern.strip(), spec.strip())  # whitespace around `=` ignored, as in specs
 
     @property
     def compressor(self) -> Compressor | None:

@@ -8,8 +8,18 @@ Two forms, one grammar:
   epochs (:func:`parse_level_schedule`);
 * a controller: ``name(key=value,...)`` (``"accordion(steady=powersgd:rank=1,critical=...)"``);
   values may hold compressor specs (commas included), so a parameter starts only at a comma
-  followed by one of the controller's own keys; each key has a kind (:data:`KINDS`) that
-  converts its text.
+  outside any parentheses followed by one of the controller's own keys; each key has a kind
+  (:data:`KINDS`) that converts its text.
+
+Whitespace: around ``:``, ``=``, ``,``, ``(``, ``)`` and at either end it is ignored, in every
+form (``"topk : ratio = 0.01"`` is ``"topk:ratio=0.01"``); inside a name or a value it is
+part of the text (and a name or number holding it is refused).
+
+Numbers: ASCII digits only (full-width and other Unicode digits are refused); a number too
+small or too large for a float (``1e-400``, ``1e400``) is refused as out of range, quoting
+the text; an integral number written with an exponent (``interval=1e3``) is accepted where an
+integer is expected. A key given twice, or a parameter given under its alias and its field
+name (``powersgd:rank=1,matrix_rank=2``), is refused.
 
 Nothing else in the package parses spec text: the runner, the CLI (``--set``), model specs
 of the training tasks and the controllers themselves all come here.
@@ -23,8 +33,10 @@ and give it ``spec_name`` and ``spec_kinds``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from gradzip.compressors.base import Compressor
@@ -69,8 +81,12 @@ CONTROLLERS: dict[str, type[Compressor]] = {}
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _SCHEDULE_PART = re.compile(r"^\s*(gentle|aggressive)\s*:\s*([0-9.]+)\s*-\s*([0-9.]+)\s*$")
-_INT = re.compile(r"^[+-]?\d+$")
-_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf)$", re.IGNORECASE)
+_INT = re.compile(r"^[+-]?\d+$", re.ASCII)
+_FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf)$",
+                    re.IGNORECASE | re.ASCII)
+# Integral values written with an exponent are integers up to this many digits (no more: the
+# text "1e999999999" must not become a billion-digit integer).
+_MAX_INT_DIGITS = 30
 
 C = TypeVar("C", bound=type)
 
@@ -88,12 +104,49 @@ def parse_value(text: str) -> Any:
     return text
 
 
+def _number(key: str, text: str) -> Any:
+    """:func:`parse_value` of a parameter's text, refusing non-ASCII digits and numbers a
+    float cannot hold (rounded to 0 or infinity), naming ``key`` and quoting ``text``."""
+    if not text.isascii() and any(ch.isdigit() or ch.isnumeric() for ch in text):
+        raise ValueError(f"`{key}` must be written with ASCII digits, got {text!r}")
+    value = parse_value(text)
+    if isinstance(value, float) and _FLOAT.match(text) and "n" not in text.lower():
+        mantissa = re.split("[eE]", text)[0]
+        if math.isinf(value) or (value == 0 and re.search("[1-9]", mantissa)):
+            raise ValueError(
+                f"`{key}` must be within a float's range (it would round to {value!r}), "
+                f"got {text!r}"
+            )
+    return value
+
+
+def _as_int(text: str) -> int:
+    """An integer's text (ASCII digits), also with an exponent when integral (``"1e3"``)."""
+    text = text.strip()
+    if _INT.match(text):
+        return int(text)
+    number = Decimal(text) if _FLOAT.match(text) else Decimal("nan")
+    if (not number.is_finite() or number.adjusted() >= _MAX_INT_DIGITS
+            or number != number.to_integral_value()):
+        raise ValueError(text)
+    return int(number)
+
+
+def _as_float(text: str) -> float:
+    """A float's text (ASCII digits; :func:`parse_call` refuses one out of a float's range)."""
+    if not _FLOAT.match(text.strip()):
+        raise ValueError(text)
+    return float(text)
+
+
 def parse_ranges(text: str) -> list[tuple[int, ...]]:
     """``"0-500;900-1000"`` -> ``[(0, 500), (900, 1000)]`` (validation is the caller's).
 
     Raises:
-        ValueError: a bound that is not an integer.
+        ValueError: a bound that is not an integer (ASCII digits).
     """
+    if not text.isascii():
+        raise ValueError(f"`ranges` must be written with ASCII digits, got {text!r}")
     return [tuple(int(x) for x in part.split("-")) for part in text.split(";") if part.strip()]
 
 
@@ -141,10 +194,10 @@ def _as_bool(text: str) -> bool:
 #: How a controller parameter's text becomes its value, by kind. ``level``: a compressor spec
 #: kept as text (the controller builds it); ``str``: kept as text.
 KINDS: dict[str, Callable[[str], Any]] = {
-    "level": str, "str": str, "float": float, "int": int, "bool": _as_bool,
+    "level": str, "str": str, "float": _as_float, "int": _as_int, "bool": _as_bool,
     "ranges": parse_ranges,
 }
-_KIND_NAMES = {"float": "a number", "int": "a number", "bool": "True or False",
+_KIND_NAMES = {"float": "a number", "int": "an integer", "bool": "True or False",
                "ranges": "integer steps"}
 
 
@@ -159,6 +212,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(spec, str):
         raise TypeError(f"`spec` must be a string such as 'topk:ratio=0.01', got {spec!r}")
     name, _, rest = spec.strip().partition(":")
+    name = name.strip()
     if not _NAME.match(name):
         raise ValueError(
             f"`spec` must start with a compressor name such as 'topk', got {spec!r}"
@@ -174,7 +228,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
                 )
             if key in params:
                 raise ValueError(f"`spec` must not repeat a key, got {key!r} twice in {spec!r}")
-            params[key] = parse_value(value)
+            params[key] = _number(key, value)
     elif ":" in spec:
         raise ValueError(f"`spec` has ':' but no parameters, got {spec!r}")
     return name, params
@@ -202,9 +256,8 @@ def parse_call(spec: str, name: str, kinds: Mapping[str, str],
     match = re.match(rf"^\s*{name}\s*\((.*)\)\s*$", spec, re.DOTALL) if isinstance(spec, str) else None
     if match is None:
         raise ValueError(f"`spec` must look like '{shape}', got {spec!r}")
-    split = re.compile(r",(?=\s*(?:" + "|".join(kinds) + r")\s*=)")
     texts: dict[str, str] = {}
-    for item in split.split(match.group(1)):
+    for item in _split_call(match.group(1), kinds):
         key, eq, value = (part.strip() for part in item.partition("="))
         if not eq or key not in kinds or key in texts:
             raise ValueError(
@@ -219,6 +272,10 @@ def parse_call(spec: str, name: str, kinds: Mapping[str, str],
     values: dict[str, Any] = {}
     for key, text in texts.items():
         kind = kinds[key]
+        if kind in ("float", "int") and not text.isascii():
+            raise ValueError(f"`{key}` must be written with ASCII digits, got {text!r}")
+        if kind == "float" and _FLOAT.match(text):
+            _number(key, text)  # out of a float's range: refused quoting the text
         try:
             values[key] = KINDS[kind](text)
         except ValueError:
@@ -227,6 +284,23 @@ def parse_call(spec: str, name: str, kinds: Mapping[str, str],
                 raise ValueError(f"`spec` must give {what}, got {spec!r}") from None
             raise ValueError(f"`{key}` must be {what}, got {text!r}") from None
     return values
+
+
+def _split_call(body: str, kinds: Mapping[str, str]) -> list[str]:
+    """The parameters of a call's body: split at each comma outside parentheses followed by
+    one of ``kinds``' keys (a nested call's commas and keys stay inside its value)."""
+    starts = re.compile(r"\s*(?:" + "|".join(map(re.escape, kinds)) + r")\s*=")
+    items, depth, start = [], 0, 0
+    for i, ch in enumerate(body):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        elif ch == "," and depth == 0 and starts.match(body, i + 1):
+            items.append(body[start:i])
+            start = i + 1
+    items.append(body[start:])
+    return items
 
 
 def format_call(name: str, values: Mapping[str, Any]) -> str:
@@ -273,7 +347,7 @@ def compressor_from_spec(spec: str | Compressor) -> Compressor:
         return spec
     if isinstance(spec, str):
         for name, cls in CONTROLLERS.items():
-            if spec.strip().startswith(name + "("):
+            if re.match(rf"\s*{name}\s*\(", spec):
                 return controller_from_spec(cls, spec.strip())
     name, params = parse_spec(spec)
     cls = REGISTRY.get(name)
@@ -282,15 +356,26 @@ def compressor_from_spec(spec: str | Compressor) -> Compressor:
             f"`spec` must name one of {', '.join(sorted(REGISTRY))}, got {name!r} in {spec!r}"
         )
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
+    given: dict[str, str] = {}
+    types = {f.name: f.type for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     for key, value in params.items():
         field = cls.spec_aliases.get(key, key)
+        if field in given:
+            raise ValueError(
+                f"`{name}` must give {field!r} once (under one of its names), got both "
+                f"{given[field]!r} and {key!r} in {spec!r}"
+            )
+        given[field] = key
         if field not in fields:
             known = sorted(set(cls.spec_aliases) | fields - set(cls.spec_aliases.values()))
             raise ValueError(
                 f"`{name}` parameters must be among {', '.join(known) or '(none)'}, "
                 f"got {key!r} in {spec!r}"
             )
+        if (types.get(field) == "int" and isinstance(value, float) and value.is_integer()
+                and abs(value) < 2**53):
+            value = int(value)  # "levels=1e1": an integer written with an exponent
         kwargs[field] = value
     return cls(**kwargs)
 

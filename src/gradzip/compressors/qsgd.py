@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from gradzip._validate import check_int
@@ -60,8 +61,9 @@ class QSGD(Compressor):
         return code_width(2 * self.levels)
 
     def _layout(self, numel: int) -> tuple[int, int]:
-        """(buckets, bucket length) for a tensor of ``numel`` entries."""
-        size = numel if self.bucket_size == 0 else min(self.bucket_size, numel)
+        """(buckets, bucket length) for a tensor of ``numel`` entries (no bucket for an empty
+        tensor: its message is empty)."""
+        size = max(1, numel if self.bucket_size == 0 else min(self.bucket_size, numel))
         return -(-numel // size), size
 
     def message_bytes(self, *numels: int) -> int:
@@ -146,7 +148,8 @@ class QSGD(Compressor):
             code_parts.append(codes)
         # One message per call: every tensor's norms, then all codes as one packed stream.
         total = sum(job.numel for job in jobs)
-        packed = pack_bits(torch.cat(code_parts, dim=1), self.bits)
+        # Codes are clamped to [0, 2 * levels] by _encode: no range test (a host sync).
+        packed = pack_bits(torch.cat(code_parts, dim=1), self.bits, checked=False)
         gathered = comm.all_gather(torch.cat([*norm_parts, packed], dim=1))  # [W, bytes] uint8
         offset = 0
         all_norms = []
@@ -154,11 +157,11 @@ class QSGD(Compressor):
             buckets, _ = self._layout(job.numel)
             all_norms.append(reinterpret(gathered[:, offset : offset + 4 * buckets], torch.float32))
             offset += 4 * buckets
-        if gathered.device.type == "cpu" and 2 <= self.bits <= 7 and _jit_usable():
+        if total and gathered.device.type == "cpu" and 2 <= self.bits <= 7 and _jit_usable():
             self._average_compiled(jobs, all_norms, gathered[:, offset:], comm.world_size)
             return
         codes = unpack_bits(gathered[:, offset:], self.bits, total)
-        if int(codes.max()) > 2 * self.levels:
+        if total and int(codes.max()) > 2 * self.levels:
             raise ValueError(
                 f"message codes must lie in [0, {2 * self.levels}], got {int(codes.max())}"
             )
@@ -182,6 +185,9 @@ class QSGD(Compressor):
         stream = packed.numpy()
         results, top, start = [], 0, 0
         for job, norms in zip(jobs, all_norms, strict=True):
+            if job.numel == 0:  # the kernel wants at least one entry; an empty average
+                results.append(np.zeros(0, dtype=np.float32))
+                continue
             _, size = self._layout(job.numel)
             # The steps and offsets exactly as _decode_sum computes them.
             steps = (norms / self.levels).numpy()

@@ -64,7 +64,10 @@ class Sign(Compressor):
         scales, signs = [], []
         for job in jobs:
             flat = job.tensor.reshape(workers, -1)
-            scale = flat.abs().mean(dim=1, keepdim=True)  # [L, 1]
+            if flat.shape[1] == 0:  # an empty tensor: no mean (NaN), its scale is sent as 0
+                scale = flat.new_zeros(workers, 1)
+            else:
+                scale = flat.abs().mean(dim=1, keepdim=True)  # [L, 1]
             if not bool(torch.isfinite(scale).all()):
                 scale = _mean_abs_scaled(flat)
             bits = (flat >= 0).to(torch.uint8)
@@ -74,7 +77,7 @@ class Sign(Compressor):
         # One message per call: every tensor's scale, then all sign bits as one packed stream.
         total = sum(job.numel for job in jobs)
         head = torch.cat(scales, dim=1).contiguous().view(torch.uint8)  # [L, 4 T]
-        gathered = comm.all_gather(torch.cat([head, pack_bits(torch.cat(signs, dim=1), 1)], dim=1))
+        gathered = comm.all_gather(torch.cat([head, pack_bits(torch.cat(signs, dim=1), 1, checked=False)], dim=1))
         all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
         payload = gathered[:, head.shape[1] :]
         if payload.device.type == "cpu" and MAX_KEY_WORKERS > 0:

@@ -110,7 +110,9 @@ class HardThreshold(Compressor):
     ) -> None:
         if not jobs:
             return
-        if state["lam"] < 0:
+        # Nothing to calibrate on while every tensor is empty (same on every rank: shapes
+        # are agreed); empty tensors select nothing whatever lambda is.
+        if state["lam"] < 0 and any(j.numel for j in jobs):
             state["lam"] = self._calibrate(jobs, comm)
         lam = state["lam"]
         # One pass per tensor finds the entries and writes what stays behind (the residual).

@@ -66,7 +66,11 @@ def build_levels(owner: str, steady: Compressor | str, critical: Compressor | st
                 f"`{name}` must be a Compressor or a spec string such as 'powersgd:rank=1', "
                 f"got {type(value).__name__}"
             )
-        level = compressor_from_spec(value)
+        try:
+            level = compressor_from_spec(value)
+        except (TypeError, ValueError) as exc:
+            # A level's own message names its parameter, not which level it came from.
+            raise type(exc)(f"`{name}` of {owner} ({value!r}): {exc}") from None
         if isinstance(level, TwoLevel):
             raise TypeError(f"`{name}` must be a plain compressor, not a {owner}, got {level.spec()!r}")
         built.append(level)

@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradzip._validate import check_int
+
 __all__ = [
     "MAX_KEY_WORKERS", "bit_keys", "code_width", "keys_per_byte", "pack_bits", "packed_size",
     "unpack_bits",
@@ -50,17 +52,34 @@ def packed_size(count: int, bits: int) -> int:
     return (count * bits + 7) // 8
 
 
-def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_bits(codes: torch.Tensor, bits: int, *, checked: bool = True) -> torch.Tensor:
     """Pack codes ``[..., n]`` (values below ``2**bits``) into uint8 ``[..., packed_size(n, bits)]``.
 
     Bit ``j`` of code ``i`` lands at overall bit position ``i * bits + j`` (little-endian within
-    each byte), so any width from 1 to 8 packs densely.
+    each byte), so any width from 1 to 8 packs densely. The result never shares memory with
+    ``codes``.
+
+    Args:
+        codes: integer (or bool) codes in ``[0, 2**bits)``.
+        bits: bits per code, in [1, 8].
+        checked: test the codes' range (a host sync); callers whose codes are in range by
+            construction pass ``False``.
+
+    Returns:
+        The packed bytes, uint8.
+
+    Raises:
+        TypeError: ``codes`` is not an integer or bool tensor, or ``bits`` not an integer.
+        ValueError: ``bits`` is outside [1, 8], or (``checked``) a code is negative or at
+            least ``2**bits`` (it would spill into its neighbours' bits).
     """
-    assert 1 <= bits <= 8, bits
+    bits = check_int("bits", bits, minimum=1, maximum=8)
+    if checked:
+        _check_codes(codes, bits)
     *lead, n = codes.shape
+    if bits == 8:  # a copy: ops never hand back (or alias) their input
+        return codes.to(torch.uint8, memory_format=torch.contiguous_format, copy=True)
     codes = codes.to(torch.uint8)
-    if bits == 8:
-        return codes.contiguous()
     if bits == 1 and codes.device.type == "cpu":
         # NumPy's packbits with little-endian bit order is exactly this layout for 0/1 codes.
         return torch.from_numpy(np.packbits(codes.numpy(), axis=-1, bitorder="little"))
@@ -85,6 +104,20 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
         for j in range(bits):
             packed[..., j] = ((acc >> (8 * j)) & 0xFF).to(torch.uint8)
     return packed.reshape(*lead, groups * bits)[..., : packed_size(n, bits)].contiguous()
+
+
+def _check_codes(codes: torch.Tensor, bits: int) -> None:
+    if not isinstance(codes, torch.Tensor) or codes.dtype.is_floating_point or codes.is_complex():
+        got = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
+        raise TypeError(f"`codes` must be an integer or bool tensor, got {got}")
+    if codes.numel() == 0 or codes.dtype == torch.bool:
+        return
+    lo, hi = int(codes.min()), int(codes.max())
+    if lo < 0 or hi >= 1 << bits:
+        bad = lo if lo < 0 else hi
+        raise ValueError(
+            f"`codes` must lie in [0, {(1 << bits) - 1}] for bits={bits}, got {bad}"
+        )
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:

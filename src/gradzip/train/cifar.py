@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import lzma
 import os
 import pickle
 import tarfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,29 +54,51 @@ def _source_files(path: Path) -> dict[str, Callable[[], bytes]]:
     if not tarfile.is_tarfile(path):
         raise ValueError(f"`path` must be a directory or a tar archive, got {str(path)!r}")
     blobs: dict[str, bytes] = {}
-    with tarfile.open(path, "r:*") as tar:
-        for member in tar:
-            if member.isfile():
-                handle = tar.extractfile(member)
-                if handle is not None:
-                    name = member.name
-                    while name.startswith("./"):
-                        name = name[2:]
-                    blobs[name.lstrip("/")] = handle.read()
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for member in tar:
+                if member.isfile():
+                    handle = tar.extractfile(member)
+                    if handle is not None:
+                        name = member.name
+                        while name.startswith("./"):
+                            name = name[2:]
+                        blobs[name.lstrip("/")] = handle.read()
+    # A truncated or corrupt archive fails in the decompressor (EOFError, zlib.error,
+    # lzma.LZMAError, OSError) or in tarfile's own parsing, depending on where it breaks.
+    except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as exc:
+        raise ValueError(f"`path` must be a readable tar archive, got a damaged one "
+                         f"{str(path)!r}: {' '.join(str(exc).split()) or type(exc).__name__}"
+                         ) from None
     return {name: (lambda b=blob: b) for name, blob in blobs.items()}
 
 
 def _read_pickle_release(files: dict[str, Callable[[], bytes]],
                          prefix: str) -> dict[str, np.ndarray]:
-    def unpickle(name: str) -> dict[bytes, Any]:
-        return pickle.loads(files[prefix + name](), encoding="bytes")
+    def unpickle(name: str, keys: tuple[bytes, ...] = (b"data", b"labels")) -> dict[bytes, Any]:
+        try:
+            batch = pickle.loads(files[prefix + name](), encoding="bytes")
+        # Unpickling damaged bytes raises almost any exception type (UnpicklingError,
+        # EOFError, ValueError, KeyError, ImportError, ...): each means "not a batch".
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"`path` file {prefix + name!r} must be a CIFAR-10 batch (a "
+                             f"pickle), got unreadable bytes ({type(exc).__name__})") from None
+        missing = [k.decode() for k in keys if not isinstance(batch, dict) or k not in batch]
+        if missing:
+            raise ValueError(f"`path` file {prefix + name!r} must be a CIFAR-10 batch with "
+                             f"{' and '.join(k.decode() for k in keys)}, got a "
+                             f"{type(batch).__name__} without {' and '.join(missing)}")
+        return batch
 
     batches = sorted((n for n in files if n.startswith(prefix + "data_batch_")),
                      key=lambda n: int(n.rsplit("_", 1)[1]))
     if not batches:
         raise ValueError(f"`path` must hold data_batch_* files next to test_batch, got {prefix!r}")
-    parts = [unpickle(n[len(prefix):]) for n in batches]
-    test = unpickle("test_batch")
+    names = [n[len(prefix):] for n in batches] + ["test_batch"]
+    loaded = {name: unpickle(name) for name in names}
+    for name, batch in loaded.items():
+        _check_batch(prefix + name, batch)
+    parts, test = [loaded[n] for n in names[:-1]], loaded["test_batch"]
 
     def to_nhwc(batch: dict[bytes, Any]) -> np.ndarray:
         flat = np.asarray(batch[b"data"], dtype=np.uint8)
@@ -82,7 +106,7 @@ def _read_pickle_release(files: dict[str, Callable[[], bytes]],
 
     classes = list(CIFAR10_CLASSES)
     if prefix + "batches.meta" in files:
-        names = unpickle("batches.meta").get(b"label_names")
+        names = unpickle("batches.meta", (b"label_names",)).get(b"label_names")
         if names:
             classes = [n.decode() if isinstance(n, bytes) else str(n) for n in names]
     return {"x_train": np.concatenate([to_nhwc(p) for p in parts]),
@@ -92,13 +116,34 @@ def _read_pickle_release(files: dict[str, Callable[[], bytes]],
             "classes": np.asarray(classes), "layout": np.asarray("pickle")}
 
 
+def _check_batch(name: str, batch: dict[bytes, Any]) -> None:
+    """Refuse a batch whose images are not rows of 3072 bytes or whose labels do not match."""
+    try:
+        data = np.asarray(batch[b"data"])
+        labels = np.asarray(batch[b"labels"])
+    except Exception as exc:  # noqa: BLE001 - anything unpickled may fail to convert
+        raise ValueError(f"`path` file {name!r} must hold an image array and labels, got "
+                         f"{type(exc).__name__}") from None
+    if data.ndim != 2 or data.shape[1] != 3072 or data.dtype.kind not in "ui":
+        raise ValueError(f"`path` file {name!r} must hold images as rows of 3072 bytes, got "
+                         f"an array of shape {data.shape} and dtype {data.dtype}")
+    if labels.shape != (data.shape[0],) or labels.dtype.kind not in "ui":
+        raise ValueError(f"`path` file {name!r} must hold one integer label per image, got "
+                         f"{labels.shape[0] if labels.ndim else 0} labels for {data.shape[0]} "
+                         f"images")
+
+
 def _decode_image(data: bytes, name: str) -> np.ndarray:
     try:
         from PIL import Image
     except ImportError as exc:
         raise ImportError("decoding JPEG files needs Pillow: pip install pillow") from exc
-    with Image.open(io.BytesIO(data)) as img:
-        arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            arr = np.asarray(img.convert("RGB"), dtype=np.uint8)
+    except (OSError, ValueError, SyntaxError) as exc:  # Pillow's "cannot identify", truncation
+        raise ValueError(f"`path` image {name!r} must be a readable image, got "
+                         f"{' '.join(str(exc).split()) or type(exc).__name__}") from None
     if arr.shape != (32, 32, 3):
         raise ValueError(f"`path` must contain 32x32 images, got {arr.shape[:2]} in {name!r}")
     return arr

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from gradzip.train.config import RunConfig, resolve_config
+from gradzip.train.data import _read_utf8
 from gradzip.train.events import EVENTS_DIR, require_tensorboard, write_events
 from gradzip.train.metrics import format_bytes, read_metrics, read_summary
 from gradzip.train.plots import plot_runs
@@ -100,7 +101,7 @@ def _parse_toml(text: str, where: str) -> dict[str, Any]:
 def _read_source(source: str) -> tuple[dict[str, Any], str]:
     path = Path(source).expanduser()
     if path.is_file():
-        text, suffix = path.read_text(encoding="utf-8"), path.suffix.lower()
+        text, suffix = _read_utf8("config", path), path.suffix.lower()
         if suffix in (".yaml", ".yml"):
             try:
                 import yaml
@@ -151,6 +152,16 @@ def load_grid(source: str, overrides: dict[str, Any] | None = None,
     unknown = sorted(set(raw) - _TOP_KEYS)
     if unknown:
         raise ValueError(f"`config` keys must be among {', '.join(sorted(_TOP_KEYS))}, got {unknown}")
+    if not (raw.get("base") or raw.get("grid") or raw.get("runs")):
+        # Without this, an empty file (or one holding only a name) would train the default
+        # configuration: almost certainly not what was meant.
+        raise ValueError(f"`config` must define runs ([base], [grid] or [[runs]] tables), got "
+                         f"none in {source!r}")
+    for key, kind in (("base", dict), ("grid", dict), ("runs", list)):
+        if not isinstance(raw.get(key, kind()), kind):
+            raise ValueError(f"`config` key {key!r} must be a "
+                             f"{'table' if kind is dict else 'list of tables'}, got "
+                             f"{raw[key]!r}")
     name = str(raw.get("name", stem))
     base = dict(raw.get("base", {}))
     grid = dict(raw.get("grid", {}))

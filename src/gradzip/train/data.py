@@ -86,6 +86,24 @@ def _check_path(name: str, value: Any) -> Path:
     return path
 
 
+def _read_utf8(name: str, path: Path) -> str:
+    """The text of ``path``, refusing a file that is not UTF-8 with a message naming the
+    parameter and the file (instead of the codec's, which names neither).
+
+    Raises:
+        ValueError: ``path`` holds bytes that are not UTF-8, or cannot be read.
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        byte = exc.object[exc.start]
+        raise ValueError(f"`{name}` file {str(path)!r} must be UTF-8 text, got byte 0x{byte:02x} "
+                         f"at offset {exc.start} ({exc.reason})") from None
+    except OSError as exc:
+        raise ValueError(f"`{name}` file {str(path)!r} must be readable, got "
+                         f"{exc.strerror or exc}") from None
+
+
 def _split_indices(n: int, test_fraction: float, seed: int) -> tuple[Tensor, Tensor]:
     """Seeded train/test split of ``range(n)``: sorted train and test indices, each non-empty."""
     gen = torch.Generator().manual_seed(seed)

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from gradzip.train.outpath import check_out_path
+
 __all__ = [
     "CHECKPOINT_DIR", "FORMAT_VERSION", "RUN_FILE", "Manifest", "atomic_save", "atomic_write_text",
     "LOCK_FILE", "check_out_dir", "commit_checkpoint", "load_rank_file", "lock_out_dir",
@@ -116,7 +118,7 @@ def check_out_dir(out: str) -> Path:
     Raises:
         ValueError: ``out`` is a file (or another non-directory).
     """
-    path = Path(out).expanduser()
+    path = check_out_path(out)  # also: no file above it, names not too long, entries' kinds
     if path.exists() and not path.is_dir():
         raise ValueError(f"`out` must be a directory, got the file {out!r}")
     return path

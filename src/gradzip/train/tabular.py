@@ -9,7 +9,14 @@ import numpy as np
 import torch
 
 from gradzip._validate import check_int, check_real
-from gradzip.train.data import PathLike, TaskData, TensorSplit, _check_path, _split_indices
+from gradzip.train.data import (
+    PathLike,
+    TaskData,
+    TensorSplit,
+    _check_path,
+    _read_utf8,
+    _split_indices,
+)
 
 __all__ = ["load_libsvm", "make_logreg_problem"]
 
@@ -17,25 +24,24 @@ __all__ = ["load_libsvm", "make_logreg_problem"]
 def _parse_libsvm(path: Path) -> tuple[list[float], list[dict[int, float]]]:
     labels: list[float] = []
     rows: list[dict[int, float]] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            tokens = line.split("#", 1)[0].split()
-            if not tokens:
-                continue
-            try:
-                labels.append(float(tokens[0]))
-                row = {}
-                for tok in tokens[1:]:
-                    key, val = tok.split(":", 1)
-                    if key == "qid":
-                        continue
-                    if int(key) < 1:
-                        raise ValueError(f"feature index {key} < 1")
-                    row[int(key)] = float(val)
-            except ValueError as exc:
-                where = f"{path.name}:{lineno}"
-                raise ValueError(f"`path` must be in LIBSVM format, got {where}: {exc}") from exc
-            rows.append(row)
+    for lineno, line in enumerate(_read_utf8("path", path).split("\n"), 1):
+        tokens = line.split("#", 1)[0].split()
+        if not tokens:
+            continue
+        try:
+            labels.append(float(tokens[0]))
+            row = {}
+            for tok in tokens[1:]:
+                key, val = tok.split(":", 1)
+                if key == "qid":
+                    continue
+                if int(key) < 1:
+                    raise ValueError(f"feature index {key} < 1")
+                row[int(key)] = float(val)
+        except ValueError as exc:
+            where = f"{path.name}:{lineno}"
+            raise ValueError(f"`path` must be in LIBSVM format, got {where}: {exc}") from exc
+        rows.append(row)
     if not rows:
         raise ValueError(f"`path` must hold at least one LIBSVM row, got {str(path)!r}")
     return labels, rows

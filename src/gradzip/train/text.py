@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from gradzip._validate import check_choice, check_int, check_real
-from gradzip.train.data import LMData, PathLike, _check_path
+from gradzip.train.data import LMData, PathLike, _check_path, _read_utf8
 
 __all__ = ["EOS", "UNK", "batchify", "bptt_batches", "load_text"]
 
@@ -25,9 +25,9 @@ def _text_parts(path: Path, valid_fraction: float) -> tuple[str, str]:
             if len(hits) != 1:
                 names = [p.name for p in hits]
                 raise ValueError(f"`path` must hold exactly one *{key}* file, got {names}")
-            found[key] = hits[0].read_text(encoding="utf-8")
+            found[key] = _read_utf8("path", hits[0])
         return found["train"], found["valid"]
-    text = path.read_text(encoding="utf-8")
+    text = _read_utf8("path", path)
     lines = text.splitlines(keepends=True)
     if len(lines) >= 2:
         cut = min(len(lines) - 1, max(1, round(len(lines) * (1 - valid_fraction))))

@@ -11,8 +11,10 @@ report the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +27,7 @@ from gradzip.spec import parse_spec
 from gradzip.train import data as D
 from gradzip.train.models import available_models, build_model
 
-__all__ = ["Defaults", "Task", "new_model", "parse_model_spec"]
+__all__ = ["Defaults", "Task", "data_option", "new_model", "parse_model_spec"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,19 @@ def new_model(spec: str, num_classes: int, seed: int, **extra: Any) -> nn.Module
             return build_model(name, num_classes, **kwargs)
         except TypeError as exc:  # an unknown keyword in the model spec
             raise ValueError(f"`model` keywords do not fit {name!r}: {exc}") from None
+
+
+@contextlib.contextmanager
+def data_option() -> Iterator[None]:
+    """Inside, a loader's refusal of its ``path`` is reported as one of the run's ``--data``
+    (the loaders are public functions whose parameter is ``path``)."""
+    try:
+        yield
+    except ValueError as exc:
+        text = str(exc)
+        if not text.startswith("`path`"):
+            raise
+        raise ValueError("`--data`" + text[len("`path`"):]) from None
 
 
 @dataclass

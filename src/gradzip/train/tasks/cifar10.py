@@ -6,7 +6,7 @@ from typing import Any
 
 from gradzip.train import cifar as C
 from gradzip.train import data as D
-from gradzip.train.tasks.base import Defaults, Task
+from gradzip.train.tasks.base import Defaults, Task, data_option
 
 __all__ = ["TASK", "Cifar10Task"]
 
@@ -18,7 +18,8 @@ class Cifar10Task(Task):
         kwargs: dict[str, Any] = {}
         if cfg.cache_dir is not None:
             kwargs["cache_dir"] = cfg.cache_dir
-        data = C.load_cifar10(cfg.data, **kwargs)
+        with data_option():
+            data = C.load_cifar10(cfg.data, **kwargs)
         return self._limit(data, cfg.limit_train, cfg.seed)
 
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from gradzip.train import data as D
 from gradzip.train import text as T
-from gradzip.train.tasks.base import Defaults, Task, new_model
+from gradzip.train.tasks.base import Defaults, Task, data_option, new_model
 
 __all__ = ["TASK", "LanguageModelTask"]
 
@@ -25,7 +25,8 @@ class LanguageModelTask(Task):
     """
 
     def load(self, cfg: Any) -> D.LMData:
-        lm = T.load_text(cfg.data, level=cfg.text_level)
+        with data_option():
+            lm = T.load_text(cfg.data, level=cfg.text_level)
         if cfg.limit_train is not None:
             lm.train_ids = lm.train_ids[: cfg.limit_train]
         return lm

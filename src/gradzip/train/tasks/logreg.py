@@ -8,7 +8,7 @@ from torch import nn
 
 from gradzip.train import data as D
 from gradzip.train import tabular as TB
-from gradzip.train.tasks.base import Defaults, Task, new_model
+from gradzip.train.tasks.base import Defaults, Task, data_option, new_model
 
 __all__ = ["TASK", "LogRegTask"]
 
@@ -20,7 +20,8 @@ class LogRegTask(Task):
         if cfg.data is None:
             data = TB.make_logreg_problem(n=2000, d=100, seed=cfg.seed)
         else:
-            data = TB.load_libsvm(cfg.data, seed=cfg.seed)
+            with data_option():
+                data = TB.load_libsvm(cfg.data, seed=cfg.seed)
         return self._limit(data, cfg.limit_train, cfg.seed)
 
     def build_model(self, cfg: Any, data: Any) -> nn.Module:
