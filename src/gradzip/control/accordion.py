@@ -19,7 +19,6 @@ References:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -147,20 +146,6 @@ class Accordion(TwoLevel):
         object.__setattr__(self, "biased", bool(steady.biased or critical.biased))
 
     # -- construction and identity ---------------------------------------------------------
-    @classmethod
-    def from_specs(
-        cls,
-        compressor_spec: str | Compressor,
-        accordion_spec: str | Compressor,
-        eta: float = 0.5,
-        interval: int = 100,
-        **options: Any,
-    ) -> Accordion:
-        """Deprecated: call ``Accordion(steady, critical, eta=..., interval=...)``."""
-        warnings.warn("Accordion.from_specs is deprecated; call Accordion(steady, critical, ...)",
-                      DeprecationWarning, stacklevel=2)
-        return cls(compressor_spec, accordion_spec, eta=eta, interval=interval, **options)
-
     def spec(self) -> str:
         """A stable, readable description, stored in checkpoints and compared on load."""
         steady, critical = self.level_compressors

@@ -15,7 +15,6 @@ of gentle tensors without changing a byte.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, cast
 
@@ -101,13 +100,6 @@ class TwoLevel(Compressor):
                 parameter.
         """
         return controller_from_spec(cls, spec)
-
-    @classmethod
-    def from_spec(cls, spec: str) -> Any:
-        """Deprecated alias of :meth:`parse`."""
-        warnings.warn(f"{cls.__name__}.from_spec is deprecated; use {cls.__name__}.parse",
-                      DeprecationWarning, stacklevel=2)
-        return cls.parse(spec)
 
     @property
     def level_compressors(self) -> tuple[Compressor, Compressor]:
