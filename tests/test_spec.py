@@ -58,6 +58,7 @@ def test_old_names_are_gone() -> None:
     for cls in (Schedule, Accordion):
         assert not hasattr(cls, "from_spec")
     assert not hasattr(Accordion, "from_specs")
+    assert not hasattr(Accordion("topk:ratio=0.01", "none"), "levels_pair")
     sched = Schedule.warmup("topk:ratio=0.1", 3)
     assert Schedule.parse(sched.spec()) == sched
 

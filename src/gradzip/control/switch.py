@@ -106,11 +106,6 @@ class TwoLevel(Compressor):
         """``(steady, critical)``: the compressors of the aggressive and the gentle level."""
         return cast(Compressor, self.steady), cast(Compressor, self.critical)
 
-    @property
-    def levels_pair(self) -> tuple[Compressor, Compressor]:
-        """Former name of :attr:`level_compressors`."""
-        return self.level_compressors
-
     def fixed_names(self, shapes: Mapping[str, torch.Size]) -> list[str]:
         """The tensors both levels send dense (they take no decision), sorted."""
         steady, critical = self.level_compressors
