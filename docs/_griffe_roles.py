@@ -3,7 +3,8 @@
 gradzip's docstrings name other objects with Sphinx roles (``:class:`~gradzip.Engine```),
 which Markdown would show as raw text. This turns each role into a link to the object's entry
 when the reference page documents it (``gradzip.Engine`` and its public members, the names of
-``gradzip.ddp``), and into inline code otherwise (private helpers and other packages have no
+``gradzip.ddp``; a name is looked up as written, then in the docstring's class and module, and
+by where it is defined as well as where it is exported), and into inline code otherwise (private helpers and other packages have no
 entry to link to; a link to them would fail the strict build). ``~`` shows the last part of
 the name only, as in Sphinx.
 """
@@ -27,33 +28,61 @@ class SphinxRoles(griffe.Extension):
         documented = _documented(pkg)
         for obj in _walk(pkg, set()):
             if obj.docstring is not None:
+                scopes = _scopes(obj)
                 obj.docstring.value = ROLE.sub(
-                    lambda m: _replace(m, documented), obj.docstring.value)
+                    lambda m, scopes=scopes: _replace(m, scopes, documented),
+                    obj.docstring.value)
 
 
-def _replace(match: re.Match[str], documented: set[str]) -> str:
+def _replace(match: re.Match[str], scopes: list[str], documented: dict[str, str]) -> str:
     tilde, target = match.group(1), match.group(2).strip()
     shown = target.rsplit(".", 1)[-1] if tilde else target
-    if target in documented:
-        return f"[`{shown}`][{target}]"
+    # Sphinx looks a name up as written, then in the current class and module.
+    for candidate in [target, *(f"{scope}.{target}" for scope in scopes)]:
+        if candidate in documented:
+            return f"[`{shown}`][{documented[candidate]}]"
     return f"`{shown}`"
 
 
-def _documented(pkg: griffe.Module) -> set[str]:
-    """The identifiers the API reference page renders (``::: gradzip.X`` for X in __all__)."""
-    names: set[str] = set()
-    exported = [n for n in _all(pkg) if n in pkg.members]
-    for name in exported:
-        path = f"gradzip.{name}"
-        names.add(path)
-        target = pkg.members[name]
-        if name == "ddp":
-            for sub in _all(target):
-                names.add(f"{path}.{sub}")
+def _scopes(obj: Any) -> list[str]:
+    """Where a bare name in ``obj``'s docstring is looked up: its class, then its module."""
+    scopes = []
+    holder = obj if obj.is_class else obj.parent
+    if holder is not None and holder.is_class:
+        scopes.append(holder.path)
+    scopes.append(obj.module.path)
+    return scopes
+
+
+def _documented(pkg: griffe.Module) -> dict[str, str]:
+    """Path (public or where it is defined) -> the identifier the API reference renders it
+    under (``::: gradzip.X`` for X in ``__all__``, the names of ``gradzip.ddp``)."""
+    names: dict[str, str] = {}
+
+    def add(public: str, target: Any, members: bool) -> None:
+        for path in (public, target.path):
+            names.setdefault(path, public)
+        if not members:
+            return
+        for member, value in target.all_members.items():
+            if member.startswith("_"):
+                continue
+            value = _resolved(value)
+            if value.docstring is not None:
+                for path in (f"{public}.{member}", f"{target.path}.{member}"):
+                    names.setdefault(path, f"{public}.{member}")
+
+    for name in _all(pkg):
+        if name not in pkg.members:
             continue
-        for member, value in _resolved(target).members.items():
-            if not member.startswith("_") and value.docstring is not None:
-                names.add(f"{path}.{member}")
+        target = _resolved(pkg.members[name])
+        if name == "ddp":
+            add("gradzip.ddp", target, members=False)
+            for sub in _all(target):
+                if sub in target.members:
+                    add(f"gradzip.ddp.{sub}", _resolved(target.members[sub]), members=True)
+            continue
+        add(f"gradzip.{name}", target, members=target.is_class)
     return names
 
 

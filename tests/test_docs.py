@@ -57,3 +57,18 @@ def test_the_version_has_one_source() -> None:
         assert project["project"]["dynamic"] == ["version"]
         assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gradzip.__version__"}
     assert re.fullmatch(r"\d+\.\d+\.\d+", gradzip.__version__)
+
+
+def test_links_into_the_api_reference_name_documented_objects() -> None:
+    # MkDocs checks links between pages, but not anchors that the API reference generates:
+    # each `reference/api.md#gradzip.X[.member]` must name an exported object (or its member).
+    anchors = set()
+    for page in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]:
+        anchors.update(re.findall(r"reference/api\.md#([\w.]+)\)", page.read_text()))
+    assert anchors, "the concept pages link into the API reference"
+    for anchor in sorted(anchors):
+        first, name, *members = anchor.split(".")
+        assert first == "gradzip" and name in gradzip.__all__, anchor
+        obj = getattr(gradzip, name)
+        for member in members:
+            obj = getattr(obj, member)
