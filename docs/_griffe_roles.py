@@ -16,6 +16,10 @@ from typing import Any
 
 import griffe
 
+#: The classes whose entries list inherited members too (``inherited_members`` in
+#: docs/reference/api.md); the others show the members they declare.
+INHERITED = {"Engine", "Accordion", "Schedule"}
+
 ROLE = re.compile(r":(?:class|meth|func|mod|attr|data|exc|obj):`(~?)([^`<>]+?)(?:\(\))?`")
 
 
@@ -59,12 +63,12 @@ def _documented(pkg: griffe.Module) -> dict[str, str]:
     under (``::: gradzip.X`` for X in ``__all__``, the names of ``gradzip.ddp``)."""
     names: dict[str, str] = {}
 
-    def add(public: str, target: Any, members: bool) -> None:
+    def add(public: str, target: Any, members: bool, inherited: bool = False) -> None:
         for path in (public, target.path):
             names.setdefault(path, public)
         if not members:
             return
-        for member, value in target.all_members.items():
+        for member, value in (target.all_members if inherited else target.members).items():
             if member.startswith("_"):
                 continue
             value = _resolved(value)
@@ -82,7 +86,7 @@ def _documented(pkg: griffe.Module) -> dict[str, str]:
                 if sub in target.members:
                     add(f"gradzip.ddp.{sub}", _resolved(target.members[sub]), members=True)
             continue
-        add(f"gradzip.{name}", target, members=target.is_class)
+        add(f"gradzip.{name}", target, members=target.is_class, inherited=name in INHERITED)
     return names
 
 

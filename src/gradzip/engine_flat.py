@@ -117,14 +117,12 @@ class FlatPath:
     def reduce_bucket(self, layout: BucketLayout, *, finish_step: bool) -> None:
         """Average a DDP bucket's gradients in place: :meth:`reduce` with
         ``same_layout=True``, its averages written back into the bucket, bit for bit (the
-        flat path where it applies, see the module docstring).
+        flat path where it applies, see the module docstring). Raises what :meth:`reduce`
+        raises.
 
         Args:
             layout: from :meth:`bucket_layout`.
             finish_step: whether this call completes an optimizer step.
-
-        Raises:
-            as :meth:`reduce`.
         """
         if not self._flat_applies(layout):
             # The ordinary call, on the names and worker-axis views checked and ordered once.
