@@ -60,7 +60,7 @@ uncompressed tensors (1-D ones and those low rank would not shrink enough), all 
 and all ``Q`` factors. gradzip's PowerSGD sends the same ``P`` and ``Q`` (the dense tensors ride
 in the ``P`` buffer) from the first step on.
 
-Example:
+Examples:
     >>> ddp_model = DistributedDataParallel(model)
     >>> state = gradzip.ddp.register(ddp_model, "powersgd:rank=2", optimizer=optimizer)
     >>> ...train...; torch.save(state.state_dict(), f"gradzip-rank{rank}.pt")

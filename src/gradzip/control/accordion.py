@@ -103,7 +103,7 @@ class Accordion(TwoLevel):
         ValueError: levels of different kinds, ``eta <= 0``, ``interval < 1``, a window
             outside ``[1, interval]``, an unknown signal or hold.
 
-    Example:
+    Examples:
         >>> acc = Accordion("powersgd:rank=1", "powersgd:rank=4", interval=500)
         >>> engine = Engine(model, acc, optimizer=opt)   # reads the LR for drops
         >>> Accordion.levels(engine)                      # {"fc.weight": "critical", ...}
