@@ -84,12 +84,8 @@ def test_accordion_validates(kwargs: dict, exc: type, message: str) -> None:
     assert message in str(info.value)
 
 
-def test_spec_round_trip_from_specs_and_bias(caplog: pytest.LogCaptureFixture) -> None:
+def test_spec_round_trip_and_bias(caplog: pytest.LogCaptureFixture) -> None:
     acc = Accordion("powersgd:rank=1", "powersgd:rank=4", 0.5, 100)
-    with pytest.warns(DeprecationWarning, match="from_specs is deprecated"):
-        assert Accordion.from_specs("powersgd:rank=1", "powersgd:rank=4", 0.5, 100) == acc
-    with pytest.warns(DeprecationWarning, match="from_spec is deprecated"):
-        assert Accordion.from_spec(acc.spec()) == acc
     spec = ("accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=100,"
             "per_layer=True,lr_drop=True,window=10,signal=raw,lr_hold=interval)")
     assert acc.spec() == spec == str(acc)

@@ -314,3 +314,18 @@ def test_demo_end_to_end_shrunk(capsys: pytest.CaptureFixture[str], tmp_path: Pa
         assert label in stdout
     assert "plot: " in stdout and (out / "compare.png").stat().st_size > 0
     assert len((out / "results.csv").read_text().splitlines()) == 7
+
+
+def test_demo_quick_is_one_epoch_on_a_few_images(capsys: pytest.CaptureFixture[str],
+                                                 tmp_path: Path) -> None:
+    from gradzip.cli import QUICK_DEMO
+
+    out = tmp_path / "demo"
+    code, stdout, err = run_cli(capsys, "demo", "--quick", "--out", str(out), "--quiet")
+    assert code == 0, err
+    assert "summary:" in stdout
+    for run in sorted(p for p in out.iterdir() if p.is_dir()):
+        config = json.loads((run / "run.json").read_text())["config"]
+        assert config["epochs"] == QUICK_DEMO["epochs"] == 1
+        assert config["limit_train"] == QUICK_DEMO["limit_train"] == 256
+    assert len((out / "results.csv").read_text().splitlines()) == 7

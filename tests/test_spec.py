@@ -1,4 +1,4 @@
-"""The one spec grammar (gradzip.spec), the aliases of its old names, and compressor reports."""
+"""The one spec grammar (gradzip.spec) and compressor reports."""
 
 from __future__ import annotations
 
@@ -50,17 +50,17 @@ def test_registry_holds_every_compressor_and_controller() -> None:
     assert compressor_from_spec(acc.spec()) == acc == Accordion.parse(acc.spec())
 
 
-def test_old_names_warn_and_still_work() -> None:
-    with pytest.warns(DeprecationWarning, match="moved to gradzip.spec"):
-        old = gradzip.compressors.compressor_from_spec  # type: ignore[attr-defined]
-    assert old is compressor_from_spec
-    with pytest.warns(DeprecationWarning, match="moved to gradzip.spec"):
-        assert gradzip.compressors.parse_spec is parse_spec  # type: ignore[attr-defined]
-    with pytest.raises(AttributeError):
-        gradzip.compressors.nosuch  # type: ignore[attr-defined]  # noqa: B018
+def test_old_names_are_gone() -> None:
+    # The pre-release aliases kept after renames were removed: the grammar lives in
+    # gradzip.spec only, and a controller is rebuilt from its spec with parse().
+    for name in ("REGISTRY", "compressor_from_spec", "describe_compressors", "parse_spec"):
+        assert not hasattr(gradzip.compressors, name)
+    for cls in (Schedule, Accordion):
+        assert not hasattr(cls, "from_spec")
+    assert not hasattr(Accordion, "from_specs")
+    assert not hasattr(Accordion("topk:ratio=0.01", "none"), "levels_pair")
     sched = Schedule.warmup("topk:ratio=0.1", 3)
-    with pytest.warns(DeprecationWarning, match="Schedule.from_spec is deprecated"):
-        assert Schedule.from_spec(sched.spec()) == sched
+    assert Schedule.parse(sched.spec()) == sched
 
 
 def _run(compressor: gradzip.Compressor, steps: int) -> gradzip.Engine:

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 _FMT = argparse.RawDescriptionHelpFormatter
 
+#: What ``gradzip demo --quick`` shrinks the demo to (``--epochs``/``--limit-train`` still win).
+QUICK_DEMO = {"epochs": 1, "limit_train": 256}
+
 DEMO_EPILOG = """\
 Trains the embedded 8x8 digits task with 4 simulated workers, once per compressor: none,
 top-k 1%, hard threshold (budget 1%), PowerSGD rank 1, and Accordion switching PowerSGD
@@ -36,6 +39,7 @@ between rank 1 (steady) and rank 4 (critical regimes). Prints a table and writes
 examples:
   gradzip demo
   gradzip demo --out /tmp/demo --quiet
+  gradzip demo --quick        # one epoch on 256 images: checks an install, not a result
 """
 
 TRAIN_EPILOG = """\
@@ -165,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                           epilog=DEMO_EPILOG, formatter_class=_FMT)
     demo.add_argument("--out", default="gradzip-demo", help="output dir (default ./gradzip-demo)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
+    demo.add_argument("--quick", action="store_true",
+                      help=f"{QUICK_DEMO['epochs']} epoch on {QUICK_DEMO['limit_train']} training "
+                           "images: a check that an install runs (seconds), not a result")
     demo.add_argument("--epochs", type=int, default=None, help=argparse.SUPPRESS)
     demo.add_argument("--limit-train", type=int, default=None, help=argparse.SUPPRESS)
     train = sub.add_parser("train", help="one training run",
@@ -282,7 +289,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from gradzip.train.compare import format_table, load_grid, run_grid
     from gradzip.train.demo_summary import summary_line
 
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(QUICK_DEMO) if args.quick else {}
     epochs = args.epochs or (int(os.environ["GRADZIP_DEMO_EPOCHS"])
                              if os.environ.get("GRADZIP_DEMO_EPOCHS") else None)
     if epochs is not None:

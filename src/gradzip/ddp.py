@@ -60,7 +60,7 @@ uncompressed tensors (1-D ones and those low rank would not shrink enough), all 
 and all ``Q`` factors. gradzip's PowerSGD sends the same ``P`` and ``Q`` (the dense tensors ride
 in the ``P`` buffer) from the first step on.
 
-Example:
+Examples:
     >>> ddp_model = DistributedDataParallel(model)
     >>> state = gradzip.ddp.register(ddp_model, "powersgd:rank=2", optimizer=optimizer)
     >>> ...train...; torch.save(state.state_dict(), f"gradzip-rank{rank}.pt")
@@ -139,9 +139,11 @@ def make_hook(
         model_or_named_params: the module DDP wraps (or the DDP model, or its
             ``(name, parameter)`` pairs).
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"powersgd:rank=2"``.
-        process_group, overlap: see :class:`GradzipHookState`.
-        options, **engine_options: an :class:`~gradzip.EngineOptions` and/or its fields as
-            keywords (see :class:`~gradzip.EngineOptions`).
+        process_group: see :class:`GradzipHookState`.
+        overlap: see :class:`GradzipHookState`.
+        options: an :class:`~gradzip.EngineOptions` record (its fields may also be given as
+            keywords, which replace the record's).
+        **engine_options: fields of :class:`~gradzip.EngineOptions` as keywords.
 
     Returns:
         ``(state, gradzip_hook)``.
@@ -172,9 +174,11 @@ def register(
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
         process_group: defaults to the group ``ddp_model`` reduces over.
         overlap: see :class:`GradzipHookState`.
-        options, **engine_options: an :class:`~gradzip.EngineOptions` and/or its fields as
-            keywords (``optimizer``, ``error_feedback``, ``nonfinite``, ``grad_scaler``,
-            ``dense_1d``, ``rules``, ``min_numel``; see :class:`~gradzip.EngineOptions`).
+        options: an :class:`~gradzip.EngineOptions` record (its fields may also be given as
+            keywords, which replace the record's).
+        **engine_options: fields of :class:`~gradzip.EngineOptions` as keywords
+            (``optimizer``, ``error_feedback``, ``nonfinite``, ``grad_scaler``, ``dense_1d``,
+            ``rules``, ``min_numel``).
 
     Returns:
         The hook state: ``stats``, ``state_dict()`` (one file per rank), ``load_state_dict()``.

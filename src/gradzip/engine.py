@@ -55,7 +55,7 @@ class Engine(HostPath, DevicePath, FlatPath, EngineCheckpoints, ErrorMeter):
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
 
-    Example:
+    Examples:
         >>> engine = Engine(model, "powersgd:rank=2")
         >>> loss.backward(); engine.reduce_()   # averaged, compressed gradients in .grad
     """

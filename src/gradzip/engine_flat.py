@@ -118,16 +118,14 @@ class FlatPath:
                       step: int | None = None) -> None:
         """Average a DDP bucket's gradients in place: :meth:`reduce` with
         ``same_layout=True``, its averages written back into the bucket, bit for bit (the
-        flat path where it applies, see the module docstring).
+        flat path where it applies, see the module docstring). Raises what :meth:`reduce`
+        raises.
 
         Args:
             layout: from :meth:`bucket_layout`.
             finish_step: whether this call completes an optimizer step.
             step: the caller's step number, carried in the header (see :meth:`reduce`); the
                 DDP hook passes its count of optimizer steps when it knows the optimizer.
-
-        Raises:
-            as :meth:`reduce`.
         """
         if not self._flat_applies(layout):
             # The ordinary call, on the names and worker-axis views checked and ordered once.

@@ -165,7 +165,7 @@ class EngineOptions:
     Raises:
         TypeError, ValueError: an invalid value, naming the option.
 
-    Example:
+    Examples:
         >>> options = EngineOptions(rules=[("*.bias", "dense")], min_numel=1024)
         >>> engine = Engine(model, "powersgd:rank=2", options=options)
         >>> state = gradzip.ddp.register(ddp_model, "powersgd:rank=2", options=options)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.lowprec import BF16, FP16
 from gradzip.compressors.none import NoCompression
@@ -29,17 +26,3 @@ __all__ = [
     "StepContext",
     "TopK",
 ]
-
-#: Names that moved to :mod:`gradzip.spec`; reachable here, with a warning, for one release.
-_MOVED = ("REGISTRY", "compressor_from_spec", "describe_compressors", "parse_spec")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        # Imported on first use: the grammar builds on this package, not the reverse.
-        import gradzip.spec
-
-        warnings.warn(f"gradzip.compressors.{name} moved to gradzip.spec.{name}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(gradzip.spec, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

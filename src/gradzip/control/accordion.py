@@ -19,7 +19,6 @@ References:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -104,7 +103,7 @@ class Accordion(TwoLevel):
         ValueError: levels of different kinds, ``eta <= 0``, ``interval < 1``, a window
             outside ``[1, interval]``, an unknown signal or hold.
 
-    Example:
+    Examples:
         >>> acc = Accordion("powersgd:rank=1", "powersgd:rank=4", interval=500)
         >>> engine = Engine(model, acc, optimizer=opt)   # reads the LR for drops
         >>> Accordion.levels(engine)                      # {"fc.weight": "critical", ...}
@@ -147,20 +146,6 @@ class Accordion(TwoLevel):
         object.__setattr__(self, "biased", bool(steady.biased or critical.biased))
 
     # -- construction and identity ---------------------------------------------------------
-    @classmethod
-    def from_specs(
-        cls,
-        compressor_spec: str | Compressor,
-        accordion_spec: str | Compressor,
-        eta: float = 0.5,
-        interval: int = 100,
-        **options: Any,
-    ) -> Accordion:
-        """Deprecated: call ``Accordion(steady, critical, eta=..., interval=...)``."""
-        warnings.warn("Accordion.from_specs is deprecated; call Accordion(steady, critical, ...)",
-                      DeprecationWarning, stacklevel=2)
-        return cls(compressor_spec, accordion_spec, eta=eta, interval=interval, **options)
-
     def spec(self) -> str:
         """A stable, readable description, stored in checkpoints and compared on load."""
         steady, critical = self.level_compressors

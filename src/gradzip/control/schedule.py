@@ -82,7 +82,7 @@ class Schedule(TwoLevel):
     Raises:
         TypeError, ValueError: invalid levels or ranges, naming the parameter.
 
-    Example:
+    Examples:
         >>> Schedule.warmup("powersgd:rank=2", steps=1000)            # dense, then rank 2
         >>> Schedule("powersgd:rank=4", "powersgd:rank=1", gentle_epochs=[(0, 5), (15, 18)],
         ...          steps_per_epoch=391)
@@ -152,7 +152,7 @@ class Schedule(TwoLevel):
         parsed by :func:`~gradzip.spec.parse_level_schedule`): ``gentle`` in its gentle
         ranges, ``aggressive`` elsewhere.
 
-        Example:
+        Examples:
             >>> Schedule.from_text("gentle:0-5,aggressive:5-30", "powersgd:rank=1",
             ...                    gentle="powersgd:rank=4", steps_per_epoch=391)
 

@@ -15,7 +15,6 @@ of gentle tensors without changing a byte.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, cast
 
@@ -106,22 +105,10 @@ class TwoLevel(Compressor):
         """
         return controller_from_spec(cls, spec)
 
-    @classmethod
-    def from_spec(cls, spec: str) -> Any:
-        """Deprecated alias of :meth:`parse`."""
-        warnings.warn(f"{cls.__name__}.from_spec is deprecated; use {cls.__name__}.parse",
-                      DeprecationWarning, stacklevel=2)
-        return cls.parse(spec)
-
     @property
     def level_compressors(self) -> tuple[Compressor, Compressor]:
         """``(steady, critical)``: the compressors of the aggressive and the gentle level."""
         return cast(Compressor, self.steady), cast(Compressor, self.critical)
-
-    @property
-    def levels_pair(self) -> tuple[Compressor, Compressor]:
-        """Former name of :attr:`level_compressors`."""
-        return self.level_compressors
 
     def fixed_names(self, shapes: Mapping[str, torch.Size]) -> list[str]:
         """The tensors both levels send dense (they take no decision), sorted."""

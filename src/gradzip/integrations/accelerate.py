@@ -4,7 +4,7 @@ Accelerate's own route, ``DistributedDataParallelKwargs(comm_hook=...)``, accept
 PyTorch's fixed list of hooks. :func:`register` puts gradzip's hook on the DDP model that
 ``prepare`` returned and registers its state for ``save_state``/``load_state``.
 
-Example:
+Examples:
     >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     >>> state = gradzip.integrations.accelerate.register(accelerator, model, "powersgd:rank=2")
     >>> ...; accelerator.save_state("ckpt")   # every rank's residuals, in one file

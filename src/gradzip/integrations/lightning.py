@@ -5,7 +5,7 @@ comm hook only when the device is CUDA (on CPU the hook is silently ignored), sa
 state in checkpoints, and Fabric's ``DDPStrategy`` takes no hook at all. These strategies
 register gradzip's hook on the ``DistributedDataParallel`` model they build, on every device.
 
-Example:
+Examples:
     >>> from gradzip.integrations.lightning import GradzipDDPStrategy
     >>> trainer = L.Trainer(strategy=GradzipDDPStrategy("topk:ratio=0.01"), devices=2)
 

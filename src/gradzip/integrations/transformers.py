@@ -5,7 +5,7 @@ hook on the ``DistributedDataParallel`` model the Trainer builds when training b
 every rank's hook state into each checkpoint folder and reads it back on
 ``trainer.train(resume_from_checkpoint=...)``.
 
-Example:
+Examples:
     >>> from gradzip.integrations.transformers import GradzipCallback
     >>> trainer = Trainer(model, args, train_dataset=data,
     ...                   callbacks=[GradzipCallback("powersgd:rank=4")])
