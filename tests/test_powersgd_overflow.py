@@ -36,13 +36,15 @@ def test_orthogonalize_is_unchanged_for_ordinary_inputs() -> None:
     assert torch.equal(orthogonalize(p), p / p.norm(dim=-2, keepdim=True))
 
 
-def _run(policy: str, workers: int, steps: int = 8) -> tuple[gradzip.Engine, list[torch.Tensor]]:
+def _run(policy: str, workers: int, on_device: bool,
+         steps: int = 8) -> tuple[gradzip.Engine, list[torch.Tensor]]:
     engine = gradzip.Engine(
         {"w": torch.Size([16, 16])},
         "powersgd:rank=1",
         collective=gradzip.SimulatedGroup(workers),
         nonfinite=policy,
     )
+    engine._device_decisions = on_device  # the device-decided path, on the CPU
     gen = torch.Generator().manual_seed(1)
     outs = []
     for step in range(steps):
@@ -55,8 +57,11 @@ def _run(policy: str, workers: int, steps: int = 8) -> tuple[gradzip.Engine, lis
 
 @pytest.mark.parametrize("policy", ["skip", "zero", "raise"])
 @pytest.mark.parametrize("workers", [2, 3])
-def test_one_huge_gradient_is_averaged_and_training_recovers(policy: str, workers: int) -> None:
-    engine, outs = _run(policy, workers)
+@pytest.mark.parametrize("on_device", [False, True])
+def test_one_huge_gradient_is_averaged_and_training_recovers(
+    policy: str, workers: int, on_device: bool
+) -> None:
+    engine, outs = _run(policy, workers, on_device)
     # The huge step is representable, so it is compressed, not handled by a policy: its
     # average is the huge worker's share (rank 1 captures a constant matrix).
     assert engine.stats["skipped_steps"] == 0
