@@ -68,7 +68,10 @@ def test_a_gentle_range_shorter_than_a_step_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--rule", "nope.*=dense"], "rule 'nope.*=dense' must match a parameter"),
+    (["--rule", "nope.*=dense"], "--rule: rule 'nope.*=dense' must match a parameter"),
+    # With processes the engine is built only at the first DDP bucket: refused before that.
+    (["--rule", "nope.*=dense", "--launcher", "procs", "--threads", "1"],
+     "--rule: rule 'nope.*=dense' must match a parameter"),
     (["--rule", "*.weight=sign", "--rule", "classifier.1.weight=fp16"],
      "rule 'classifier.1.weight=fp16' must decide a parameter"),
     (["--level-schedule", "gentle:0-0.01,aggressive:0.01-1"],
