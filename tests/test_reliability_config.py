@@ -85,3 +85,14 @@ def test_the_cli_refuses_them_before_writing(extra: list[str], message: str, tmp
     err = capsys.readouterr().err
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists()
+
+
+def test_the_ddp_hook_state_refuses_them_when_made() -> None:
+    """The hook's engine is built at the first bucket: the rule is refused before, when the
+    state is made (no process group needed)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    with pytest.raises(ValueError, match=r"rule 'head\.\*=dense' must match a parameter, but its "
+                                         r"glob matches none of this model's \(0\.weight, 0\.bias\)"):
+        gradzip.ddp.GradzipHookState(model.named_parameters(), "topk:ratio=0.1",
+                                     rules=["head.*=dense"])
+    gradzip.ddp.GradzipHookState(model.named_parameters(), "topk:ratio=0.1", rules=["*.bias=dense"])
