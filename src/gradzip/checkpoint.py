@@ -12,11 +12,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradzip.options import MAIN_ROUTE
 from gradzip.statecheck import all_finite, check_tree, nonneg_int
+
+if TYPE_CHECKING:
+    from gradzip.routing import Router
 
 __all__ = ["REQUIRED_KEYS", "Loaded", "validate_checkpoint"]
 
@@ -56,6 +60,7 @@ def validate_checkpoint(
     fresh_state: Any,
     feedback_names: frozenset[str] | None = None,
     fresh_rule_states: list[Any] | None = None,
+    router: Router | None = None,
 ) -> Loaded:
     """Check a checkpoint against the engine that loads it.
 
@@ -72,6 +77,8 @@ def validate_checkpoint(
         feedback_names: parameters that keep a residual (default: every one not sent dense
             when ``config["error_feedback"]``, none otherwise).
         fresh_rule_states: each rule's fresh state, the reference for ``rule_states``.
+        router: the engine's routes; when given, each compressor checks the values of its
+            loaded state (``Compressor.check_state``: ranges, names, consistency).
 
     Returns:
         The parsed values (residuals cloned).
@@ -113,6 +120,10 @@ def validate_checkpoint(
     if mismatch:
         raise ValueError(f"checkpoint does not match this engine: {mismatch}")
     rule_states = _rule_states(state.get("rule_states", []), fresh_rule_states or [])
+    _residual_set(state.get("without_residual"), residuals, feedback_names)
+    if router is not None:
+        _check_values(router, state["compressor_state"], fresh_state, rule_states,
+                      fresh_rule_states or [], workers)
     meter = state["meter"]
     counters = {"dense_payload": state["dense_payload"], "dense_wire": state["dense_wire"]}
     if isinstance(meter, Mapping):
@@ -136,6 +147,44 @@ def validate_checkpoint(
         dense_payload=[int(v) for v in state["dense_payload"]],
         dense_wire=[int(v) for v in state["dense_wire"]],
     )
+
+
+def _check_values(router: Router, main: Any, fresh_main: Any, rules: list[Any],
+                  fresh_rules: list[Any], workers: int) -> None:
+    """Each compressor's check of its own state's values, once the structure is known good."""
+    checks = [(MAIN_ROUTE, router.compressor, main, fresh_main, "compressor_state")]
+    checks += [(i + 1, c, got, want, f"rule_states[{i}]") for i, (c, got, want) in
+               enumerate(zip(router.rule_compressors, rules, fresh_rules, strict=True)) if c]
+    for where, compressor, got, want, path in checks:
+        found = compressor.check_state(got, fresh=want, shapes=router.shapes_of(where),
+                                       workers=workers)
+        if found:
+            raise ValueError(f"checkpoint holds a value this engine cannot continue from: {path}.{found}")
+
+
+def _residual_set(listed: Any, residuals: Mapping[str, torch.Tensor],
+                  feedback_names: frozenset[str]) -> None:
+    """Every parameter that keeps a residual either has one or is listed without one.
+
+    A parameter the engine has not reduced yet (or whose only calls were rolled back) has no
+    residual; ``state_dict`` lists those, so a residual dropped from the file is told apart
+    from one never made (loading without it would silently discard that parameter's error).
+    Checkpoints of earlier versions, without the list, are not checked.
+    """
+    if listed is None:
+        return
+    if not isinstance(listed, (list, tuple)) or not all(isinstance(n, str) for n in listed):
+        raise ValueError(f"`without_residual` of the checkpoint must list parameter names, got {listed!r}")
+    for name in listed:
+        if name not in feedback_names or name in residuals:
+            why = "it has a residual" if name in residuals else "it keeps no residual in this engine"
+            raise ValueError(f"`without_residual` of the checkpoint must not list {name!r}: {why}")
+    for name in sorted(feedback_names):
+        if name not in residuals and name not in listed:
+            raise ValueError(
+                f"checkpoint lacks the residual of parameter {name!r}, which it does not list "
+                f"among the parameters without one (`without_residual`)"
+            )
 
 
 def _rule_states(saved: Any, fresh: list[Any]) -> list[Any]:

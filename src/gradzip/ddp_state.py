@@ -23,6 +23,7 @@ from gradzip.ddp_params import named_trainable_parameters, tree_to
 from gradzip.engine import STATS_KEYS, Engine
 from gradzip.engine_flat import BucketLayout
 from gradzip.options import EngineOptions
+from gradzip.routing import idle_rule
 from gradzip.spec import compressor_from_spec
 
 __all__ = ["GatheredState", "GradzipHookState"]
@@ -79,6 +80,10 @@ class GradzipHookState:
         self.overlap = check_bool("overlap", overlap)
         self.process_group = process_group
         self.params: dict[str, torch.Tensor] = dict(pairs)
+        # The engine is built at the first bucket; a rule that decides nothing is refused now.
+        idle = idle_rule({n: p.shape for n, p in pairs}, options)
+        if idle:
+            raise ValueError(idle)
         # Identity of the parameter objects (DDP hands back the very same objects).
         self._name_of: dict[int, str] = {id(p): n for n, p in pairs}
         self._engine: Engine | None = None

@@ -33,6 +33,7 @@ class EngineCheckpoints:
             "skipped_steps": self.skipped_steps,
             "residual_scale": self.residual_scale,
             "residuals": {n: r.clone() for n, r in self.residuals.items()},
+            "without_residual": sorted(self._feedback - set(self.residuals)),
             "compressor_state": copy_tree(self.compressor_state),
             "rule_states": copy_tree(self.rule_states),
             "meter": self.comm.meter.snapshot(),
@@ -75,6 +76,7 @@ class EngineCheckpoints:
             workers=self.comm.local_workers,
             fresh_state=self.compressor.init_state(self._compressed_shapes()),
             fresh_rule_states=self._router.fresh_rule_states(),
+            router=self._router,
         )
         # Everything is valid: swap it in.
         self.step, self.skipped_steps = loaded.step, loaded.skipped_steps

@@ -18,7 +18,46 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.options import DENSE_ROUTE, MAIN_ROUTE, EngineOptions, route
 
-__all__ = ["Router"]
+__all__ = ["Router", "idle_rule"]
+
+
+def idle_rule(shapes: Mapping[str, torch.Size], options: EngineOptions) -> str | None:
+    """Why a rule of ``options`` decides no parameter of ``shapes``, or ``None``.
+
+    A rule that matches no name (a typo in its glob, a pattern written for another model), or
+    whose every match is decided before it (``min_numel``, ``dense_1d``, an earlier rule), does
+    nothing at all; accepting it silently would leave the user believing those tensors are
+    compressed as the rule says. Precedence is :func:`~gradzip.options.route`'s.
+    """
+    rules = options.routing_rules()
+    sugar = len(rules) - len(options.rules)
+    names = list(shapes)
+    decider: dict[str, str | int | None] = {}  # "min_numel", an index into rules, or None
+    for name in names:
+        shape = torch.Size(shapes[name])
+        if shape.numel() < options.min_numel:
+            decider[name] = "min_numel"
+        else:
+            decider[name] = next((j for j, r in enumerate(rules) if r.matches(name, shape)), None)
+    for i, rule in enumerate(options.rules):
+        if any(d == i + sugar for d in decider.values()):
+            continue
+        matched = [n for n in names if rule.matches(n, torch.Size(shapes[n]))]
+        if not matched:
+            listed = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+            return (f"rule {rule.describe()!r} must match a parameter, but its glob matches none "
+                    f"of this model's ({listed or 'none'})")
+        first = matched[0]
+        by = decider[first]
+        if by == "min_numel":
+            why = f"`min_numel={options.min_numel}`"
+        elif by == 0 and sugar:
+            why = "`dense_1d`"
+        else:
+            why = f"rule {rules[by].describe()!r}"  # type: ignore[index]
+        return (f"rule {rule.describe()!r} must decide a parameter, but every parameter it "
+                f"matches is decided before it, e.g. {first!r} by {why}")
+    return None
 
 
 class Router:
@@ -29,6 +68,9 @@ class Router:
         compressor: the main compressor.
         options: the engine's options (``rules``, ``min_numel``, ``dense_1d``,
             ``error_feedback``).
+
+    Raises:
+        ValueError: a rule that decides no parameter (see :func:`idle_rule`), named.
     """
 
     def __init__(
@@ -40,6 +82,9 @@ class Router:
         self.rule_compressors: tuple[Compressor | None, ...] = tuple(
             rule.compressor for rule in options.rules
         )
+        idle = idle_rule(self.shapes, options)
+        if idle:
+            raise ValueError(idle)
         self.routes = route(self.shapes, options)
         #: Tensors sent by one exact all-reduce, without residual.
         self.dense_names = frozenset(n for n, r in self.routes.items() if r == DENSE_ROUTE)

@@ -164,6 +164,32 @@ class Compressor(ABC):
         quantities only, so it is identical on every worker.
         """
 
+    def check_state(
+        self,
+        state: Mapping[str, Any],
+        *,
+        fresh: Mapping[str, Any],
+        shapes: Mapping[str, torch.Size],
+        workers: int,
+    ) -> str | None:
+        """The first value of a loaded state this compressor could not continue from.
+
+        Called by ``Engine.load_state_dict`` after the state's structure, shapes, dtypes,
+        kinds of values and finiteness were checked against ``fresh``; this checks what
+        those cannot: ranges, names and consistency (a negative counter, an unknown level).
+        Nothing is changed.
+
+        Args:
+            state: the loaded state (same structure as ``fresh``).
+            fresh: this compressor's ``init_state`` for the same tensors.
+            shapes: the tensors this compressor reduces.
+            workers: the local workers (the leading axis of per-worker tensors).
+
+        Returns:
+            ``"path: what it must be, got value"``, or ``None`` when the state is usable.
+        """
+        return None
+
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
         """Called once per optimizer step, after every tensor of the step was reduced.
 

@@ -152,6 +152,26 @@ class HardThreshold(Compressor):
             return {}
         return {"density_parts": (int(state["sent"]), int(state["offered"]))}
 
+    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
+                    shapes: Mapping[str, torch.Size], workers: int) -> str | None:
+        """``lam`` this configuration's (``lam`` given) or > 0 (``-1.0`` before a budget's
+        first step); ``recent`` a density or ``-1.0``; counters >= 0, ``sent <= offered``,
+        none pending between steps (see ``Compressor.check_state``)."""
+        lam, recent = state["lam"], state["recent"]
+        if self.lam is not None and lam != float(self.lam):
+            return f"lam: must be {float(self.lam)!r} (this compressor's `lam`), got {lam!r}"
+        if self.budget is not None and not (lam > 0 or lam == -1.0):
+            return f"lam: must be > 0 (or -1.0 before the first step), got {lam!r}"
+        if not (recent == -1.0 or 0 <= recent <= 1):
+            return f"recent: must be in [0, 1] (or -1.0 before the first step), got {recent!r}"
+        for key in ("sent", "offered", "step_sent", "step_offered"):
+            if state[key] < 0 or (key.startswith("step_") and state[key] != 0):
+                want = "0 between steps" if key.startswith("step_") else "an integer >= 0"
+                return f"{key}: must be {want}, got {state[key]!r}"
+        if state["sent"] > state["offered"]:
+            return f"sent: must be <= offered ({state['offered']}), got {state['sent']!r}"
+        return None
+
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
         state["sent"] += state["step_sent"]
         state["offered"] += state["step_offered"]

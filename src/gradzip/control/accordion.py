@@ -38,6 +38,7 @@ from gradzip.control.records import (
     set_levels,
 )
 from gradzip.control.rule import CRITICAL, LR_HOLDS, decide, is_lr_drop
+from gradzip.control.state_values import accordion_problem
 from gradzip.control.switch import TwoLevel, build_levels
 from gradzip.spec import format_call, register_controller
 
@@ -176,6 +177,14 @@ class Accordion(TwoLevel):
             pending=False,  # a decision due, taken at the next reduce (signal="raw")
         )
         return state
+
+    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
+                    shapes: Mapping[str, torch.Size], workers: int) -> str | None:
+        """Level names, counters, norms, window sums and the hold against this configuration,
+        then each level's own state (see ``Compressor.check_state``)."""
+        return accordion_problem(state["controller"], fresh["controller"], signal=self.signal,
+                                 shapes=shapes, workers=workers) or self._levels_problem(
+            state, fresh, shapes, workers)
 
     # -- the step --------------------------------------------------------------------------
     def reduce(

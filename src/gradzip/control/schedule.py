@@ -22,6 +22,7 @@ from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.control.level_order import check_level_order
 from gradzip.control.records import MODEL, force_critical, key_levels, record, set_levels
 from gradzip.control.rule import CRITICAL, STEADY, is_lr_drop
+from gradzip.control.state_values import schedule_problem
 from gradzip.control.switch import TwoLevel, build_levels
 from gradzip.spec import format_call, format_ranges, parse_level_schedule, register_controller
 
@@ -114,7 +115,14 @@ class Schedule(TwoLevel):
             per = check_int("steps_per_epoch", self.steps_per_epoch, minimum=1)
             epochs = _ranges("gentle_epochs", self.gentle_epochs, _epoch)
             rounded = [(round(a * per), round(b * per)) for a, b in epochs]
-            steps = _ranges("gentle_epochs", [r for r in rounded if r[1] > r[0]], _step)
+            for (a, b), (first, end) in zip(epochs, rounded, strict=True):
+                # A range shorter than a step would be dropped and the schedule would do
+                # nothing there, silently: the user asked for a gentle stretch.
+                if end <= first:
+                    raise ValueError(
+                        f"`gentle_epochs` range {a:g}-{b:g} must cover at least one step, but "
+                        f"at {per} steps per epoch it rounds to steps {first}-{end} (none)")
+            steps = _ranges("gentle_epochs", rounded, _step)
         object.__setattr__(self, "gentle_steps", steps)
         # The epochs are converted once: the steps alone define the schedule (and its spec).
         object.__setattr__(self, "gentle_epochs", None)
@@ -179,6 +187,13 @@ class Schedule(TwoLevel):
         first = [record(0, 0, MODEL, None, None, None, level, "schedule")]
         return self._pair_state(shapes, first, level, per_layer=False, interval=0,
                                 drop_until=0, drop_step=None)
+
+    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
+                    shapes: Mapping[str, torch.Size], workers: int) -> str | None:
+        """Level names and counters, then each level's own state (see
+        ``Compressor.check_state``)."""
+        return schedule_problem(state["controller"], fresh["controller"]) or self._levels_problem(
+            state, fresh, shapes, workers)
 
     def _follow(self, ctrl: dict[str, Any], ctx: StepContext | None) -> None:
         """Set the level of step ``ctrl["step"]`` from the ranges and any drop's hold."""

@@ -154,6 +154,17 @@ class TwoLevel(Compressor):
             },
         }
 
+    def _levels_problem(
+        self, state: Mapping[str, Any], fresh: Mapping[str, Any],
+        shapes: Mapping[str, torch.Size], workers: int,
+    ) -> str | None:
+        """The first problem in either level's own state (see ``Compressor.check_state``)."""
+        for level, key in zip(self.level_compressors, (STEADY, CRITICAL), strict=True):
+            found = level.check_state(state[key], fresh=fresh[key], shapes=shapes, workers=workers)
+            if found:
+                return f"{key}.{found}"
+        return None
+
     def _run_levels(self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective,
                     ctx: StepContext) -> None:
         """Reduce every job at its tensor's level and count tensor-steps per level."""

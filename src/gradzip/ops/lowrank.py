@@ -7,23 +7,55 @@ import torch
 __all__ = ["orthogonalize"]
 
 
+# Columns whose largest entry lies outside [_LOW, _HIGH] are rescaled by a power of two before
+# their norm is taken: squares of entries above 2**32 can overflow fp32 once summed (1e20 squared
+# is inf), and squares below 2**-32 can underflow to zero.
+_HIGH = 2.0**32
+_LOW = 2.0**-32
+
+
+def _rescaled(p: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``p`` times a power of two per slice over ``dims`` that brings a slice whose largest
+    entry is outside ``[_LOW, _HIGH]`` to a largest entry in ``(0.5, 1]``; other slices are
+    multiplied by 1 (exact, so ordinary inputs round exactly as before). Computed on the
+    device, without a host synchronisation.
+
+    A power-of-two scale changes no mantissa, and the normalised result does not depend on a
+    positive scale, so this only removes the overflow (or underflow) of the norm. Without it,
+    one huge but finite gradient gave a norm of ``inf`` and a factor of zeros: finite, so no
+    non-finite policy fired, while the average was silently zero.
+    """
+    top = p.abs().amax(dim=dims, keepdim=True)
+    odd = ((top > _HIGH) | ((top < _LOW) & (top > 0))) & torch.isfinite(top)
+    # The exponent is clamped so that the scale itself stays a normal fp32 number (a subnormal
+    # largest entry would otherwise ask for 2**149, which is inf); the clamped result is still
+    # far enough from both limits for the norm.
+    exponent = torch.clamp(-torch.ceil(torch.log2(torch.where(odd, top, 1.0))), -126.0, 126.0)
+    return p * torch.exp2(exponent)
+
+
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning the columns of ``p`` (batched over leading dims).
 
     Uses a reduced QR decomposition (a normalisation for one column). A zero ``p`` (a zero
     gradient) comes back as unit vectors rather than NaN or zero, so a warm-started power
-    iteration recovers as soon as the gradient is non-zero again.
+    iteration recovers as soon as the gradient is non-zero again. Finite inputs of any
+    magnitude give orthonormal columns: huge or tiny ones are rescaled by a power of two first,
+    so the norm neither overflows (which would give zeros) nor underflows.
 
     Args:
         p: ``[..., n, r]`` with ``r <= n``.
 
     Returns:
-        ``[..., n, r]`` with orthonormal columns.
+        ``[..., n, r]`` with orthonormal columns (NaN where ``p`` holds NaN or infinity).
     """
+    if p.numel() == 0:
+        return p.clone()
     if p.shape[-1] == 1:
+        p = _rescaled(p, (-2,))
         norm = p.norm(dim=-2, keepdim=True)
         unit = torch.zeros_like(p)
         unit[..., 0, :] = 1.0
         return torch.where(norm > 0, p / torch.where(norm > 0, norm, 1.0), unit)
-    q, _ = torch.linalg.qr(p, mode="reduced")
+    q, _ = torch.linalg.qr(_rescaled(p, (-2, -1)), mode="reduced")
     return q

@@ -380,8 +380,8 @@ def build_compressor(cfg: RunConfig, steps_per_epoch: int) -> Compressor:
     two specs (deciding every ``interval_epochs`` epochs, converted to optimizer steps), or
     the ``compressor`` spec alone."""
     if cfg.level_schedule is not None:
-        return Schedule.from_text(cfg.level_schedule, cfg.compressor, gentle=cfg.gentle or "none",
-                                  steps_per_epoch=steps_per_epoch)
+        return _prefixed("level_schedule", Schedule.from_text, cfg.level_schedule, cfg.compressor,
+                         gentle=cfg.gentle or "none", steps_per_epoch=steps_per_epoch)
     if cfg.warmup_steps > 0:
         return Schedule.warmup(cfg.compressor, steps=cfg.warmup_steps, gentle=cfg.gentle or "none")
     if cfg.accordion is None:

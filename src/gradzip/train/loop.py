@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from gradzip.compressors.base import Compressor
 from gradzip.control.batch import BatchSizeController
 from gradzip.train.metrics import MetricsWriter, progress_bar
+from gradzip.train.rule_records import new_rule_decisions, rule_counts, rule_fields
 from gradzip.train.schedules import lr_at, milestone_epochs, set_lr
 from gradzip.train.steppers import DDPStepper, SimStepper, to_device
 
@@ -103,8 +104,14 @@ class TrainLoop:
             return {}
         return self.compressor.report(state)
 
+    def _engine(self) -> Any:
+        """The stepper's engine (``None`` before a process group's first step)."""
+        return getattr(self.stepper, "engine", None)
+
     def _track_decisions(self) -> None:
-        """Append a controller's latest decision records to the run's log when new."""
+        """Append the controllers' latest decision records to the run's log when new (a
+        rule's records carry its ``rule`` text)."""
+        self.decisions.extend(new_rule_decisions(self._engine(), self.done["marks"]))
         counts = self._report().get("counts")
         if counts is None:
             return
@@ -183,13 +190,17 @@ class TrainLoop:
         if self.batch_controller is not None:
             out["batch_counts"] = {**self.batch_controller.counts,
                                    "samples": self.batch_controller.samples}
+        out.update(rule_counts(self._engine()))
         return out
 
     def extra_files(self) -> dict[str, Any]:
         """Additional JSON files for the run directory (the controllers' decision logs)."""
         out: dict[str, Any] = {}
-        if self.decisions:
-            out["accordion_decisions.json"] = self.decisions
+        main = [r for r in self.decisions if "rule" not in r]
+        if main:
+            out["accordion_decisions.json"] = main
+        if len(main) < len(self.decisions):
+            out["rule_decisions.json"] = [r for r in self.decisions if "rule" in r]
         if self.batch_controller is not None:
             out["batch_decisions.json"] = self.batch_controller.decisions
         return out
@@ -335,6 +346,7 @@ class TrainLoop:
             # see gradzip.engine_error): ``compression_error`` and, with a controller, per level.
             rec.update(stepper.compression_error())
             rec.update(self._control_fields(done["marks"]))
+            rec.update(rule_fields(self._engine(), done["marks"]))
             now = time.perf_counter()
             rec["eval_seconds"] = now - eval_start
             rec["epoch_seconds"], rec["seconds"] = now - epoch_start, now - started

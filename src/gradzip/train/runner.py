@@ -30,6 +30,7 @@ from gradzip._validate import check_bool
 from gradzip.comm.launch import run_processes
 from gradzip.comm.torch_dist import shutdown_process_group
 from gradzip.ops.random import stable_hash
+from gradzip.routing import idle_rule
 from gradzip.train.config import RunConfig, build_compressor, resolve_config, under_torchrun
 from gradzip.train.loop import TrainLoop
 from gradzip.train.metrics import versions
@@ -99,6 +100,7 @@ def _run_local(cfg: RunConfig, rank: int, processes: int, progress: bool, starte
     task = get_task(cfg.task)
     data = task.load(cfg)
     loop = TrainLoop(cfg, task, data, rank=rank, progress=progress and rank == 0)
+    _check_rules(cfg, loop.model)
     loop.setup(build_compressor)
     error = None
     if plan.manifest is not None:
@@ -139,6 +141,16 @@ def _run_local(cfg: RunConfig, rank: int, processes: int, progress: bool, starte
             lock.release()
 
 
+def _check_rules(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """Refuse a ``--rule`` that decides none of the model's parameters (as the engine would,
+    but here also where the engine is built only at the first DDP bucket, after the output
+    directory was opened)."""
+    shapes = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+    idle = idle_rule(shapes, cfg.engine_options())
+    if idle:
+        raise ValueError(f"--rule: {idle}")
+
+
 def _preflight(cfg: RunConfig, plan: Plan) -> None:
     """Load the data, build the model and compressor, and read every process's checkpoint
     once in the parent, so configuration errors surface as one-line errors here rather than
@@ -147,6 +159,7 @@ def _preflight(cfg: RunConfig, plan: Plan) -> None:
     data = task.load(cfg)
     spe = task.steps_per_epoch(data, cfg, cfg.workers)
     model = task.build_model(cfg, data)
+    _check_rules(cfg, model)
     build_compressor(cfg, spe)
     if plan.manifest is None:
         return

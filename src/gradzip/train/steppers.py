@@ -158,9 +158,13 @@ class DDPStepper:
         return {k: ([v] if k.endswith("_bytes") else v) for k, v in self.hook.stats.items()}
 
     @property
+    def engine(self) -> Any:
+        """The hook's engine (``None`` until it exists)."""
+        return getattr(self.hook, "engine", None)
+
+    @property
     def compressor_state(self) -> Any:
-        engine = getattr(self.hook, "engine", None)
-        return getattr(engine, "compressor_state", None)
+        return getattr(self.engine, "compressor_state", None)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's gradzip state (residuals are per rank)."""
