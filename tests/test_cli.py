@@ -329,3 +329,13 @@ def test_demo_quick_is_one_epoch_on_a_few_images(capsys: pytest.CaptureFixture[s
         assert config["epochs"] == QUICK_DEMO["epochs"] == 1
         assert config["limit_train"] == QUICK_DEMO["limit_train"] == 256
     assert len((out / "results.csv").read_text().splitlines()) == 7
+
+
+def test_bench_argument_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from gradzip.bench.command import main as bench_main
+    with pytest.raises(SystemExit) as exit_info:
+        bench_main(["micro", "--no-such-option"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "usage:" not in err
+    assert err.startswith("gradzip bench: error: unrecognized arguments: --no-such-option")

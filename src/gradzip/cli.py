@@ -19,6 +19,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
+from gradzip._cli_parser import OneLineParser
 from gradzip.train.config import RunConfig, run_options
 from gradzip.train.fields import Option
 
@@ -143,18 +144,9 @@ def _cli_fields() -> list[str]:
     return [field.name for field, option in run_options() if option.cli]
 
 
-class _Parser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (``prog: error: ...``, exit 2), pointing
-    at ``--help`` instead of printing the whole usage; subcommands inherit it."""
-
-    def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
-                     f"(see {self.prog} --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``gradzip`` command."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="gradzip", formatter_class=_FMT,
         description="Compressed-gradient data-parallel training: run, compare, inspect.",
         epilog="examples:\n  gradzip demo\n  gradzip list\n  gradzip train --help\n"

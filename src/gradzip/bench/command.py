@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from gradzip._cli_parser import OneLineParser
 from gradzip.bench.common import HEAP_MODES, environment
 from gradzip.bench.hooks import HOOK_CONFIGS, HookRow, run_hooks
 from gradzip.bench.micro import DEFAULT_NUMELS, MICRO_SPECS, MicroRow, run_micro
@@ -43,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
     Returns:
         A fresh parser; its ``which`` attribute names the subcommand.
     """
-    out = argparse.ArgumentParser(prog="gradzip bench", description=__doc__.split("\n\n")[0])
+    out = OneLineParser(prog="gradzip bench", description=__doc__.split("\n\n")[0])
     sub = out.add_subparsers(dest="which", required=True)
     micro = sub.add_parser("micro", help="kernel timings in one process")
     micro.add_argument("--json", action="store_true", help="one JSON object per row")
