@@ -19,6 +19,10 @@ EXAMPLES = [
     "powersgd:rank=2",
     "qsgd:levels=4",
     "sign",
+    "chunktopk:chunk=256,k=8",
+    "chunktopk:chunk=100,k=10,bits=2",
+    "binmean:bits=2",
+    "binmean",
     # Accordion is a compressor too; a short interval makes the tests cross a level switch.
     "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.5,interval=2,per_layer=True,lr_drop=True)",
     "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,eta=0.5,interval=1,per_layer=False,lr_drop=True)",

@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from gradzip.compressors.base import Compressor
+from gradzip.compressors.binmean import BinMean
+from gradzip.compressors.chunktopk import ChunkTopK
 from gradzip.compressors.lowprec import BF16, FP16
 from gradzip.compressors.none import NoCompression
 from gradzip.compressors.powersgd import PowerSGD
@@ -60,7 +62,7 @@ __all__ = [
 #: compressor: adding one to this tuple makes it buildable from specs, listed by the CLI and
 #: tested by the conformance suite.
 COMPRESSORS: tuple[type[Compressor], ...] = (
-    NoCompression, FP16, BF16, TopK, RandK, HardThreshold, PowerSGD, QSGD, Sign,
+    NoCompression, FP16, BF16, TopK, RandK, HardThreshold, PowerSGD, QSGD, Sign, ChunkTopK, BinMean,
 )
 #: ``spec_name -> class`` of every compressor.
 REGISTRY: dict[str, type[Compressor]] = {cls.spec_name: cls for cls in COMPRESSORS}

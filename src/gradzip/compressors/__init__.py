@@ -6,6 +6,8 @@ import warnings
 from typing import Any
 
 from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.binmean import BinMean
+from gradzip.compressors.chunktopk import ChunkTopK
 from gradzip.compressors.lowprec import BF16, FP16
 from gradzip.compressors.none import NoCompression
 from gradzip.compressors.powersgd import PowerSGD
@@ -18,6 +20,8 @@ from gradzip.compressors.topk import TopK
 __all__ = [
     "BF16",
     "FP16",
+    "BinMean",
+    "ChunkTopK",
     "QSGD",
     "Compressor",
     "HardThreshold",
