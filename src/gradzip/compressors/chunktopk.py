@@ -14,7 +14,14 @@ from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce,
 from gradzip.feedback import residual_unsent
 from gradzip.ops.binmean import binmean_decode, binmean_encode
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
-from gradzip.ops.chunks import chunk_flat_indices, chunk_layout, chunk_topk, pack_wide, unpack_wide, wide_size
+from gradzip.ops.chunks import (
+    chunk_flat_indices,
+    chunk_layout,
+    chunk_topk,
+    pack_wide,
+    unpack_wide,
+    wide_size,
+)
 from gradzip.ops.flat import reinterpret
 
 __all__ = ["AVERAGES", "ChunkTopK"]
