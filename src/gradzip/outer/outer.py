@@ -20,6 +20,10 @@ __all__ = ["FORMAT_VERSION", "Outer"]
 
 FORMAT_VERSION = 1
 
+# OuterOptimizer's fields -> this constructor's parameters (for error messages).
+_PARAM_NAMES = {"kind": "outer_optimizer", "lr": "outer_lr", "momentum": "outer_momentum",
+                "decay": "error_decay"}
+
 # Engine options that concern gradients of a loss, not pseudo-gradients.
 _GRADIENT_ONLY = ("optimizer", "grad_scaler")
 
@@ -90,8 +94,15 @@ class Outer:
         **engine_options: Any,
     ) -> None:
         self.plan = FragmentPlan(inner_steps, fragments, delay)
-        self.optimizer = OuterOptimizer.build(
-            outer_optimizer, lr=outer_lr, momentum=outer_momentum, decay=error_decay)
+        try:
+            self.optimizer = OuterOptimizer.build(
+                outer_optimizer, lr=outer_lr, momentum=outer_momentum, decay=error_decay)
+        except (TypeError, ValueError) as err:
+            # Name the parameters as this constructor calls them, not as the record does.
+            text = str(err)
+            for field, param in _PARAM_NAMES.items():
+                text = text.replace(f"`{field}`", f"`{param}`")
+            raise type(err)(text) from None
         self.alpha = check_real("alpha", alpha, low=0, high=1)
         if not isinstance(offload, bool):
             raise TypeError(f"`offload` must be a bool, got {type(offload).__name__}")
