@@ -139,9 +139,13 @@ def test_diloco_nesterov_matches_reference() -> None:
     _assert_same(models, ref)
 
 
-def test_streaming_delay_and_mixing_follow_the_sequential_semantics_exactly() -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+def test_streaming_delay_and_mixing_follow_the_sequential_semantics_exactly(overlap: bool) -> None:
+    """Sent after steps 2, 4, ...; applied one step later (on a background thread with
+    ``overlap``: the same bits)."""
     plan = FragmentPlan(4, fragments=2, delay=1)
-    kwargs = dict(inner_steps=4, fragments=2, delay=1, alpha=0.5, outer_optimizer="sgd", outer_lr=0.7)
+    kwargs = dict(inner_steps=4, fragments=2, delay=1, alpha=0.5, outer_optimizer="sgd", outer_lr=0.7,
+                  overlap=overlap)
     models, outer = run_simulated(WORKERS, 15, "none", **kwargs)
     ref = _reference(15, lambda n, a, avg: a.add(avg, alpha=-0.7), plan, alpha=0.5)
     _assert_same(models, ref)
@@ -188,7 +192,8 @@ def test_ef_momentum_decays_the_residual_and_sends_chunked_topk() -> None:
 def _mode_kwargs() -> dict[str, tuple[str, dict]]:
     return {
         "diloco": ("none", dict(inner_steps=4)),
-        "streaming": ("chunktopk:chunk=32,k=8", dict(inner_steps=4, fragments=2, delay=1, alpha=0.5)),
+        "streaming": ("chunktopk:chunk=32,k=8", dict(inner_steps=4, fragments=2, delay=1, alpha=0.5,
+                                                     overlap=True)),
         "sparseloco": ("chunktopk:chunk=32,k=4,bits=2,average=senders",
                        dict(inner_steps=3, outer_optimizer="ef-momentum")),
     }

@@ -15,7 +15,8 @@ STEPS = 9
 MODES: list[tuple[int, str, str, dict[str, Any]]] = [
     (STEPS, "none", "sgd", dict(inner_steps=3, outer_optimizer="sgd", outer_lr=1.0)),
     (STEPS, "none", "adamw", dict(inner_steps=3)),  # DiLoCo: Nesterov outer step
-    (STEPS, "chunktopk:chunk=32,k=8,bits=2", "sgd", dict(inner_steps=4, fragments=2, delay=1, alpha=0.5)),
+    (STEPS, "chunktopk:chunk=32,k=8,bits=2", "sgd", dict(inner_steps=4, fragments=2, delay=1, alpha=0.5,
+                                                                   overlap=True)),
     (STEPS, "chunktopk:chunk=32,k=4,average=senders", "adamw", dict(inner_steps=3, outer_optimizer="ef-momentum")),
     (STEPS, "binmean:bits=4", "sgd", dict(inner_steps=3)),
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -59,6 +60,9 @@ class Outer:
         collective: a :class:`~gradzip.SimulatedGroup` or a process group collective
             (default: the world group).
         offload: keep the anchor and the outer optimizer's state on the CPU.
+        overlap: with ``delay > 0``, run each exchange on a background thread while the next
+            ``delay`` inner steps run (the results are the same bits as without it; an error
+            of the exchange, e.g. ``nonfinite="raise"``, surfaces at the step that applies it).
         inner_optimizers: the inner optimizers (one per model), optional: their state is
             then part of :meth:`state_dict`.
         **engine_options: options of the :class:`~gradzip.Engine` (``error_feedback``,
@@ -90,6 +94,7 @@ class Outer:
         alpha: float = 0.0,
         collective: Collective | None = None,
         offload: bool = False,
+        overlap: bool = False,
         inner_optimizers: Sequence[torch.optim.Optimizer] | None = None,
         **engine_options: Any,
     ) -> None:
@@ -104,8 +109,10 @@ class Outer:
                 text = text.replace(f"`{field}`", f"`{param}`")
             raise type(err)(text) from None
         self.alpha = check_real("alpha", alpha, low=0, high=1)
-        if not isinstance(offload, bool):
-            raise TypeError(f"`offload` must be a bool, got {type(offload).__name__}")
+        for flag, value in (("offload", offload), ("overlap", overlap)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{flag}` must be a bool, got {type(value).__name__}")
+        self.overlap = overlap and self.plan.delay > 0
         for key in _GRADIENT_ONLY:
             if key in engine_options:
                 raise ValueError(f"`{key}` applies to gradients, not pseudo-gradients: the outer "
@@ -137,6 +144,10 @@ class Outer:
         # The exchange in flight: (fragment, inner step at which to apply, averages or None
         # when the engine's non-finite policy handled the exchange).
         self.pending: tuple[int, int, dict[str, torch.Tensor] | None] | None = None
+        # With ``overlap``: the exchange running on the background thread (its result becomes
+        # ``pending``'s averages when settled), and the one-thread pool that runs it.
+        self._in_flight: Future[dict[str, torch.Tensor] | None] | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._verified = self.comm.simulated or self.comm.world_size == 1
         self.handshake_bytes = 0
 
@@ -198,12 +209,24 @@ class Outer:
         step = self.inner_step + 1
         applied = False
         if self.pending is not None and self.pending[1] == step:
+            self._settle()
             self._apply(*self.pending)
             self.pending = None
             applied = True
         fragment = self.plan.sent_after(step)
         if fragment is not None:
-            self.pending = (fragment, step + self.plan.delay, self._exchange(fragment))
+            deltas = self._deltas(fragment)
+            if self.overlap:
+                # The pseudo-gradient is taken now; only the exchange runs beside the next
+                # inner steps. Nothing else touches the engine until it is settled, and the
+                # inner loop issues no collectives, so on a process group the background
+                # thread's collectives keep the same order on every rank.
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradzip-outer")
+                self._in_flight = self._pool.submit(self._reduce, deltas)
+                self.pending = (fragment, step + self.plan.delay, None)
+            else:
+                self.pending = (fragment, step + self.plan.delay, self._reduce(deltas))
             if self.plan.delay == 0:
                 self._apply(*self.pending)
                 self.pending = None
@@ -219,9 +242,21 @@ class Outer:
             return torch.stack([p.detach() for p in params])
         return params[0].detach()
 
-    def _exchange(self, fragment: int) -> dict[str, torch.Tensor] | None:
-        """Send one fragment's pseudo-gradient; its averages, or ``None`` when the engine's
-        non-finite policy handled it (a non-finite pseudo-gradient on some worker)."""
+    def _settle(self) -> None:
+        """Wait for the exchange on the background thread, if any, and record its result."""
+        if self._in_flight is None:
+            return
+        future, self._in_flight = self._in_flight, None
+        assert self.pending is not None
+        fragment, due, _ = self.pending
+        try:
+            self.pending = (fragment, due, future.result())
+        except BaseException:
+            self.pending = None
+            raise
+
+    def _deltas(self, fragment: int) -> dict[str, torch.Tensor]:
+        """One fragment's pseudo-gradient, what the engine is handed."""
         if not self._verified:
             self.handshake_bytes += verify_configuration(self.comm, self._fingerprint())
             self._verified = True
@@ -236,6 +271,11 @@ class Outer:
                 # error feedback that stands in for outer momentum.
                 delta = delta - (1.0 - decay) * (residual if self.comm.simulated else residual[0])
             deltas[name] = delta
+        return deltas
+
+    def _reduce(self, deltas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Exchange a pseudo-gradient; its averages, or ``None`` when the engine's non-finite
+        policy handled it (a non-finite pseudo-gradient on some worker)."""
         skipped = self.engine.stats["skipped_steps"]
         averaged = self.engine.reduce(deltas, step=self.syncs)
         self.syncs += 1
@@ -272,7 +312,9 @@ class Outer:
     @property
     def stats(self) -> dict[str, Any]:
         """The engine's byte counters (:attr:`Engine.stats`; one engine step per exchange)
-        plus ``inner_steps``, ``syncs``, ``skipped_syncs`` and ``outer_handshake_bytes``."""
+        plus ``inner_steps``, ``syncs``, ``skipped_syncs`` and ``outer_handshake_bytes``
+        (waits for an exchange in flight)."""
+        self._settle()
         return {**self.engine.stats, "inner_steps": self.inner_step, "syncs": self.syncs,
                 "skipped_syncs": self.skipped_syncs, "outer_handshake_bytes": self.handshake_bytes}
 
@@ -280,7 +322,8 @@ class Outer:
         """Everything needed to continue exactly: the anchor, the outer optimizer's state, the
         engine's state (residuals: per rank, so one file per rank), the exchange in flight, and
         the inner optimizers' state where they were given. The models' parameters are the
-        user's to save."""
+        user's to save. Waits for an exchange in flight."""
+        self._settle()
         pending = None
         if self.pending is not None:
             fragment, due, averaged = self.pending
@@ -321,6 +364,7 @@ class Outer:
         if len(optimizers) != len(self.inner_optimizers):
             raise ValueError(f"`state` must hold {len(self.inner_optimizers)} inner optimizer states, "
                              f"got {len(optimizers)}")
+        self._settle()
         self.engine.load_state_dict(state["engine"])
         for opt, opt_state in zip(self.inner_optimizers, optimizers, strict=True):
             opt.load_state_dict(opt_state)
