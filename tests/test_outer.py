@@ -230,3 +230,18 @@ def test_state_dict_resume_is_exact_mid_interval_and_across_fragments(mode: str,
         o2.step()
     _assert_same(straight, resumed)
     assert o2.stats == outer.stats
+
+
+def test_controllers_run_on_pseudo_gradients() -> None:
+    """Accordion decides from the pseudo-gradients' per-layer norms between synchronisations:
+    one decision record per interval of exchanges, levels reported for the next one."""
+    spec = ("accordion(steady=chunktopk:chunk=32,k=2,critical=chunktopk:chunk=32,k=16,"
+            "eta=0.5,interval=2,per_layer=True,lr_drop=False)")
+    models, outer = run_simulated(WORKERS, 24, spec, inner_steps=3)
+    assert outer.stats["syncs"] == 8
+    report = outer.engine.compressor.report(outer.engine.compressor_state)
+    assert report["counts"]["decisions"] >= 3
+    assert set(report["levels"]) <= {n for n, _ in models[0].named_parameters()}
+    for m in models[1:]:
+        for a, b in zip(models[0].parameters(), m.parameters(), strict=True):
+            assert torch.equal(a, b)
