@@ -95,3 +95,25 @@ def test_a_killed_outer_run_resumes_to_the_uninterrupted_result(tmp_path: Path, 
                          timeout=300)
     assert ref.returncode == 0, ref.stderr[-2000:]
     assert_same_run(killed, whole)
+
+
+@pytest.mark.slow
+def test_procs_outer_run_resumed_equals_the_uninterrupted_run_and_sends_the_simulators_bytes(
+    tmp_path: Path,
+) -> None:
+    """Two gloo processes, one worker each, each restoring its own residuals and inner
+    optimizer; byte counts as in the simulator."""
+    base: dict[str, Any] = {**TINY, **MODES["sparseloco"], "launcher": "procs", "timeout": 300,
+                            "threads": 1}
+    run(RunConfig(**base, epochs=2, out=str(tmp_path / "whole")))
+    part = tmp_path / "part"
+    run(RunConfig(**base, epochs=1, out=str(part)))
+    manifest = read_manifest(part)
+    assert manifest is not None and manifest.processes == 2
+    run(RunConfig(**base, epochs=2, out=str(part)), resume=True)
+    assert_same_run(part, tmp_path / "whole")
+    sim = tmp_path / "sim"
+    run(RunConfig(**{**base, "launcher": "sim"}, epochs=2, out=str(sim)))
+    for procs_row, sim_row in zip(records(part), records(sim), strict=True):
+        for key in ("payload_bytes", "wire_bytes", "dense_wire_bytes", "rounds", "step"):
+            assert procs_row[key] == sim_row[key], key
