@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import gradzip
 from gradzip.comm import run_processes
 from outer_helpers import inner_step, make_inner, make_model, params_of, run_rank, run_simulated
 
@@ -72,3 +73,22 @@ def test_two_gloo_processes_match_periodic_averaging_and_the_simulator_bit_for_b
             continue
         for name, value in per_rank[0]["outer"][mode]["params"].items():
             assert torch.equal(per_rank[1]["outer"][mode]["params"][name], value)
+
+
+def _mismatched(rank: int, world: int) -> int:
+    torch.set_num_threads(1)
+    model = make_model()
+    opt = make_inner(model)
+    outer = gradzip.Outer(model, "none", inner_steps=2, outer_lr=0.7 if rank == 0 else 0.5)
+    for step in range(2):
+        inner_step(model, opt, step, rank)
+        outer.step()
+    return outer.stats["syncs"]
+
+
+@pytest.mark.slow
+def test_ranks_with_different_outer_configurations_fail_together() -> None:
+    results = run_processes(_mismatched, 2, timeout=120, return_exceptions=True)
+    for result in results:
+        assert isinstance(result, RuntimeError), result
+        assert "ranks disagree on `outer_optimizer`" in str(result)
