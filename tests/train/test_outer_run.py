@@ -38,6 +38,10 @@ def test_outer_run_synchronises_every_h_steps_and_sends_the_formula(tmp_path: Pa
     per_sync = epochs[-1]["dense_payload_bytes"] // (steps // 3)
     assert per_sync * (steps // 3) == epochs[-1]["dense_payload_bytes"]
     assert summary["final_accuracy"] > 0.1
+    # Step records (and their TensorBoard scalars): bytes grow at the synchronising steps only.
+    wire = [(r["step"], r["wire_bytes"]) for r in rows if r["kind"] == "step"]
+    grew = [step for (step, after), (_, before) in zip(wire[1:], wire, strict=False) if after > before]
+    assert grew and all(step % 3 == 0 for step in grew)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
