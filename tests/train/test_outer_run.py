@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from test_resume import TINY, assert_same_run, records
 
+from gradzip.train.config import resolve_config
 from gradzip.train.rundir import read_manifest
 from gradzip.train.runner import RunConfig, run
 
@@ -121,3 +122,15 @@ def test_procs_outer_run_resumed_equals_the_uninterrupted_run_and_sends_the_simu
     for procs_row, sim_row in zip(records(part), records(sim), strict=True):
         for key in ("payload_bytes", "wire_bytes", "dense_wire_bytes", "rounds", "step"):
             assert procs_row[key] == sim_row[key], key
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"outer_steps": 5, "fragments": 2}, "`outer_steps` must be a multiple of `fragments` (2), got 5"),
+    ({"outer_steps": 4, "fragments": 2, "outer_delay": 2}, "`outer_delay` must be below outer_steps / fragments (2), got 2"),
+    ({"fragments": 2}, "need `outer_steps` >= 1, got outer_steps=0"),
+    ({"outer_steps": 4, "outer_optimizer": "ef-momentum", "outer_momentum": 0.9}, "`outer_momentum` must be 0"),
+])
+def test_outer_options_that_do_not_fit_together_are_one_line_errors(tmp_path: Path, extra, message) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_config(RunConfig(**TINY, out=str(tmp_path / "x"), **extra))  # type: ignore[arg-type]
+    assert message in str(info.value) and "\n" not in str(info.value)

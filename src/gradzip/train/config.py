@@ -322,6 +322,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
         _prefixed("accordion", compressor_from_spec, cfg.accordion)
         _prefixed("accordion", Accordion, cfg.compressor, cfg.accordion, eta=cfg.eta, interval=1)
     _check_schedule(cfg)
+    cfg.check_outer()
     if cfg.accordion_batch is not None:
         small, large = _batch_pair(cfg.accordion_batch)
         cfg = dataclasses.replace(cfg, accordion_batch=(small, large))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gradzip.outer.optim import OUTER_KINDS
+from gradzip.outer.optim import OUTER_KINDS, OuterOptimizer
 from gradzip.train.fields import OPTIM, int_at_least, option, real_in
 
 __all__ = ["INNER_OPTIMIZERS", "OUTER", "OuterFields"]
@@ -37,3 +37,26 @@ class OuterFields:
     outer_delay: int = option(0, "streaming: inner steps between sending a fragment and applying "
                               "it (< H/P), the exchange overlapped with them", group=OUTER,
                               metavar="TAU", check=int_at_least(0))
+
+    def check_outer(self) -> None:
+        """The checks that span several of these options (one-line errors).
+
+        Raises:
+            ValueError: streaming options without ``outer_steps``, ``outer_steps`` not a
+                multiple of ``fragments``, ``outer_delay`` not below ``outer_steps / fragments``,
+                or an outer momentum the outer optimizer cannot take.
+        """
+        h, p, tau = self.outer_steps, self.fragments, self.outer_delay
+        if not h:
+            if p != 1 or tau or self.outer_lr is not None or self.outer_momentum is not None:
+                raise ValueError("`fragments`, `outer_delay`, `outer_lr` and `outer_momentum` need "
+                                 f"`outer_steps` >= 1, got outer_steps={h}")
+            return
+        if h % p:
+            raise ValueError(f"`outer_steps` must be a multiple of `fragments` ({p}), got {h}")
+        if tau >= h // p:
+            raise ValueError(f"`outer_delay` must be below outer_steps / fragments ({h // p}), got {tau}")
+        try:
+            OuterOptimizer.build(self.outer_optimizer, lr=self.outer_lr, momentum=self.outer_momentum)
+        except ValueError as err:
+            raise ValueError(str(err).replace("`momentum`", "`outer_momentum`")) from None
