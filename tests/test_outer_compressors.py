@@ -116,3 +116,34 @@ def test_bad_configuration_is_one_line_error(spec: str, message: str) -> None:
     with pytest.raises((TypeError, ValueError)) as info:
         gradzip.compressor_from_spec(spec)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_all_to_all_sends_part_j_to_worker_j_and_meters_it() -> None:
+    comm = gradzip.SimulatedGroup(3)
+    x = torch.arange(3 * 3 * 2, dtype=torch.float32).reshape(3, 3, 2)  # [sender, receiver, 2]
+    out = comm.all_to_all(x)
+    for receiver in range(3):
+        for sender in range(3):
+            assert torch.equal(out[receiver, sender], x[sender, receiver])
+    assert comm.meter.payload == [3 * 8] * 3 and comm.meter.wire == [2 * 8] * 3
+    with pytest.raises(ValueError, match="one part per worker"):
+        comm.all_to_all(torch.zeros(3, 2, 2))
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_scatterq_wire_bytes_are_the_formula_and_do_not_grow_with_workers(workers: int) -> None:
+    shapes = {"w": torch.Size([64, 100]), "b": torch.Size([100])}
+    engine = gradzip.Engine(shapes, "scatterq", collective=gradzip.SimulatedGroup(workers))
+    gen = torch.Generator().manual_seed(workers)
+    grads = {n: torch.randn(workers, *s, generator=gen) for n, s in shapes.items()}
+    out = engine.reduce(grads, same_layout=True)  # the header then travels on its own
+    total = 6500
+    part = 4 * 256 + -(-total // workers)
+    header_wire = 2 * (workers - 1) * HEADER_BYTES // workers
+    assert engine.stats["wire_bytes"] == [header_wire + 2 * (workers - 1) * part] * workers
+    assert engine.stats["payload_bytes"] == [HEADER_BYTES + (workers + 1) * part] * workers
+    # Per worker: about 2 (W - 1) / W bytes per entry at 8 bits, a quarter of fp32's ring.
+    assert 2 * (workers - 1) * part < 0.3 * engine.stats["dense_wire_bytes"][0] + 2 * (workers - 1) * 1024
+    for name in shapes:
+        want = grads[name].mean(0)
+        assert float((out[name] - want).norm() / want.norm()) < 0.02

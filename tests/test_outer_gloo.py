@@ -20,6 +20,7 @@ MODES: list[tuple[int, str, str, dict[str, Any]]] = [
                                                                    overlap=True)),
     (STEPS, "chunktopk:chunk=32,k=4,average=senders", "adamw", dict(inner_steps=3, outer_optimizer="ef-momentum")),
     (STEPS, "binmean:bits=4", "sgd", dict(inner_steps=3)),
+    (STEPS, "scatterq", "adamw", dict(inner_steps=3, offload=True)),  # INTELLECT-1: 8 bits every hop
 ]
 
 

@@ -35,6 +35,7 @@ from gradzip.compressors.none import NoCompression
 from gradzip.compressors.powersgd import PowerSGD
 from gradzip.compressors.qsgd import QSGD
 from gradzip.compressors.randk import RandK
+from gradzip.compressors.scatterq import ScatterQuant
 from gradzip.compressors.sign import Sign
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
@@ -63,6 +64,7 @@ __all__ = [
 #: tested by the conformance suite.
 COMPRESSORS: tuple[type[Compressor], ...] = (
     NoCompression, FP16, BF16, TopK, RandK, HardThreshold, PowerSGD, QSGD, Sign, ChunkTopK, BinMean,
+    ScatterQuant,
 )
 #: ``spec_name -> class`` of every compressor.
 REGISTRY: dict[str, type[Compressor]] = {cls.spec_name: cls for cls in COMPRESSORS}

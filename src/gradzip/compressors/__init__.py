@@ -13,6 +13,7 @@ from gradzip.compressors.none import NoCompression
 from gradzip.compressors.powersgd import PowerSGD
 from gradzip.compressors.qsgd import QSGD
 from gradzip.compressors.randk import RandK
+from gradzip.compressors.scatterq import ScatterQuant
 from gradzip.compressors.sign import Sign
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
@@ -29,6 +30,7 @@ __all__ = [
     "NoCompression",
     "PowerSGD",
     "RandK",
+    "ScatterQuant",
     "Sign",
     "StepContext",
     "TopK",
