@@ -128,6 +128,7 @@ def test_procs_outer_run_resumed_equals_the_uninterrupted_run_and_sends_the_simu
     ({"outer_steps": 5, "fragments": 2}, "`outer_steps` must be a multiple of `fragments` (2), got 5"),
     ({"outer_steps": 4, "fragments": 2, "outer_delay": 2}, "`outer_delay` must be below outer_steps / fragments (2), got 2"),
     ({"fragments": 2}, "need `outer_steps` >= 1, got outer_steps=0"),
+    ({"outer_steps": 4, "accordion_batch": (32, 64)}, "`accordion_batch` must be unset with `outer_steps`"),
     ({"outer_steps": 4, "outer_optimizer": "ef-momentum", "outer_momentum": 0.9}, "`outer_momentum` must be 0"),
 ])
 def test_outer_options_that_do_not_fit_together_are_one_line_errors(tmp_path: Path, extra, message) -> None:

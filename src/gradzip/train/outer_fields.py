@@ -42,7 +42,8 @@ class OuterFields:
         """The checks that span several of these options (one-line errors).
 
         Raises:
-            ValueError: streaming options without ``outer_steps``, ``outer_steps`` not a
+            ValueError: streaming options without ``outer_steps``, the batch-size controller
+                with it, ``outer_steps`` not a
                 multiple of ``fragments``, ``outer_delay`` not below ``outer_steps / fragments``,
                 or an outer momentum the outer optimizer cannot take.
         """
@@ -52,6 +53,10 @@ class OuterFields:
                 raise ValueError("`fragments`, `outer_delay`, `outer_lr` and `outer_momentum` need "
                                  f"`outer_steps` >= 1, got outer_steps={h}")
             return
+        batch = getattr(self, "accordion_batch", None)  # a RunConfig field
+        if batch is not None:
+            raise ValueError("`accordion_batch` must be unset with `outer_steps` (the batch-size "
+                             f"controller reads per-step averaged gradients), got {batch}")
         if h % p:
             raise ValueError(f"`outer_steps` must be a multiple of `fragments` ({p}), got {h}")
         if tau >= h // p:
