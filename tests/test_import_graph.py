@@ -92,3 +92,23 @@ def test_the_graph_sees_function_level_and_relative_imports() -> None:
 
 def test_no_module_imports_one_that_imports_it_back() -> None:
     assert find_cycles(import_graph()) == []
+
+
+def test_outer_uses_the_engine_through_its_public_name_only() -> None:
+    """``gradzip.outer`` is built on ``Engine``'s public API: from the engine it imports
+    ``Engine`` and nothing else (no engine submodule, no underscored name), so the engine's
+    internals can change under it."""
+    seen = 0
+    for path in (ROOT / "outer").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+                assert not any(n.startswith("gradzip.engine") for n in names), (path.name, names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradzip.engine"):
+                assert node.module == "gradzip.engine", (path.name, node.module)
+                assert [alias.name for alias in node.names] == ["Engine"], (path.name, node.module)
+                seen += 1
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradzip"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, (path.name, node.module, private)
+    assert seen >= 1

@@ -6,17 +6,21 @@ from gradzip.compressors import (
     BF16,
     FP16,
     QSGD,
+    BinMean,
+    ChunkTopK,
     Compressor,
     HardThreshold,
     NoCompression,
     PowerSGD,
     RandK,
+    ScatterQuant,
     Sign,
     TopK,
 )
 from gradzip.control import Accordion, BatchPlan, BatchSizeController, Schedule, critical_regime
 from gradzip.engine import Engine
 from gradzip.options import EngineOptions, Rule
+from gradzip.outer import Outer, OuterOptimizer
 from gradzip.spec import compressor_from_spec, describe_compressors
 
 __version__ = "0.1.0"
@@ -26,6 +30,8 @@ __all__ = [
     "Accordion",
     "BatchPlan",
     "BatchSizeController",
+    "BinMean",
+    "ChunkTopK",
     "FP16",
     "QSGD",
     "Collective",
@@ -34,11 +40,14 @@ __all__ = [
     "EngineOptions",
     "HardThreshold",
     "NoCompression",
+    "Outer",
+    "OuterOptimizer",
     "PowerSGD",
     "ProcessGroupCollective",
     "RandK",
     "Rule",
     "Schedule",
+    "ScatterQuant",
     "Sign",
     "SimulatedGroup",
     "TopK",

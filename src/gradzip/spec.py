@@ -40,11 +40,14 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from gradzip.compressors.base import Compressor
+from gradzip.compressors.binmean import BinMean
+from gradzip.compressors.chunktopk import ChunkTopK
 from gradzip.compressors.lowprec import BF16, FP16
 from gradzip.compressors.none import NoCompression
 from gradzip.compressors.powersgd import PowerSGD
 from gradzip.compressors.qsgd import QSGD
 from gradzip.compressors.randk import RandK
+from gradzip.compressors.scatterq import ScatterQuant
 from gradzip.compressors.sign import Sign
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
@@ -72,7 +75,8 @@ __all__ = [
 #: compressor: adding one to this tuple makes it buildable from specs, listed by the CLI and
 #: tested by the conformance suite.
 COMPRESSORS: tuple[type[Compressor], ...] = (
-    NoCompression, FP16, BF16, TopK, RandK, HardThreshold, PowerSGD, QSGD, Sign,
+    NoCompression, FP16, BF16, TopK, RandK, HardThreshold, PowerSGD, QSGD, Sign, ChunkTopK, BinMean,
+    ScatterQuant,
 )
 #: ``spec_name -> class`` of every compressor.
 REGISTRY: dict[str, type[Compressor]] = {cls.spec_name: cls for cls in COMPRESSORS}

@@ -11,7 +11,9 @@ Accounting, per worker and per call, for a message of ``b`` bytes among ``W`` wo
 * ``wire``: what the ring algorithm makes this worker send.
   - ring all-reduce (reduce-scatter then all-gather): ``2 * (W - 1) * b / W`` (integer floor;
     the rounding of chunk sizes is ignored);
-  - ring all-gather of ``b`` bytes per worker (padded size): ``(W - 1) * b``.
+  - ring all-gather of ``b`` bytes per worker (padded size): ``(W - 1) * b``;
+  - all-to-all of ``W`` parts of ``m`` bytes per worker: ``(W - 1) * m`` (a worker's own part
+    stays with it), payload ``W * m``.
   With ``W == 1`` nothing is sent: wire bytes are zero, payload bytes still count the message.
 """
 
@@ -108,6 +110,11 @@ class Collective(ABC):
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         """``[L, ...] -> [W, ...]``: every worker's tensor, in rank order."""
 
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        """``[L, W, ...] -> [L, W, ...]``: part ``j`` of every local worker goes to worker
+        ``j``; row ``[l, i]`` of the result is what worker ``i`` sent local worker ``l``."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement all_to_all")
+
     # -- public API -----------------------------------------------------------------------
     def _check(self, x: torch.Tensor) -> None:
         if x.dim() == 0 or x.shape[0] != self.local_workers:
@@ -143,6 +150,23 @@ class Collective(ABC):
                 f"{tuple(flat.shape)} with {self.local_workers} local workers"
             )
         flat.copy_(self.all_reduce(flat[None]))
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Send part ``j`` of ``x[L, W, ...]`` to worker ``j`` (equal-size parts); returns
+        ``[L, W, ...]``: for each local worker, the part every worker sent it, in rank order.
+        """
+        self._check(x)
+        if x.dim() < 2 or x.shape[1] != self.world_size:
+            raise ValueError(
+                f"`x` must have one part per worker ({self.world_size}) on its second axis, "
+                f"got shape {tuple(x.shape)}"
+            )
+        part = x[0, 0].numel() * x.element_size()
+        self.meter.add([part * self.world_size] * self.local_workers,
+                       [part * (self.world_size - 1)] * self.local_workers)
+        if self.world_size == 1:
+            return x.clone()
+        return self._exchange(x)
 
     def all_gather(
         self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True

@@ -271,6 +271,13 @@ class HeaderRider(Collective):
         riding = torch.cat([*(p.reshape(self.local_workers, -1) for p in parts), rows], dim=1)
         return self._sum_riding(riding, riding.shape[1] - rows.shape[1], bits)
 
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`Collective.all_to_all` (the header, if still due, goes first on its own:
+        parts addressed to different workers cannot all carry it)."""
+        if not self.done:
+            self._separate()
+        return self.comm.all_to_all(x)
+
     def all_gather(
         self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True
     ) -> torch.Tensor:

@@ -35,6 +35,9 @@ class SimulatedGroup(Collective):
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
 
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).clone()  # [sender, receiver] -> [receiver, sender]
+
     def __repr__(self) -> str:
         return f"SimulatedGroup(workers={self.world_size})"
 

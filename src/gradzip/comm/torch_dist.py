@@ -70,6 +70,12 @@ class ProcessGroupCollective(Collective):
         if self.world_size > 1:
             dist.all_reduce(flat, group=self.group)
 
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        mine = self._on_device(x[0]).contiguous()
+        out = torch.empty_like(mine)
+        dist.all_to_all_single(out, mine, group=self.group)  # part j to rank j, row i from rank i
+        return out.to(x.device)[None]
+
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         mine = self._on_device(x[0]).contiguous()
         out = torch.empty((self.world_size, *mine.shape), dtype=mine.dtype, device=mine.device)

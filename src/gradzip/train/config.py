@@ -23,6 +23,7 @@ from gradzip.options import EngineOptions, Rule
 from gradzip.spec import compressor_from_spec, parse_level_schedule
 from gradzip.train.events import require_tensorboard
 from gradzip.train.fields import ACCORDION, OPTIM, SCHEDULE, Option, int_at_least, option, real_in
+from gradzip.train.outer_fields import OuterFields
 from gradzip.train.rundir import check_out_dir
 from gradzip.train.schedules import milestone_epochs
 from gradzip.train.tasks import TASKS, get_task, parse_model_spec
@@ -45,7 +46,7 @@ NON_RESULT_FIELDS = ("out", "cache_dir", "timeout", "threads", "checkpoint_every
 POSITIVE, NON_NEGATIVE = real_in(low=0, low_open=True), real_in(low=0)
 
 @dataclasses.dataclass
-class RunConfig:
+class RunConfig(OuterFields):
     """Everything that defines one run; ``None`` fields take the task's defaults.
 
     Every field is documented where it is declared (its :class:`Option`'s ``help``, the line
@@ -321,6 +322,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
         _prefixed("accordion", compressor_from_spec, cfg.accordion)
         _prefixed("accordion", Accordion, cfg.compressor, cfg.accordion, eta=cfg.eta, interval=1)
     _check_schedule(cfg)
+    cfg.check_outer()
     if cfg.accordion_batch is not None:
         small, large = _batch_pair(cfg.accordion_batch)
         cfg = dataclasses.replace(cfg, accordion_batch=(small, large))

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from gradzip.compressors.base import Compressor
 from gradzip.control.batch import BatchSizeController
 from gradzip.train.metrics import MetricsWriter, progress_bar
+from gradzip.train.outer_stepper import OuterStepper
 from gradzip.train.rule_records import new_rule_decisions, rule_counts, rule_fields
 from gradzip.train.schedules import lr_at, milestone_epochs, set_lr
 from gradzip.train.steppers import DDPStepper, SimStepper, to_device
@@ -48,12 +49,17 @@ class TrainLoop:
             self.device = torch.device("cpu")
         self.steps_per_epoch = task.steps_per_epoch(data, cfg, cfg.workers)
         self.model = task.build_model(cfg, data).to(self.device)
-        self.optimizer = torch.optim.SGD(
-            self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-            weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
-        )
+        if cfg.optimizer == "adamw":
+            self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(
+                self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                betas=(0.9, 0.95))
+        else:
+            self.optimizer = torch.optim.SGD(
+                self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
+            )
         self.compressor: Compressor | None = None
-        self.stepper: SimStepper | DDPStepper | None = None
+        self.stepper: SimStepper | DDPStepper | OuterStepper | None = None
         self.batch_controller = self._batch_controller()
         self.decisions: list[dict[str, Any]] = []
         self._decision_count = 0
@@ -260,7 +266,9 @@ class TrainLoop:
     def setup(self, build_compressor: Callable[[Any, int], Compressor]) -> None:
         """Build the compressor and the stepper (DDP and its hook, or the simulated engine)."""
         self.compressor = build_compressor(self.cfg, self.steps_per_epoch)
-        stepper_cls = SimStepper if self.cfg.launcher == "sim" else DDPStepper
+        stepper_cls: Any = SimStepper if self.cfg.launcher == "sim" else DDPStepper
+        if self.cfg.outer_steps:
+            stepper_cls = OuterStepper
         self.stepper = stepper_cls(self.model, self.task, self.compressor, self.cfg,
                                    self.optimizer, self.device)
 

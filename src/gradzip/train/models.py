@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from gradzip._validate import check_int
+from gradzip.train.transformer import TransformerLanguageModel
 
 logger = logging.getLogger(__name__)
 
@@ -338,6 +339,7 @@ _REGISTRY: dict[str, Callable[..., nn.Module]] = {
     "digitsnet": lambda c, **kw: DigitsNet(num_classes=c, **kw),
     "logreg": lambda c, **kw: LogisticRegression(num_classes=c, **kw),
     "lstm": _lstm,
+    "transformer": lambda c, **kw: TransformerLanguageModel(c, **kw),
 }
 
 

@@ -1,4 +1,5 @@
-"""The language-model task: a text corpus, a 2-layer LSTM, truncated BPTT, perplexity."""
+"""The language-model task: a text corpus, a 2-layer LSTM (or a small decoder-only
+transformer), truncated BPTT, perplexity."""
 
 from __future__ import annotations
 
@@ -89,5 +90,5 @@ TASK = LanguageModelTask(
     Defaults(model="lstm", epochs=90, batch_size=20, lr=1.25, momentum=0.0,
              warmup_epochs=5.0, milestones=(60.0, 80.0), interval_epochs=5.0,
              clip=0.25),
-    metric="perplexity", needs_data=True, models=("lstm",),
+    metric="perplexity", needs_data=True, models=("lstm", "transformer"),
 )

@@ -1,0 +1,95 @@
+"""The outer loop in real gloo processes: periodic averaging, and the simulator's bits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradzip
+from gradzip.comm import run_processes
+from outer_helpers import inner_step, make_inner, make_model, params_of, run_rank, run_simulated
+
+STEPS = 9
+MODES: list[tuple[int, str, str, dict[str, Any]]] = [
+    (STEPS, "none", "sgd", dict(inner_steps=3, outer_optimizer="sgd", outer_lr=1.0)),
+    (STEPS, "none", "adamw", dict(inner_steps=3)),  # DiLoCo: Nesterov outer step
+    (STEPS, "chunktopk:chunk=32,k=8,bits=2", "sgd", dict(inner_steps=4, fragments=2, delay=1, alpha=0.5,
+                                                                   overlap=True)),
+    (STEPS, "chunktopk:chunk=32,k=4,average=senders", "adamw", dict(inner_steps=3, outer_optimizer="ef-momentum")),
+    (STEPS, "binmean:bits=4", "sgd", dict(inner_steps=3)),
+    (STEPS, "scatterq", "adamw", dict(inner_steps=3, offload=True)),  # INTELLECT-1: 8 bits every hop
+]
+
+
+def _periodic_averaging(rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Periodic parameter averaging written with torch.distributed alone: every 3 steps each
+    worker subtracts the all-reduced mean of ``anchor - params`` from the anchor."""
+    torch.set_num_threads(1)
+    model = make_model()
+    opt = make_inner(model)
+    anchor = params_of(model)
+    for step in range(STEPS):
+        inner_step(model, opt, step, rank)
+        if (step + 1) % 3 == 0:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    delta = anchor[name] - p
+                    dist.all_reduce(delta)
+                    anchor[name] = anchor[name] - delta / world
+                    p.copy_(anchor[name])
+    return params_of(model)
+
+
+def _worker(rank: int, world: int) -> dict[str, Any]:
+    return {"outer": run_rank(rank, world, MODES), "reference": _periodic_averaging(rank, world)}
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_periodic_averaging_and_the_simulator_bit_for_bit() -> None:
+    per_rank = run_processes(_worker, 2, timeout=240)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the worker processes
+    try:
+        simulated = [run_simulated(2, steps, spec, inner, **kwargs) for steps, spec, inner, kwargs in MODES]
+    finally:
+        torch.set_num_threads(threads)
+    for rank, got in enumerate(per_rank):
+        # `none` with outer SGD at lr 1 is periodic parameter averaging, bit for bit.
+        for name, value in got["reference"].items():
+            assert torch.equal(got["outer"][0]["params"][name], value), name
+        for mode, (models, outer) in enumerate(simulated):
+            real = got["outer"][mode]
+            for name, value in models[rank].named_parameters():
+                assert torch.equal(real["params"][name], value), (MODES[mode][1], name)
+            for key in ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes"):
+                assert real["stats"][key] == [outer.stats[key][rank]], (MODES[mode][1], key)
+            assert real["stats"]["syncs"] == outer.stats["syncs"]
+    # Every worker ends with identical parameters (except where alpha > 0 keeps a share of
+    # each worker's own progress).
+    for mode in range(len(MODES)):
+        if MODES[mode][3].get("alpha"):
+            continue
+        for name, value in per_rank[0]["outer"][mode]["params"].items():
+            assert torch.equal(per_rank[1]["outer"][mode]["params"][name], value)
+
+
+def _mismatched(rank: int, world: int) -> int:
+    torch.set_num_threads(1)
+    model = make_model()
+    opt = make_inner(model)
+    outer = gradzip.Outer(model, "none", inner_steps=2, outer_lr=0.7 if rank == 0 else 0.5)
+    for step in range(2):
+        inner_step(model, opt, step, rank)
+        outer.step()
+    return outer.stats["syncs"]
+
+
+@pytest.mark.slow
+def test_ranks_with_different_outer_configurations_fail_together() -> None:
+    results = run_processes(_mismatched, 2, timeout=120, return_exceptions=True)
+    for result in results:
+        assert isinstance(result, RuntimeError), result
+        assert "ranks disagree on `outer_optimizer`" in str(result)
