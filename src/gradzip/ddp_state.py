@@ -191,18 +191,23 @@ class GradzipHookState:
             self._step_cv.notify_all()
 
     @contextmanager
-    def _between_steps(self) -> Iterator[None]:
+    def _between_steps(self, *, counters: bool = False) -> Iterator[None]:
         """Wait for the work in flight and for the engine's step to close, then hold the next
-        step off while the caller reads or writes the state (from any thread)."""
+        step off while the caller reads or writes the state (from any thread).
+
+        With ``counters`` (``stats``), a read on the thread that runs the step itself (a
+        gradient hook in the middle of the backward pass) gets the counts made so far."""
         self.wait()
         with self._step_cv:
-            if self._step_open and threading.get_ident() == self._hook_thread:
+            own_step = self._step_open and threading.get_ident() == self._hook_thread
+            if own_step and not counters:
                 # The thread that would close the step is this one: waiting would never end.
                 raise RuntimeError(
                     "the hook state must be read between steps, not inside one (a backward "
                     "pass that stopped after some of its buckets leaves its step open)"
                 )
-            self._step_cv.wait_for(lambda: not self._step_open)
+            if not own_step:
+                self._step_cv.wait_for(lambda: not self._step_open)
             yield
 
     def _reduce_in_step(self, engine: Engine, layout: BucketLayout, finish_step: bool,
@@ -271,7 +276,7 @@ class GradzipHookState:
         docstring for the byte counts), plus ``compression_rate`` (dense wire bytes / wire
         bytes, ``None`` before any byte is sent) and ``levels`` (``report(state)["levels"]`` of
         the compressor when it reports one, e.g. an Accordion, else ``None``)."""
-        with self._between_steps():
+        with self._between_steps(counters=True):
             if self._engine is None:
                 # The same keys as once the engine exists (zeros: nothing was sent yet).
                 return {**dict.fromkeys(STATS_KEYS, 0), "compression_rate": None,
