@@ -10,10 +10,10 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from _claims_plan import Planned
-
 from gradzip.train.metrics import read_summary
 from gradzip.train.runner import RunConfig
+
+from ._claims_plan import Planned
 
 #: The files of a run that the archive keeps.
 PACKED = ("summary.json", "metrics.jsonl", "accordion_decisions.json")

@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-import netem_steps_worker as worker
+from . import netem_steps_worker as worker
 
 #: The issue's targets: (label, configuration, reference, bound, kind). ``at_most``: the
 #: median per-round ratio config/reference must be <= bound; ``speedup``: reference/config

@@ -39,16 +39,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the lab and the worker sit beside this file
-    sys.path.insert(0, str(HERE))
+from . import _netlab as netlab
+from . import _netlab_launch as launch
+from . import netem_worker as worker
+from ._common import module_command
 
-import _netlab as netlab  # noqa: E402
-import _netlab_launch as launch  # noqa: E402
-import netem_worker as worker  # noqa: E402
+HERE = Path(__file__).resolve().parent
+#: The command that starts one worker (its arguments follow).
+WORKER = module_command("netem_worker")
 
 log = logging.getLogger("netem")
-WORKER = HERE / "netem_worker.py"
 #: Benchmark methods: name -> compressor spec ("accordion" is built from --steady/--critical;
 #: a variant such as "accordion:eta=0.3,interval=11" overrides --eta/--interval for one run;
 #: ":sync" runs a gradzip method through the synchronous hook, e.g. "powersgd-r4:sync").
@@ -105,7 +105,7 @@ def worker_argv(args: argparse.Namespace, method: str, result: str) -> list[str]
     """``netem_worker.py train`` arguments of one run (every rank gets the same)."""
     base, overrides = parse_method(method)
     spec = METHODS[base]
-    argv = [sys.executable, str(WORKER), "train", "--spec", spec, "--result", result,
+    argv = [*WORKER, "train", "--spec", spec, "--result", result,
             *launch.option_argv(args, worker.TRAINING_OPTIONS),
             "--collective-timeout", f"{args.run_timeout:g}",
             *launch.option_argv(args, worker.BUCKET_OPTIONS)]

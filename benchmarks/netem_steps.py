@@ -39,17 +39,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the lab and the worker sit beside this file
-    sys.path.insert(0, str(HERE))
-
-import _netlab as netlab  # noqa: E402
-import _netlab_launch as launch  # noqa: E402
-import netem_steps_worker as worker  # noqa: E402
+from . import _netlab as netlab
+from . import _netlab_launch as launch
+from . import netem_steps_worker as worker
+from ._common import module_command
 
 # The summary, verdicts and report sit beside this file. The helpers unused here are imported
 # too: loopback_steps.py and the tests read them as netem_steps.paired_ratio etc.
-from _netem_steps_report import (  # noqa: E402, F401
+from ._netem_steps_report import (  # noqa: F401
     TARGETS,
     comm_compute_ratio,
     dense_serial_config,
@@ -63,8 +60,11 @@ from _netem_steps_report import (  # noqa: E402, F401
     verdicts,
 )
 
+HERE = Path(__file__).resolve().parent
+#: The command that starts one rank (its arguments follow).
+WORKER = module_command("netem_steps_worker")
+
 log = logging.getLogger("netem_steps")
-WORKER = HERE / "netem_steps_worker.py"
 #: Bytes a shaped link carries per byte of TCP payload at MTU 1500 (1448 payload bytes with
 #: timestamps in a 1514-byte frame): ``tbf`` counts whole frames.
 WIRE_OVERHEAD = 1514 / 1448
@@ -112,7 +112,7 @@ def choose_bandwidth(grad_bytes: float, world: int, compute_seconds: float,
 def worker_argv(args: argparse.Namespace, configs: Sequence[str], rounds: int,
                 result: str) -> list[str]:
     """``netem_steps_worker.py`` arguments (every rank gets the same)."""
-    return [sys.executable, str(WORKER), "--result", result, "--configs", *configs,
+    return [*WORKER, "--result", result, "--configs", *configs,
             "--gradzip-modes", *args.gradzip_modes,
             *launch.option_argv(args, worker.STEP_OPTIONS, {"rounds": rounds}), "--progress"]
 

@@ -47,12 +47,8 @@ from gradzip.train.compare import Grid, load_grid, run_grid
 from gradzip.train.metrics import read_summary
 from gradzip.train.runner import RunConfig, resolve_config, run
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the shared helpers sit beside this file (also when imported)
-    sys.path.append(str(HERE))
-
-from _overrides import parse_sets  # noqa: E402
-from _quality_report import (  # noqa: E402
+from ._overrides import parse_sets
+from ._quality_report import (
     aggregate,
     markdown,
     plot,
@@ -60,6 +56,8 @@ from _quality_report import (  # noqa: E402
     verdicts,
     write_csv,
 )
+
+HERE = Path(__file__).resolve().parent
 
 log = logging.getLogger(__name__)
 

@@ -37,20 +37,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gradzip.compressors.base import Compressor, Job
+from gradzip.spec import compressor_from_spec
+from gradzip.train.loop import TrainLoop
+from gradzip.train.runner import RunConfig, resolve_config
+from gradzip.train.tasks import get_task
+
+from ._claims_plan import SETTINGS
+from .claims import data_options
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "src"))
-if str(HERE) not in sys.path:
-    sys.path.append(str(HERE))
-
-import torch  # noqa: E402
-from _claims_plan import SETTINGS  # noqa: E402
-from claims import data_options  # noqa: E402
-
-from gradzip.compressors.base import Compressor, Job  # noqa: E402
-from gradzip.spec import compressor_from_spec  # noqa: E402
-from gradzip.train.loop import TrainLoop  # noqa: E402
-from gradzip.train.runner import RunConfig, resolve_config  # noqa: E402
-from gradzip.train.tasks import get_task  # noqa: E402
 
 
 class Tally:

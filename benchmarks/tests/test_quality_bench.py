@@ -11,11 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations_launch import load_script
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-quality = load_script(BENCH / "quality.py", "quality_bench")
+from benchmarks import quality
 
 
 def _image_tree(root: Path, classes: int, train: int, test: int) -> Path:

@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import _netlab as netlab
+from benchmarks import netem_steps as steps
+from benchmarks import netem_steps_worker as steps_worker
+from benchmarks._common import module_command, package_env
 from gradzip.comm.header import rider_bytes
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-sys.path.insert(0, str(BENCH))  # the scripts import the lab and their workers beside them
-import _netlab as netlab  # noqa: E402
-import netem_steps as steps  # noqa: E402
-import netem_steps_worker as steps_worker  # noqa: E402
 
 # --------------------------------------------------------------------------- step times
 
@@ -157,7 +150,7 @@ def test_sync_mode_is_found_from_the_register_signature():
 
 def test_step_worker_accepts_what_the_launcher_passes_and_dry_run_cleans_up():
     args = steps.parse_args(["--rounds", "7", "--bucket-cap-mb", "0.5", "--configs", "floor", "ddp"])
-    parsed = steps_worker.parse_args(steps.worker_argv(args, args.configs, 7, "r.json")[2:])
+    parsed = steps_worker.parse_args(steps.worker_argv(args, args.configs, 7, "r.json")[len(steps.WORKER):])
     assert (parsed.rounds, parsed.bucket_cap_mb, parsed.configs, parsed.batch_size) == (
         7, 0.5, ["floor", "ddp"], 32)
     cmds = steps.dry_run(args)
@@ -193,10 +186,10 @@ def test_step_worker_times_every_configuration_over_real_gloo(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     result = tmp_path / "r.json"
-    argv = [sys.executable, str(BENCH / "netem_steps_worker.py"), "--result", str(result),
+    argv = [*module_command("netem_steps_worker"), "--result", str(result),
             "--rounds", "2", "--steps", "1", "--width", "4", "--batch-size", "2",
             "--bucket-cap-mb", "0.002", "--comm-probes", "1", "--collective-timeout", "60"]
-    procs = [subprocess.Popen(argv, env={**os.environ, "MASTER_ADDR": "127.0.0.1",
+    procs = [subprocess.Popen(argv, env={**package_env(), "MASTER_ADDR": "127.0.0.1",
                                          "MASTER_PORT": str(port), "RANK": str(r),
                                          "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo",
                                          "OMP_NUM_THREADS": "1"},

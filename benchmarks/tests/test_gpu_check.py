@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "benchmarks" / "gpu_step.py"
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 EXPECTED = [
@@ -26,7 +26,8 @@ EXPECTED = [
 
 
 def _run(*args: str, script: Path = DRIVER) -> subprocess.CompletedProcess[str]:
-    command = ["bash", str(script)] if script.suffix == ".sh" else [sys.executable, str(script)]
+    command = ["bash", str(script)] if script.suffix == ".sh" else [sys.executable, "-m",
+                                                                 "benchmarks.gpu_step"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("OUT", None)
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120,

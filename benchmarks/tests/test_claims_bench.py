@@ -11,12 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import _claims_plot, claims
 from gradzip.control import parse_level_schedule
-from integrations_launch import load_script
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-claims = load_script(BENCH / "claims.py", "claims_bench")
 
 
 def test_critical_regimes_and_their_schedules() -> None:
@@ -106,8 +102,6 @@ def test_deadline_launches_nothing_too_long_and_ends_runs_in_flight(tmp_path: Pa
 
 
 def test_plot_summarises_seeds_and_draws_one_panel_per_setting(tmp_path: Path) -> None:
-    import _claims_plot
-
     def row(setting: str, role: str, seed: int, final: float | None, nbytes: int,
             family: str = "powersgd", spec: str = "s") -> dict[str, object]:
         return {"setting": setting, "family": family, "role": role, "spec": spec, "seed": seed,

@@ -8,11 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations_launch import load_script
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-sparse_layers = load_script(BENCH / "sparse_layers.py", "sparse_layers_bench")
+from benchmarks import sparse_layers
 
 
 def test_counts_per_tensor_match_the_compressors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
