@@ -31,7 +31,8 @@ def module_command(module: str) -> list[str]:
     Raises:
         ValueError: ``module`` is not a module file of this package.
     """
-    if not isinstance(module, str) or not (ROOT / "benchmarks" / f"{module}.py").is_file():
+    if (not isinstance(module, str) or not module.isidentifier()
+            or not (ROOT / "benchmarks" / f"{module}.py").is_file()):
         raise ValueError(f"`module` must name a module of benchmarks/, got {module!r}")
     return [sys.executable, "-m", f"benchmarks.{module}"]
 

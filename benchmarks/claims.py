@@ -28,10 +28,10 @@ are finished, the archive and the rows in ``_claims_results.py``; the plot in ``
 
 Usage::
 
-    python benchmarks/claims.py --settings smoke --parallel 2            # seconds, on CPU
-    python benchmarks/claims.py --settings cifar10-resnet8 --device cuda --parallel 8 \\
+    python -m benchmarks.claims --settings smoke --parallel 2            # seconds, on CPU
+    python -m benchmarks.claims --settings cifar10-resnet8 --device cuda --parallel 8 \\
         --cifar-data .devdata/cifar10-jpeg.tar.gz --seeds 0 --deadline 450 --pack out.tar.gz
-    python benchmarks/claims.py --settings cifar10-resnet8,wikitext2-lstm --collect
+    python -m benchmarks.claims --settings cifar10-resnet8,wikitext2-lstm --collect
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ epoch, one panel per seed; needs matplotlib) in ``--out``; the tables and the pl
 
 Usage::
 
-    python benchmarks/claims_evidence.py                       # the archive in results/
-    python benchmarks/claims_evidence.py --runs runs/claims --out /tmp/evidence
-    python benchmarks/claims_evidence.py --runs A.tar.gz --runs B.tar.gz \
+    python -m benchmarks.claims_evidence                       # the archive in results/
+    python -m benchmarks.claims_evidence --runs runs/claims --out /tmp/evidence
+    python -m benchmarks.claims_evidence --runs A.tar.gz --runs B.tar.gz \
         --only cifar10-resnet8/powersgd --name other   # B's runs replace A's of the same key
 """
 

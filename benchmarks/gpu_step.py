@@ -1,6 +1,6 @@
 """Seconds per DDP training step on CUDA: native DDP, PyTorch's hooks and gradzip, side by side.
 
-    python benchmarks/gpu_step.py [--out DIR] [--dry-run] [--device auto|cuda|cpu]
+    python -m benchmarks.gpu_step [--out DIR] [--dry-run] [--device auto|cuda|cpu]
                                   [--budget-s S] [--row-timeout S] [--steps N] [--warmup N]
 
 A ResNet-18 (CIFAR variant, 11.2M parameters, 44.7 MB of fp32 gradients, several DDP buckets

@@ -13,7 +13,7 @@ to native DDP and to the no-DDP floor timed in the same processes.
 On a shared machine the absolute figures are noisy; the per-round ratios less so.
 
 Example (about a minute per source tree on 2 quiet cores):
-    python benchmarks/loopback_steps.py --src /work/main/src src --rounds 8
+    python -m benchmarks.loopback_steps --src /work/main/src src --rounds 8
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gradzip.bench.table import format_table
 from gradzip.comm.launch import free_port
 
 from . import netem_steps
@@ -69,15 +70,13 @@ def table(results: Sequence[tuple[str, list[dict[str, Any]]]]) -> str:
     """One markdown row per (source tree, configuration)."""
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
-    lines = ["| src | config | wall ms/step | vs ddp | vs floor | CPU ms/step | CPU vs ddp | "
-             "CPU vs floor |", "|---|---|---|---|---|---|---|---|"]
-    for src, rows in results:
-        for r in rows:
-            lines.append(
-                f"| {src} | {r['config']} | {r['ms_per_step']:.1f} | {fmt(r['vs_ddp'], '.3f')} | "
-                f"{fmt(r['vs_floor'], '.3f')} | {r['cpu_ms_per_step']:.1f} | "
-                f"{fmt(r['cpu_vs_ddp'], '.3f')} | {fmt(r['cpu_vs_floor'], '.3f')} |")
-    return "\n".join(lines)
+    head = ["src", "config", "wall ms/step", "vs ddp", "vs floor", "CPU ms/step", "CPU vs ddp",
+            "CPU vs floor"]
+    cells = [dict(enumerate([src, r["config"], f"{r['ms_per_step']:.1f}", fmt(r["vs_ddp"], ".3f"),
+                             fmt(r["vs_floor"], ".3f"), f"{r['cpu_ms_per_step']:.1f}",
+                             fmt(r["cpu_vs_ddp"], ".3f"), fmt(r["cpu_vs_floor"], ".3f")]))
+             for src, rows in results for r in rows]
+    return format_table(cells, list(enumerate(head)))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

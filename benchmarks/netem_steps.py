@@ -22,7 +22,7 @@ It needs root, like ``netem.py``; ``--dry-run`` prints the commands as any user.
 
 Example (2 workers, 40 rounds of 3 steps; about 5 minutes on 2 quiet cores, 7 with the
 synchronous variants of the gradzip hook):
-    sudo python benchmarks/netem_steps.py --out benchmarks/results/netem_steps.json
+    sudo python -m benchmarks.netem_steps --out benchmarks/results/netem_steps.json
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ beside this file.
 
 Usage::
 
-    python benchmarks/quality.py --jobs 2                        # both parts
-    python benchmarks/quality.py --part logreg
-    python benchmarks/quality.py --part cifar10 --set epochs=2 --train-per-class 50
+    python -m benchmarks.quality --jobs 2                        # both parts
+    python -m benchmarks.quality --part logreg
+    python -m benchmarks.quality --part cifar10 --set epochs=2 --train-per-class 50
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ share of all entries sent, compression error) and a table on stdout.
 
 Usage::
 
-    python benchmarks/sparse_layers.py --setting smoke --density 0.05          # seconds
-    python benchmarks/sparse_layers.py --setting wikitext2-lstm --density 0.01 \\
+    python -m benchmarks.sparse_layers --setting smoke --density 0.05          # seconds
+    python -m benchmarks.sparse_layers --setting wikitext2-lstm --density 0.01 \\
         --text-data wikitext-2-partial.tar.gz --epochs 1
 """
 

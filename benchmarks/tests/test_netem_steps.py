@@ -82,8 +82,9 @@ def test_ratios_are_medians_of_per_round_ratios_of_the_slowest_rank():
     assert by["floor"]["buckets"] is None and by["ddp"]["buckets"] == 4
     table = steps.markdown_table(rows).splitlines()
     assert len(table) == 5 and all(line.count("|") == 8 for line in table)
-    assert "| gradzip-none | 4 | 300.0 | 1.500 | 3.000 | 150.0 | 2,000 |" in table
-    assert "| floor | - | 100.0 | 0.500 | 1.000 | 50.0 | 0 |" in table
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
+    assert ["gradzip-none", "4", "300.0", "1.500", "3.000", "150.0", "2,000"] in cells
+    assert ["floor", "-", "100.0", "0.500", "1.000", "50.0", "0"] in cells
 
 
 def test_comm_compute_ratio_uses_the_synchronous_dense_step():
@@ -232,6 +233,7 @@ def test_report_states_link_ratio_load_and_verdicts():
     assert "0.90 : 1 for a dense all-reduce alone; 0.95 : 1 at line rate" in lines[1]
     assert "load average: 0.50 at the start, 1.25 at the end" in lines[2]
     assert "torch-powersgd-r4 ran on 1 bucket(s) (others: 4)" in text
-    assert "| gradzip-none | 4 | 205.0 | 1.025 | 2.050 |" in text
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line[:1] == "|"]
+    assert ["gradzip-none", "4", "205.0", "1.025", "2.050"] in [row[:5] for row in cells]
     assert "met: gradzip none within 5% of native DDP (gradzip-none / ddp = 1.025x" in text
     assert "not measured: gradzip fp16" in text
