@@ -29,6 +29,7 @@ def load_example(name: str) -> ModuleType:
     return launch.load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
+@pytest.mark.slow
 def test_train_ddp_with_torchrun_and_resume(tmp_path: Path) -> None:
     args = ("--compressor", "powersgd:rank=2", "--steps", "5", "--checkpoint-dir", str(tmp_path))
     out = torchrun("train_ddp.py", *args)
@@ -59,6 +60,7 @@ def test_train_ddp_accordion_flag() -> None:
         example.parse_args(["--steps", "0"])
 
 
+@pytest.mark.slow
 def test_train_ddp_with_accordion_under_torchrun() -> None:
     out = torchrun("train_ddp.py", "--compressor", "powersgd:rank=1", "--accordion",
                    "powersgd:rank=4", "--steps", "12", "--interval", "3")
@@ -67,6 +69,7 @@ def test_train_ddp_with_accordion_under_torchrun() -> None:
     assert 0 < payload < dense
 
 
+@pytest.mark.slow
 def test_lightning_example_trains_and_resumes(tmp_path: Path) -> None:
     pytest.importorskip("lightning")
     ckpt = str(tmp_path / "digits.ckpt")
@@ -82,6 +85,7 @@ def test_lightning_example_trains_and_resumes(tmp_path: Path) -> None:
     assert "on 2 processes, 10 steps" in out
 
 
+@pytest.mark.slow
 def test_accelerate_example_accumulates_and_resumes(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")
     args = ("--compressor", "powersgd:rank=2", "--steps", "4", "--accumulation", "2",
