@@ -71,7 +71,7 @@ def test_train_ddp_with_accordion_under_torchrun() -> None:
 
 @pytest.mark.slow
 def test_lightning_example_trains_and_resumes(tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
+    pytest.importorskip("lightning", reason="needs lightning (the `integrations` extra)")
     ckpt = str(tmp_path / "digits.ckpt")
     out = torchrun("lightning_ddp.py", "--compressor", "topk:ratio=0.05", "--steps", "6",
                    "--save", ckpt)
@@ -87,7 +87,7 @@ def test_lightning_example_trains_and_resumes(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_accelerate_example_accumulates_and_resumes(tmp_path: Path) -> None:
-    pytest.importorskip("accelerate")
+    pytest.importorskip("accelerate", reason="needs accelerate (the `integrations` extra)")
     args = ("--compressor", "powersgd:rank=2", "--steps", "4", "--accumulation", "2",
             "--checkpoint-dir", str(tmp_path / "ckpt"))
     out = torchrun("accelerate_ddp.py", *args)

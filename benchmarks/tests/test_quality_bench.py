@@ -16,7 +16,7 @@ from benchmarks import quality
 
 def _image_tree(root: Path, classes: int, train: int, test: int) -> Path:
     """A CIFAR-like ImageFolder tree of random 32x32 JPEGs."""
-    image = pytest.importorskip("PIL.Image")
+    image = pytest.importorskip("PIL.Image", reason="needs PIL (the `data` extra)")
     gen = torch.Generator().manual_seed(0)
     for split, count in (("train", train), ("test", test)):
         for c in range(classes):
