@@ -39,6 +39,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gradzip.comm.base import allreduce_wire_bytes
+
 from . import _netlab as netlab
 from . import _netlab_launch as launch
 from . import netem_steps_worker as worker
@@ -74,8 +76,9 @@ WIRE_OVERHEAD = 1514 / 1448
 
 
 def ring_wire_bytes(grad_bytes: float, world: int) -> float:
-    """Bytes each worker sends in a ring all-reduce of ``grad_bytes``: ``2 (W-1)/W`` of it."""
-    return 2 * (world - 1) / world * grad_bytes
+    """Bytes each worker sends in a ring all-reduce of ``grad_bytes``: ``2 (W-1)/W`` of it,
+    as the library counts them (:func:`gradzip.comm.base.allreduce_wire_bytes`)."""
+    return float(allreduce_wire_bytes(round(grad_bytes), world))
 
 
 def round_significant(x: float, digits: int = 2) -> float:
