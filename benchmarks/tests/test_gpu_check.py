@@ -82,6 +82,7 @@ def test_arguments_are_checked() -> None:
     assert "--setups must name setups of this plan (gloo-1gpu, nccl-1rank), got nccl-2gpu" in done.stderr
 
 
+@pytest.mark.slow
 def test_cpu_run_writes_every_row_and_the_table(tmp_path: Path) -> None:
     configs = ["local", "ddp", "gradzip:none", "gradzip:powersgd:rank=4", "torch-powersgd:rank=4"]
     done = _run("--device", "cpu", "--out", str(tmp_path), "--steps", "2", "--warmup", "3",

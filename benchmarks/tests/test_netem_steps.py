@@ -181,6 +181,7 @@ def test_step_benchmark_refuses_bad_arguments(capsys, argv, message):
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_step_worker_times_every_configuration_over_real_gloo(tmp_path):
     """Two real gloo processes on 127.0.0.1 (no namespaces), a narrow model, one round."""
     with socket.socket() as probe:

@@ -62,6 +62,7 @@ def test_verdicts_apply_the_papers_targets() -> None:
     assert found["threshold budget 1% vs topk 1%"]["bytes_ratio"] == pytest.approx(1.1)
 
 
+@pytest.mark.slow
 def test_cifar10_grid_runs_and_writes_rows(tmp_path: Path) -> None:
     src = _image_tree(tmp_path / "src", classes=2, train=8, test=2)
     results = tmp_path / "results"
