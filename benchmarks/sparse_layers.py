@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from gradzip.bench.table import format_table
 from gradzip.compressors.base import Compressor, Job
 from gradzip.spec import compressor_from_spec
 from gradzip.train.loop import TrainLoop
@@ -116,25 +117,26 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per tensor, density and share of the entries sent per compressor."""
-    head = "| tensor | numel | share of entries |"
-    rule = "|---|---:|---:|"
-    for r in results:
-        head += f" {r['compressor']}: density | share of sent | error |"
-        rule += "---:|---:|---:|"
-    lines = [head, rule]
+    columns = [("tensor", "tensor"), ("numel", "numel"), ("share", "share of entries")]
+    for k, r in enumerate(results):
+        columns += [(("density", k), f"{r['compressor']}: density"),
+                    (("sent", k), "share of sent"), (("error", k), "error")]
     total = sum(t["numel"] for t in results[0]["tensors"])
+    rows: list[dict[Any, Any]] = []
     for i, t in enumerate(results[0]["tensors"]):
-        line = f"| {t['name']} | {t['numel']:,} | {t['numel'] / total:.1%} |"
-        for r in results:
+        row: dict[Any, Any] = {"tensor": t["name"], "numel": f"{t['numel']:,}",
+                               "share": f"{t['numel'] / total:.1%}"}
+        for k, r in enumerate(results):
             u = r["tensors"][i]
-            line += (f" {u['density']:.2%} | {u['share_of_sent']:.1%} |"
-                     f" {u['compression_error']:.2f} |")
-        lines.append(line)
-    line = "| all | " + f"{total:,} | 100% |"
-    for r in results:
-        line += f" {r['density']:.2%} | 100% | |"
-    lines.append(line)
-    return "\n".join(lines)
+            row.update({("density", k): f"{u['density']:.2%}",
+                        ("sent", k): f"{u['share_of_sent']:.1%}",
+                        ("error", k): f"{u['compression_error']:.2f}"})
+        rows.append(row)
+    last: dict[Any, Any] = {"tensor": "all", "numel": f"{total:,}", "share": "100%"}
+    for k, r in enumerate(results):
+        last.update({("density", k): f"{r['density']:.2%}", ("sent", k): "100%",
+                     ("error", k): ""})
+    return format_table([*rows, last], columns)
 
 
 def main(argv: list[str] | None = None) -> int:
