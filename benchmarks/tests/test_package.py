@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _common, loopback_steps
+from benchmarks import _common, _quality_report, loopback_steps
 from benchmarks._common import ROOT, module_command, package_env
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
@@ -57,3 +57,17 @@ def test_loopback_table_uses_the_library_layout() -> None:
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     assert cells[0][:3] == ["src", "config", "wall ms/step"]
     assert cells[3] == ["src", "ddp", "12.3", "1.000", "-", "20.0", "1.000", "-"]
+
+
+def test_quality_table_uses_the_library_layout() -> None:
+    base = {"final_accuracy_mean": 0.7512, "final_accuracy_spread": 0.01,
+            "bytes_sent_per_worker": 3 * 2**20, "compression": 4.0}
+    rows = [{**base, "label": "dense", "critical_found": None},
+            {**base, "label": "accordion", "critical_found": 2.0, "critical_forced": 1.0,
+             "decision_points": 10, "critical_step_share": 0.25}]
+    lines = _quality_report.markdown({"part": "cifar10", "rows": rows}).splitlines()
+    assert len(lines) == 4 and len({len(line) for line in lines}) == 1
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0][1] == "test accuracy % (mean, spread)"
+    assert cells[2] == ["dense", "75.12 (1.00)", "3.00", "4.0x", "-", "-"]
+    assert cells[3] == ["accordion", "75.12 (1.00)", "3.00", "4.0x", "2.0 (1.0) of 10", "25%"]
