@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _common, _quality_report, loopback_steps
+from benchmarks import _claims_results, _common, _quality_report, loopback_steps
 from benchmarks._common import ROOT, module_command, package_env
 
 SCRIPTS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
@@ -71,3 +71,14 @@ def test_quality_table_uses_the_library_layout() -> None:
     assert cells[0][1] == "test accuracy % (mean, spread)"
     assert cells[2] == ["dense", "75.12 (1.00)", "3.00", "4.0x", "-", "-"]
     assert cells[3] == ["accordion", "75.12 (1.00)", "3.00", "4.0x", "2.0 (1.0) of 10", "25%"]
+
+
+def test_claims_table_averages_seeds_in_the_library_layout() -> None:
+    rows = [{"setting": "smoke", "family": "powersgd", "role": "gentle", "spec": "powersgd:rank=4",
+             "seed": seed, "final": final, "wire_bytes_per_worker": 2_000_000 * (seed + 1)}
+            for seed, final in ((0, 70.0), (1, 72.0))]
+    lines = _claims_results.table(rows).splitlines()
+    assert len(lines) == 3 and len({len(line) for line in lines}) == 1
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    assert cells[0] == ["setting", "family", "role", "seeds", "final", "spread", "MB/worker", "spec"]
+    assert cells[2] == ["smoke", "powersgd", "gentle", "2", "71.00", "2.00", "3.0", "powersgd:rank=4"]
