@@ -10,10 +10,11 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from _claims_plan import Planned
-
+from gradzip.bench.table import format_table
 from gradzip.train.metrics import read_summary
 from gradzip.train.runner import RunConfig
+
+from ._claims_plan import Planned
 
 #: The files of a run that the archive keeps.
 PACKED = ("summary.json", "metrics.jsonl", "accordion_decisions.json")
@@ -90,17 +91,20 @@ def collect(runs: list[Planned]) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Mean final metric and bytes over seeds, per setting, family and spec."""
+    """Mean final metric and bytes over seeds, per setting, family and spec (a Markdown table in
+    ``gradzip.bench``'s layout)."""
     groups: dict[tuple[str, str, str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["setting"], row["family"], row["role"], row["spec"]), []).append(row)
-    lines = [f"{'setting':<20} {'family':<9} {'role':<20} {'seeds':>5} {'final':>8} {'spread':>7} "
-             f"{'MB/worker':>10}  spec"]
+    cells = []
     for (setting, family, role, spec), items in groups.items():
         finals = [i["final"] for i in items if i["final"] is not None]
         mean = sum(finals) / len(finals) if finals else float("nan")
         spread = max(finals) - min(finals) if finals else float("nan")
         mb = sum(i["wire_bytes_per_worker"] for i in items) / len(items) / 1e6
-        lines.append(f"{setting:<20} {family:<9} {role:<20} {len(items):>5} {mean:>8.2f} "
-                     f"{spread:>7.2f} {mb:>10.1f}  {spec}")
-    return "\n".join(lines)
+        cells.append({"setting": setting, "family": family, "role": role, "seeds": len(items),
+                      "final": f"{mean:.2f}", "spread": f"{spread:.2f}", "mb": f"{mb:.1f}",
+                      "spec": spec})
+    return format_table(cells, [("setting", "setting"), ("family", "family"), ("role", "role"),
+                                ("seeds", "seeds"), ("final", "final"), ("spread", "spread"),
+                                ("mb", "MB/worker"), ("spec", "spec")])

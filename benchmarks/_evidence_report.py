@@ -7,9 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gradzip.bench.table import format_table
+
 
 def _fmt(value: Any, pattern: str = "{:.2f}") -> str:
     return "-" if value is None else pattern.format(value)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table in ``gradzip.bench``'s layout, as lines."""
+    return format_table([dict(enumerate(r)) for r in rows], list(enumerate(head))).splitlines()
 
 
 def markdown(groups: list[dict[str, Any]]) -> str:
@@ -21,31 +28,26 @@ def markdown(groups: list[dict[str, Any]]) -> str:
         lines += [f"#### {title}", ""]
         names = [f"{p['phase']} ({p['epochs'][0]:g}-{p['epochs'][1]:g})"
                  for p in next(iter(roles.values()))["phases"]]
-        lines += ["Gentle share of layer-steps, overall and per phase (epochs):", "",
-                  "| role | final | overall | " + " | ".join(names) + " |",
-                  "|---|---:|---:|" + "---:|" * len(names)]
-        for role, entry in roles.items():
-            lines.append(f"| {role} | {entry['final']:.2f} | "
-                         f"{_fmt(entry['gentle_share'], '{:.1%}')} | " + " | ".join(
-                             _fmt(p["gentle_share"], "{:.0%}") for p in entry["phases"]) + " |")
+        lines += ["Gentle share of layer-steps, overall and per phase (epochs):", ""]
+        lines += _table(["role", "final", "overall", *names], [
+            [role, f"{entry['final']:.2f}", _fmt(entry["gentle_share"], "{:.1%}"),
+             *(_fmt(p["gentle_share"], "{:.0%}") for p in entry["phases"])]
+            for role, entry in roles.items()])
         lines += ["", "Metric at each phase's end (change over the phase) [share of the static "
-                  "levels' gap recovered there]:", "",
-                  "| role | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-        for role, entry in roles.items():
-            cells = [f"{p['end_value']:.2f} ({_fmt(p.get('gain'), '{:+.2f}')}) "
-                     f"[{_fmt(p.get('recovered'), '{:.0%}')}]" for p in entry["phases"]]
-            lines.append(f"| {role} | " + " | ".join(cells) + " |")
+                  "levels' gap recovered there]:", ""]
+        lines += _table(["role", *names], [
+            [role, *(f"{p['end_value']:.2f} ({_fmt(p.get('gain'), '{:+.2f}')}) "
+                     f"[{_fmt(p.get('recovered'), '{:.0%}')}]" for p in entry["phases"])]
+            for role, entry in roles.items()])
         lines += _error_table(roles, names)
         drops = [p for p in next(iter(roles.values()))["phases"] if "first_epoch_value" in p]
         if drops:
-            lines += ["", "Metric one epoch after each LR drop [gap recovered there]:", "",
-                      "| role | " + " | ".join(f"epoch {p['epochs'][0] + 1:g}" for p in drops)
-                      + " |", "|---|" + "---:|" * len(drops)]
-            for role, entry in roles.items():
-                cells = [f"{p['first_epoch_value']:.2f} "
+            lines += ["", "Metric one epoch after each LR drop [gap recovered there]:", ""]
+            lines += _table(["role", *(f"epoch {p['epochs'][0] + 1:g}" for p in drops)], [
+                [role, *(f"{p['first_epoch_value']:.2f} "
                          f"[{_fmt(p.get('first_epoch_recovered'), '{:.0%}')}]"
-                         for p in entry["phases"] if "first_epoch_value" in p]
-                lines.append(f"| {role} | " + " | ".join(cells) + " |")
+                         for p in entry["phases"] if "first_epoch_value" in p)]
+                for role, entry in roles.items()])
         fitted = group["fit"]
         if fitted:
             lines += ["", f"Fit of the final value against gentle share: slope "
@@ -64,16 +66,14 @@ def markdown(groups: list[dict[str, Any]]) -> str:
                              f"{k} {v:+.2f}" for k, v in weights["residuals"].items()) + ".")
         decisions = roles.get("accordion", {}).get("decisions")
         if decisions:
-            lines += ["", "| decision | step (epoch) | reasons | critical / steady layers | "
-                      "largest relative norm change (median) | layers >= eta |",
-                      "|---:|---:|---|---:|---:|---:|"]
-            for d in decisions:
-                reasons = ", ".join(f"{k} {v}" for k, v in d["reasons"].items())
-                lines.append(f"| {d['decision']} | {d['step']} ({d['epoch']:g}) | {reasons} | "
-                             f"{d['critical']} / {d['steady']} | "
-                             f"{_fmt(d['max_rel_change'], '{:.3f}')} "
-                             f"({_fmt(d['median_rel_change'], '{:.3f}')}) | "
-                             f"{d['at_or_above_eta']} (eta {d['eta']}) |")
+            lines.append("")
+            lines += _table(["decision", "step (epoch)", "reasons", "critical / steady layers",
+                             "largest relative norm change (median)", "layers >= eta"], [
+                [str(d["decision"]), f"{d['step']} ({d['epoch']:g})",
+                 ", ".join(f"{k} {v}" for k, v in d["reasons"].items()),
+                 f"{d['critical']} / {d['steady']}",
+                 f"{_fmt(d['max_rel_change'], '{:.3f}')} ({_fmt(d['median_rel_change'], '{:.3f}')})",
+                 f"{d['at_or_above_eta']} (eta {d['eta']})"] for d in decisions])
         lines.append("")
     return "\n".join(lines)
 
@@ -84,8 +84,8 @@ def _error_table(roles: dict[str, Any], names: list[str]) -> list[str]:
     if not any("compression_error" in p for e in roles.values() for p in e["phases"]):
         return []
     lines = ["", "Relative compression error sqrt(sum ||e||^2 / sum ||x||^2), mean over each "
-             "phase's epochs [at the gentle / aggressive level, where a run switches]:", "",
-             "| role | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+             "phase's epochs [at the gentle / aggressive level, where a run switches]:", ""]
+    rows = []
     for role, entry in roles.items():
         cells = []
         for p in entry["phases"]:
@@ -94,20 +94,18 @@ def _error_table(roles: dict[str, Any], names: list[str]) -> list[str]:
                 cell += (f" [{_fmt(p.get('compression_error_gentle'), '{:.3f}')} / "
                          f"{_fmt(p.get('compression_error_aggressive'), '{:.3f}')}]")
             cells.append(cell)
-        lines.append(f"| {role} | " + " | ".join(cells) + " |")
-    return lines
+        rows.append([role, *cells])
+    return lines + _table(["role", *names], rows)
 
 
 def markdown_pooled(pools: list[dict[str, Any]]) -> str:
     """The seed means of :func:`pooled` as markdown."""
     lines: list[str] = []
     for pool in pools:
-        lines += [f"#### {pool['setting']}, {pool['family']}, mean over seeds", "",
-                  "| role | seeds | mean final | spread | mean gap recovered |",
-                  "|---|---|---:|---:|---:|"]
-        for role, r in pool["roles"].items():
-            lines.append(f"| {role} | {','.join(map(str, r['seeds']))} | {r['mean_final']:.2f} | "
-                         f"{r['spread']:.2f} | {_fmt(r['mean_recovered'], '{:.0%}')} |")
+        lines += [f"#### {pool['setting']}, {pool['family']}, mean over seeds", ""]
+        lines += _table(["role", "seeds", "mean final", "spread", "mean gap recovered"], [
+            [role, ",".join(map(str, r["seeds"])), f"{r['mean_final']:.2f}", f"{r['spread']:.2f}",
+             _fmt(r["mean_recovered"], "{:.0%}")] for role, r in pool["roles"].items()])
         weights = pool["phase_weights"]
         if weights:
             lines += ["", f"Phase weights over every seed's runs (rank {weights['rank']}): "

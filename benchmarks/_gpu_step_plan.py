@@ -1,6 +1,6 @@
 """What gpu_step.py runs and how it reports it: the configurations, the setups planned for
-the GPUs present, the result rows and the Markdown table. Plain Python (no torch, no CUDA):
-gpu_step.py imports it from beside itself."""
+the GPUs present, the result rows and the Markdown table. Plain Python at import (no torch, no CUDA):
+the table alone borrows ``gradzip.bench``'s layout when it is made."""
 
 from __future__ import annotations
 
@@ -66,8 +66,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     """Markdown: one line per row, ratios to native DDP (and to no DDP) in the same setup."""
     base = {r["setup"]: r["median_s"] for r in rows if r["config"] == "ddp" and r["median_s"]}
     floor = {r["setup"]: r["median_s"] for r in rows if r["config"] == "local" and r["median_s"]}
-    lines = ["| setup | backend, ranks | configuration | ms/step (median) | x native DDP | x no DDP "
-             "| host syncs/step | note |", "|---|---|---|---:|---:|---:|---:|---|"]
+    from gradzip.bench.table import format_table  # imports torch: only when a table is made
+
+    head = ["setup", "backend, ranks", "configuration", "ms/step (median)", "x native DDP",
+            "x no DDP", "host syncs/step", "note"]
+    cells = []
     for r in rows:
         med = r["median_s"]
         ratio = f"{med / base[r['setup']]:.2f}" if med and r["setup"] in base else ""
@@ -75,9 +78,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         note = "" if r["error"] is None else r["error"].strip().splitlines()[-1][:100].replace("|", "/")
         ms = f"{med * 1e3:.1f}" if med else "-"
         syncs = f"{r['syncs']['per_step']:g}" if r.get("syncs") else ""
-        lines.append(f"| {r['setup']} | {r['backend']}, {r['world']} | `{r['config']}` | {ms} | "
-                     f"{ratio} | {over} | {syncs} | {note} |")
-    return "\n".join(lines)
+        cells.append(dict(enumerate([r["setup"], f"{r['backend']}, {r['world']}",
+                                     f"`{r['config']}`", ms, ratio, over, syncs, note])))
+    return format_table(cells, list(enumerate(head)))
 
 
 def sync_sites(rows: list[dict[str, Any]], top: int = 6) -> str:

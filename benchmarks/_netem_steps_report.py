@@ -9,7 +9,9 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-import netem_steps_worker as worker
+from gradzip.bench.table import format_table
+
+from . import netem_steps_worker as worker
 
 #: The issue's targets: (label, configuration, reference, bound, kind). ``at_most``: the
 #: median per-round ratio config/reference must be <= bound; ``speedup``: reference/config
@@ -126,17 +128,16 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """ms/step, ratios and bytes per configuration."""
     head = ["configuration", "buckets", "ms / step", "vs native DDP", "vs no-DDP floor",
             "CPU ms / step", "kB sent / worker / step"]
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
 
     def ratio(x: float | None) -> str:
         return f"{x:.3f}" if x is not None else "-"
 
-    for r in rows:
-        lines.append("| " + " | ".join([
-            r["config"], str(r["buckets"] if r["buckets"] is not None else "-"),
-            f"{r['ms_per_step']:.1f}", ratio(r["vs_ddp"]), ratio(r["vs_floor"]),
-            f"{r['cpu_ms_per_step']:.1f}", f"{r['kernel_tx_bytes_per_step'] / 1e3:,.0f}"]) + " |")
-    return "\n".join(lines)
+    cells = [dict(enumerate([
+        r["config"], str(r["buckets"] if r["buckets"] is not None else "-"),
+        f"{r['ms_per_step']:.1f}", ratio(r["vs_ddp"]), ratio(r["vs_floor"]),
+        f"{r['cpu_ms_per_step']:.1f}", f"{r['kernel_tx_bytes_per_step'] / 1e3:,.0f}"]))
+        for r in rows]
+    return format_table(cells, list(enumerate(head)))
 
 
 def builtin_powersgd_note(rows: Sequence[dict[str, Any]]) -> list[str]:

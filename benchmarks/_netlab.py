@@ -34,18 +34,17 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ._common import module_command, package_env
+
 log = logging.getLogger("netlab")
 
 HERE = Path(__file__).resolve().parent
-#: The worker whose ``goodput-recv``/``goodput-send`` modes check what a shaped link delivers.
-GOODPUT_WORKER = HERE / "netem_worker.py"
 #: Names the lab gives its namespaces; ``--cleanup-stale`` matches nothing else.
 NAME_RE = re.compile(r"^gzn(\d+)-(hub|w\d+)$")
 RFC1918 = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
@@ -365,12 +364,13 @@ def measure_goodput(lab: Lab, rate_mbit: float, tmp: Path) -> dict[str, Any]:
     """Send about a second's worth of bytes from worker 1 to worker 0 over the shaped path."""
     count = max(1 << 20, int(rate_mbit * 1e6 / 8))
     where = f"{lab.addresses[0]}:29400"
-    recv = spawn(netns_exec(lab.names[0], [sys.executable, str(GOODPUT_WORKER), "goodput-recv",
+    # netem_worker's goodput-recv / goodput-send modes check what a shaped link delivers.
+    recv = spawn(netns_exec(lab.names[0], [*module_command("netem_worker"), "goodput-recv",
                                           "--bind", where, "--bytes", str(count)]),
-                 None, tmp / "goodput-recv.log")
-    send = spawn(netns_exec(lab.names[1], [sys.executable, str(GOODPUT_WORKER), "goodput-send",
+                 package_env(), tmp / "goodput-recv.log")
+    send = spawn(netns_exec(lab.names[1], [*module_command("netem_worker"), "goodput-send",
                                           "--to", where, "--bytes", str(count)]),
-                 None, tmp / "goodput-send.log")
+                 package_env(), tmp / "goodput-send.log")
     problem = wait_all([recv, send], timeout=60)
     if problem:
         raise LabError(f"goodput check {problem}: {(tmp / 'goodput-recv.log').read_text()[-500:]}")

@@ -23,14 +23,15 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-import _netlab as netlab
+from . import _netlab as netlab
+from ._common import package_env
 
 # --------------------------------------------------------------------------- starting workers
 
 
 def worker_env(master: str, port: int, rank: int, world: int) -> dict[str, str]:
     """Environment of one worker: the process-group rendezvous on worker 0's address."""
-    env = dict(os.environ)
+    env = package_env()  # the worker runs as ``python -m benchmarks.<worker>``
     env.update({"MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": str(rank),
                 "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": netlab.WORKER_IFNAME,
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})

@@ -178,18 +178,26 @@ def plot(path: Path, part: str, rows: list[dict[str, Any]], agg: list[dict[str, 
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    """The aggregated rows as a Markdown table (as pasted into BENCHMARKS.md)."""
+    """The aggregated rows as a Markdown table (as pasted into BENCHMARKS.md), in the layout of
+    ``gradzip.bench``'s tables."""
+    from gradzip.bench.table import format_table  # imports torch: only when a table is made
+
     acc = doc["part"] == "cifar10"
-    head = "| run | " + ("test accuracy % (mean, spread)" if acc else "test loss (mean, spread)")
-    lines = [head + " | MiB sent/worker | vs dense | critical intervals found (forced) "
-                    "| gentle share of tensor-steps |", "|---|---:|---:|---:|---:|---:|"]
+    columns = [("run", "run"),
+               ("metric", "test accuracy % (mean, spread)" if acc else "test loss (mean, spread)"),
+               ("mib", "MiB sent/worker"), ("vs", "vs dense"),
+               ("found", "critical intervals found (forced)"),
+               ("share", "gentle share of tensor-steps")]
+    cells = []
     for r in doc["rows"]:
         m, sp = ((100 * r["final_accuracy_mean"], 100 * r["final_accuracy_spread"]) if acc
                  else (r["final_test_loss_mean"], r["final_test_loss_spread"]))
-        crit = ("- | -" if r["critical_found"] is None
-                else f"{r['critical_found']:.1f} ({r['critical_forced']:.1f}) of "
-                     f"{r['decision_points']:.0f} | {100 * r['critical_step_share']:.0f}%")
-        lines.append(f"| {r['label']} | {m:.{2 if acc else 4}f} ({sp:.{2 if acc else 4}f}) | "
-                     f"{r['bytes_sent_per_worker'] / 2**20:.2f} | {r['compression']:.1f}x | "
-                     f"{crit} |")
-    return "\n".join(lines)
+        found = critical = "-"
+        if r["critical_found"] is not None:
+            found = (f"{r['critical_found']:.1f} ({r['critical_forced']:.1f}) of "
+                     f"{r['decision_points']:.0f}")
+            critical = f"{100 * r['critical_step_share']:.0f}%"
+        cells.append({"run": r["label"], "metric": f"{m:.{2 if acc else 4}f} ({sp:.{2 if acc else 4}f})",
+                      "mib": f"{r['bytes_sent_per_worker'] / 2**20:.2f}",
+                      "vs": f"{r['compression']:.1f}x", "found": found, "share": critical})
+    return format_table(cells, columns)

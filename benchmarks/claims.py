@@ -28,10 +28,10 @@ are finished, the archive and the rows in ``_claims_results.py``; the plot in ``
 
 Usage::
 
-    python benchmarks/claims.py --settings smoke --parallel 2            # seconds, on CPU
-    python benchmarks/claims.py --settings cifar10-resnet8 --device cuda --parallel 8 \\
+    python -m benchmarks.claims --settings smoke --parallel 2            # seconds, on CPU
+    python -m benchmarks.claims --settings cifar10-resnet8 --device cuda --parallel 8 \\
         --cifar-data .devdata/cifar10-jpeg.tar.gz --seeds 0 --deadline 450 --pack out.tar.gz
-    python benchmarks/claims.py --settings cifar10-resnet8,wikitext2-lstm --collect
+    python -m benchmarks.claims --settings cifar10-resnet8,wikitext2-lstm --collect
 """
 
 from __future__ import annotations
@@ -47,16 +47,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-# The package of the checkout this script belongs to (installed or not, e.g. on a machine
-# that only has a copy of the repository), ahead of any other installed copy.
-sys.path.insert(0, str(HERE.parent / "src"))
-if str(HERE) not in sys.path:  # the shared helpers sit beside this file (also when imported)
-    sys.path.append(str(HERE))
+from gradzip.train.metrics import read_summary
+from gradzip.train.runner import RunConfig, resolve_config, run
 
-# The grid's plan and its finished runs sit beside this file. ROLES and the schedule helpers,
-# unused here, are imported too: the script's users read them as claims.ROLES etc.
-from _claims_plan import (  # noqa: E402, F401
+# ROLES and the schedule helpers, unused here, are imported too: the script's users read
+# them as claims.ROLES etc.
+from ._claims_plan import (  # noqa: F401
     ROLES,
     SETTINGS,
     Planned,
@@ -66,12 +62,10 @@ from _claims_plan import (  # noqa: E402, F401
     schedule_text,
     select,
 )
-from _claims_plot import plot  # noqa: E402
-from _claims_results import collect, finished, pack, table, unpack  # noqa: E402
-from _overrides import parse_sets  # noqa: E402
-
-from gradzip.train.metrics import read_summary  # noqa: E402
-from gradzip.train.runner import RunConfig, resolve_config, run  # noqa: E402
+from ._claims_plot import plot
+from ._claims_results import collect, finished, pack, table, unpack
+from ._common import RESULTS, module_command, package_env
+from ._overrides import parse_sets
 
 #: Seconds kept free before the deadline to end the runs in flight and write the archive.
 MARGIN_S = 20.0
@@ -92,9 +86,8 @@ def _launch(cfg: RunConfig) -> subprocess.Popen[bytes]:
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     log = (out.parent / f"{out.name}.log").open("wb")
-    return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--one",
-                             json.dumps(cfg.to_dict())], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
+    return subprocess.Popen([*module_command("claims"), "--one", json.dumps(cfg.to_dict())],
+                            stdout=log, stderr=subprocess.STDOUT, env=package_env(env))
 
 
 def execute(runs: list[Planned], parallel: int, deadline: float | None,
@@ -273,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                         "skipped), e.g. to continue a grid on a fresh machine")
     p.add_argument("--collect", action="store_true",
                    help="write benchmarks/results/claims.json from the finished runs; run nothing")
-    p.add_argument("--results", default=str(HERE / "results"), help="where claims.json goes")
+    p.add_argument("--results", default=str(RESULTS), help="where claims.json goes")
     p.add_argument("--dry-run", action="store_true", help="list the runs and their status")
     p.add_argument("--check", action="store_true", help="print what this machine offers; run nothing")
     args = p.parse_args(argv)

@@ -27,9 +27,9 @@ epoch, one panel per seed; needs matplotlib) in ``--out``; the tables and the pl
 
 Usage::
 
-    python benchmarks/claims_evidence.py                       # the archive in results/
-    python benchmarks/claims_evidence.py --runs runs/claims --out /tmp/evidence
-    python benchmarks/claims_evidence.py --runs A.tar.gz --runs B.tar.gz \
+    python -m benchmarks.claims_evidence                       # the archive in results/
+    python -m benchmarks.claims_evidence --runs runs/claims --out /tmp/evidence
+    python -m benchmarks.claims_evidence --runs A.tar.gz --runs B.tar.gz \
         --only cifar10-resnet8/powersgd --name other   # B's runs replace A's of the same key
 """
 
@@ -44,14 +44,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gradzip.engine_error import ERROR_KEYS
+
+from ._claims_plan import SETTINGS
+from ._evidence_report import markdown, markdown_pooled, plot
+
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the report module sits beside this file
-    sys.path.insert(0, str(HERE))
-
-from _claims_plan import SETTINGS  # noqa: E402
-from _evidence_report import markdown, markdown_pooled, plot  # noqa: E402
-
-from gradzip.engine_error import ERROR_KEYS  # noqa: E402
 
 LEVEL_ROLES = ("gentle", "aggressive", "accordion", "critical-gentle", "critical-aggressive")
 #: First critical regime (epochs) of the grid's settings; other settings use their warm-up.

@@ -17,7 +17,7 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 if [ "${1:-}" = "--dry-run" ]; then
     shift
     echo "would run: $PY -m pytest -q -rfEs tests/test_cuda.py (timeout ${TEST_TIMEOUT_S:-120} s)"
-    exec "$PY" benchmarks/gpu_step.py --dry-run --budget-s "${BUDGET_S:-300}" "$@"
+    exec "$PY" -m benchmarks.gpu_step --dry-run --budget-s "${BUDGET_S:-300}" "$@"
 fi
 
 out="${OUT:-$PWD/benchmarks/results}"
@@ -96,7 +96,7 @@ grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|error" "$out/pytest_cuda.txt" | t
 echo "tests exit code: $test_rc"
 
 echo "== step times"
-"$PY" benchmarks/gpu_step.py --out "$out" --budget-s "${BUDGET_S:-300}" "$@"
+"$PY" -m benchmarks.gpu_step --out "$out" --budget-s "${BUDGET_S:-300}" "$@"
 bench_rc=$?
 echo "tests exit code: $test_rc, step times exit code: $bench_rc"
 exit $(( test_rc != 0 || bench_rc != 0 ))

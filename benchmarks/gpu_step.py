@@ -1,6 +1,6 @@
 """Seconds per DDP training step on CUDA: native DDP, PyTorch's hooks and gradzip, side by side.
 
-    python benchmarks/gpu_step.py [--out DIR] [--dry-run] [--device auto|cuda|cpu]
+    python -m benchmarks.gpu_step [--out DIR] [--dry-run] [--device auto|cuda|cpu]
                                   [--budget-s S] [--row-timeout S] [--steps N] [--warmup N]
 
 A ResNet-18 (CIFAR variant, 11.2M parameters, 44.7 MB of fp32 gradients, several DDP buckets
@@ -44,7 +44,6 @@ import multiprocessing as mp
 import os
 import platform
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -54,14 +53,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT / "src") not in sys.path:  # the repository copied, not installed
-    sys.path.insert(0, str(ROOT / "src"))
-if str(ROOT / "benchmarks") not in sys.path:  # the plan and report module sits beside this file
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+import torch
 
-import torch  # noqa: E402
-from _gpu_step_plan import CONFIGS, finish_row, make_row, plan, sync_sites, table  # noqa: E402
+from gradzip.comm.launch import free_port
+
+from ._gpu_step_plan import CONFIGS, finish_row, make_row, plan, sync_sites, table
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ONE_BUCKET_MB = 1024.0  # PyTorch's PowerSGD hook runs with the whole model in one bucket
 
@@ -199,12 +197,6 @@ def _worker(rank: int, setup: dict[str, Any], port: int, configs: list[str],
 
 
 # -- the parent ------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
               deadline: float, log: Any) -> list[dict[str, Any]]:
     """Every config of one setup, restarting the processes after a row that hangs."""
@@ -217,7 +209,7 @@ def run_setup(setup: dict[str, Any], configs: list[str], args: dict[str, Any],
                 rows[config] = make_row(setup, config, error="skipped: --budget-s spent")
             break
         out = ctx.Queue()
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, setup, port, pending, args, out), daemon=True)
                  for r in range(setup["world"])]
         for proc in procs:

@@ -1,7 +1,7 @@
 """DDP hook benchmark over gloo (BENCHMARKS.md section 2): ``gradzip bench hooks`` and the
 project's targets.
 
-    python benchmarks/hooks.py [--json] [--workers 2 4] [--steps N] [--rounds R]
+    python -m benchmarks.hooks [--json] [--workers 2 4] [--steps N] [--rounds R]
                                [--configs CFG ...]
 
 It takes the options of ``gradzip bench hooks`` and prints the same table, followed by one

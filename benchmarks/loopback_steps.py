@@ -13,7 +13,7 @@ to native DDP and to the no-DDP floor timed in the same processes.
 On a shared machine the absolute figures are noisy; the per-round ratios less so.
 
 Example (about a minute per source tree on 2 quiet cores):
-    python benchmarks/loopback_steps.py --src /work/main/src src --rounds 8
+    python -m benchmarks.loopback_steps --src /work/main/src src --rounds 8
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,29 +28,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
+from gradzip.bench.table import format_table
+from gradzip.comm.launch import free_port
 
-import netem_steps  # noqa: E402
+from . import netem_steps
+from ._common import ROOT, module_command, package_env
 
-WORKER = HERE / "netem_steps_worker.py"
 DEFAULT_CONFIGS = ("floor", "ddp", "torch-fp16", "torch-powersgd-r4", "gradzip-none",
                    "gradzip-fp16", "gradzip-powersgd-r4")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_once(src: str, args: argparse.Namespace, result: Path) -> dict[str, Any]:
     """Both ranks of the worker with ``src`` first on ``PYTHONPATH``; the rank-0 record."""
-    env = {**os.environ, "PYTHONPATH": str(Path(src).resolve()), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo",
+    env = {**package_env({**os.environ, "PYTHONPATH": ""}, str(Path(src).resolve())),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo",
            "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, str(WORKER), "--configs", *args.configs, "--gradzip-modes",
+    argv = [*module_command("netem_steps_worker"), "--configs", *args.configs, "--gradzip-modes",
             "default", "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup",
             str(args.warmup), "--width", str(args.width), "--batch-size", str(args.batch_size),
             "--bucket-cap-mb", str(args.bucket_cap_mb), "--result", str(result)]
@@ -78,20 +70,18 @@ def table(results: Sequence[tuple[str, list[dict[str, Any]]]]) -> str:
     """One markdown row per (source tree, configuration)."""
     def fmt(v: Any, spec: str) -> str:
         return "-" if v is None else format(v, spec)
-    lines = ["| src | config | wall ms/step | vs ddp | vs floor | CPU ms/step | CPU vs ddp | "
-             "CPU vs floor |", "|---|---|---|---|---|---|---|---|"]
-    for src, rows in results:
-        for r in rows:
-            lines.append(
-                f"| {src} | {r['config']} | {r['ms_per_step']:.1f} | {fmt(r['vs_ddp'], '.3f')} | "
-                f"{fmt(r['vs_floor'], '.3f')} | {r['cpu_ms_per_step']:.1f} | "
-                f"{fmt(r['cpu_vs_ddp'], '.3f')} | {fmt(r['cpu_vs_floor'], '.3f')} |")
-    return "\n".join(lines)
+    head = ["src", "config", "wall ms/step", "vs ddp", "vs floor", "CPU ms/step", "CPU vs ddp",
+            "CPU vs floor"]
+    cells = [dict(enumerate([src, r["config"], f"{r['ms_per_step']:.1f}", fmt(r["vs_ddp"], ".3f"),
+                             fmt(r["vs_floor"], ".3f"), f"{r['cpu_ms_per_step']:.1f}",
+                             fmt(r["cpu_vs_ddp"], ".3f"), fmt(r["cpu_vs_floor"], ".3f")]))
+             for src, rows in results for r in rows]
+    return format_table(cells, list(enumerate(head)))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--src", nargs="+", default=[str(HERE.parent / "src")],
+    p.add_argument("--src", nargs="+", default=[str(ROOT / "src")],
                    help="src folders to compare (each first on PYTHONPATH in its run)")
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS),
                    choices=netem_steps.worker.CONFIGS)

@@ -1,6 +1,6 @@
 """Kernel benchmark (BENCHMARKS.md section 1): ``gradzip bench micro`` and the project's targets.
 
-    python benchmarks/micro.py [--json] [--numel N ...] [--repeat R] [--threads T]
+    python -m benchmarks.micro [--json] [--numel N ...] [--repeat R] [--threads T]
                                [--heap warm|default] [--compressors SPEC ...]
 
 It takes the options of ``gradzip bench micro`` and prints the same table, followed by one

@@ -13,13 +13,13 @@ It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and refuses with a message other
 ``--dry-run`` prints the commands it would run, as any user.
 
 Example (the run behind BENCHMARKS.md section 3, about 18 minutes on 2 cores):
-    sudo python benchmarks/netem.py --bandwidth-mbit 1000 150 40 \
+    sudo python -m benchmarks.netem --bandwidth-mbit 1000 150 40 \
         --methods none powersgd-r1 powersgd-r4 accordion accordion:eta=0.3 topk threshold \
         --out benchmarks/results/netem.json --plot benchmarks/results/netem.png
 
 Step times side by side (a 4.2M-parameter model in 3 buckets; the no-DDP floor is each row's
 ``compute_seconds``, the dense communication time ``dense_comm_seconds_model``):
-    sudo env PYTHONPATH=$PWD/src python benchmarks/netem.py --workers 2 --bandwidth-mbit 1000 \
+    sudo env PYTHONPATH=$PWD/src python -m benchmarks.netem --workers 2 --bandwidth-mbit 1000 \
         --width 176 --bucket-cap-mb 4 --epochs 5 --methods native none none:sync torch-fp16 \
         fp16 fp16:sync powersgd-r4 powersgd-r4:sync --out benchmarks/results/netem_steps.json
 """
@@ -39,16 +39,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the lab and the worker sit beside this file
-    sys.path.insert(0, str(HERE))
+from gradzip.bench.table import format_table
 
-import _netlab as netlab  # noqa: E402
-import _netlab_launch as launch  # noqa: E402
-import netem_worker as worker  # noqa: E402
+from . import _netlab as netlab
+from . import _netlab_launch as launch
+from . import netem_worker as worker
+from ._common import module_command
+
+HERE = Path(__file__).resolve().parent
+#: The command that starts one worker (its arguments follow).
+WORKER = module_command("netem_worker")
 
 log = logging.getLogger("netem")
-WORKER = HERE / "netem_worker.py"
 #: Benchmark methods: name -> compressor spec ("accordion" is built from --steady/--critical;
 #: a variant such as "accordion:eta=0.3,interval=11" overrides --eta/--interval for one run;
 #: ":sync" runs a gradzip method through the synchronous hook, e.g. "powersgd-r4:sync").
@@ -105,7 +107,7 @@ def worker_argv(args: argparse.Namespace, method: str, result: str) -> list[str]
     """``netem_worker.py train`` arguments of one run (every rank gets the same)."""
     base, overrides = parse_method(method)
     spec = METHODS[base]
-    argv = [sys.executable, str(WORKER), "train", "--spec", spec, "--result", result,
+    argv = [*WORKER, "train", "--spec", spec, "--result", result,
             *launch.option_argv(args, worker.TRAINING_OPTIONS),
             "--collective-timeout", f"{args.run_timeout:g}",
             *launch.option_argv(args, worker.BUCKET_OPTIONS)]
@@ -214,9 +216,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     """The results table of the BENCHMARKS.md section."""
     header = ["bandwidth", "method", "s/step", "steps to target", "time to target (s)",
               "speedup vs none", "wire bytes/worker/step", "compression", "final acc"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
-    return "\n".join(lines)
+    return format_table([dict(enumerate(_cells(r))) for r in rows], list(enumerate(header)))
 
 
 def write_outputs(out: Path, meta: dict[str, Any], runs: list[dict[str, Any]],

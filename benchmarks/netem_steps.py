@@ -22,7 +22,7 @@ It needs root, like ``netem.py``; ``--dry-run`` prints the commands as any user.
 
 Example (2 workers, 40 rounds of 3 steps; about 5 minutes on 2 quiet cores, 7 with the
 synchronous variants of the gradzip hook):
-    sudo python benchmarks/netem_steps.py --out benchmarks/results/netem_steps.json
+    sudo python -m benchmarks.netem_steps --out benchmarks/results/netem_steps.json
 """
 
 from __future__ import annotations
@@ -39,17 +39,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the lab and the worker sit beside this file
-    sys.path.insert(0, str(HERE))
+from gradzip.comm.base import allreduce_wire_bytes
 
-import _netlab as netlab  # noqa: E402
-import _netlab_launch as launch  # noqa: E402
-import netem_steps_worker as worker  # noqa: E402
+from . import _netlab as netlab
+from . import _netlab_launch as launch
+from . import netem_steps_worker as worker
+from ._common import module_command
 
 # The summary, verdicts and report sit beside this file. The helpers unused here are imported
 # too: loopback_steps.py and the tests read them as netem_steps.paired_ratio etc.
-from _netem_steps_report import (  # noqa: E402, F401
+from ._netem_steps_report import (  # noqa: F401
     TARGETS,
     comm_compute_ratio,
     dense_serial_config,
@@ -63,8 +62,11 @@ from _netem_steps_report import (  # noqa: E402, F401
     verdicts,
 )
 
+HERE = Path(__file__).resolve().parent
+#: The command that starts one rank (its arguments follow).
+WORKER = module_command("netem_steps_worker")
+
 log = logging.getLogger("netem_steps")
-WORKER = HERE / "netem_steps_worker.py"
 #: Bytes a shaped link carries per byte of TCP payload at MTU 1500 (1448 payload bytes with
 #: timestamps in a 1514-byte frame): ``tbf`` counts whole frames.
 WIRE_OVERHEAD = 1514 / 1448
@@ -74,8 +76,9 @@ WIRE_OVERHEAD = 1514 / 1448
 
 
 def ring_wire_bytes(grad_bytes: float, world: int) -> float:
-    """Bytes each worker sends in a ring all-reduce of ``grad_bytes``: ``2 (W-1)/W`` of it."""
-    return 2 * (world - 1) / world * grad_bytes
+    """Bytes each worker sends in a ring all-reduce of ``grad_bytes``: ``2 (W-1)/W`` of it,
+    as the library counts them (:func:`gradzip.comm.base.allreduce_wire_bytes`)."""
+    return float(allreduce_wire_bytes(round(grad_bytes), world))
 
 
 def round_significant(x: float, digits: int = 2) -> float:
@@ -112,7 +115,7 @@ def choose_bandwidth(grad_bytes: float, world: int, compute_seconds: float,
 def worker_argv(args: argparse.Namespace, configs: Sequence[str], rounds: int,
                 result: str) -> list[str]:
     """``netem_steps_worker.py`` arguments (every rank gets the same)."""
-    return [sys.executable, str(WORKER), "--result", result, "--configs", *configs,
+    return [*WORKER, "--result", result, "--configs", *configs,
             "--gradzip-modes", *args.gradzip_modes,
             *launch.option_argv(args, worker.STEP_OPTIONS, {"rounds": rounds}), "--progress"]
 

@@ -37,7 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import _netlab_launch as launch
+from . import _netlab_launch as launch
 
 #: Configuration name -> gradzip spec (``None``: not a gradzip hook).
 GRADZIP_SPECS = {"gradzip-none": "none", "gradzip-fp16": "fp16",

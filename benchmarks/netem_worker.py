@@ -30,7 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import _netlab_launch as launch
+from . import _netlab_launch as launch
 
 log = logging.getLogger("netem_worker")
 
@@ -136,8 +136,11 @@ class BaselineStats:
     one ring all-reduce of every gradient per step (fp32, or fp16 for ``half``)."""
 
     def __init__(self, n_params: int, world: int, *, half: bool) -> None:
-        self.dense = 2 * (world - 1) * 4 * n_params // world
-        self.sent = self.dense // 2 if half else self.dense
+        # Imported here: the goodput modes of this script run without torch.
+        from gradzip.comm.base import allreduce_wire_bytes
+
+        self.dense = allreduce_wire_bytes(4 * n_params, world)
+        self.sent = allreduce_wire_bytes((2 if half else 4) * n_params, world)
         self.steps = 0
 
     def stats(self) -> dict[str, Any]:

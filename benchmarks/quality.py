@@ -21,9 +21,9 @@ beside this file.
 
 Usage::
 
-    python benchmarks/quality.py --jobs 2                        # both parts
-    python benchmarks/quality.py --part logreg
-    python benchmarks/quality.py --part cifar10 --set epochs=2 --train-per-class 50
+    python -m benchmarks.quality --jobs 2                        # both parts
+    python -m benchmarks.quality --part logreg
+    python -m benchmarks.quality --part cifar10 --set epochs=2 --train-per-class 50
 """
 
 from __future__ import annotations
@@ -47,12 +47,8 @@ from gradzip.train.compare import Grid, load_grid, run_grid
 from gradzip.train.metrics import read_summary
 from gradzip.train.runner import RunConfig, resolve_config, run
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # the shared helpers sit beside this file (also when imported)
-    sys.path.append(str(HERE))
-
-from _overrides import parse_sets  # noqa: E402
-from _quality_report import (  # noqa: E402
+from ._overrides import parse_sets
+from ._quality_report import (
     aggregate,
     markdown,
     plot,
@@ -60,6 +56,8 @@ from _quality_report import (  # noqa: E402
     verdicts,
     write_csv,
 )
+
+HERE = Path(__file__).resolve().parent
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ share of all entries sent, compression error) and a table on stdout.
 
 Usage::
 
-    python benchmarks/sparse_layers.py --setting smoke --density 0.05          # seconds
-    python benchmarks/sparse_layers.py --setting wikitext2-lstm --density 0.01 \\
+    python -m benchmarks.sparse_layers --setting smoke --density 0.05          # seconds
+    python -m benchmarks.sparse_layers --setting wikitext2-lstm --density 0.01 \\
         --text-data wikitext-2-partial.tar.gz --epochs 1
 """
 
@@ -37,20 +37,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gradzip.bench.table import format_table
+from gradzip.compressors.base import Compressor, Job
+from gradzip.spec import compressor_from_spec
+from gradzip.train.loop import TrainLoop
+from gradzip.train.runner import RunConfig, resolve_config
+from gradzip.train.tasks import get_task
+
+from ._claims_plan import SETTINGS
+from .claims import data_options
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "src"))
-if str(HERE) not in sys.path:
-    sys.path.append(str(HERE))
-
-import torch  # noqa: E402
-from _claims_plan import SETTINGS  # noqa: E402
-from claims import data_options  # noqa: E402
-
-from gradzip.compressors.base import Compressor, Job  # noqa: E402
-from gradzip.spec import compressor_from_spec  # noqa: E402
-from gradzip.train.loop import TrainLoop  # noqa: E402
-from gradzip.train.runner import RunConfig, resolve_config  # noqa: E402
-from gradzip.train.tasks import get_task  # noqa: E402
 
 
 class Tally:
@@ -118,25 +117,26 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one row per tensor, density and share of the entries sent per compressor."""
-    head = "| tensor | numel | share of entries |"
-    rule = "|---|---:|---:|"
-    for r in results:
-        head += f" {r['compressor']}: density | share of sent | error |"
-        rule += "---:|---:|---:|"
-    lines = [head, rule]
+    columns = [("tensor", "tensor"), ("numel", "numel"), ("share", "share of entries")]
+    for k, r in enumerate(results):
+        columns += [(("density", k), f"{r['compressor']}: density"),
+                    (("sent", k), "share of sent"), (("error", k), "error")]
     total = sum(t["numel"] for t in results[0]["tensors"])
+    rows: list[dict[Any, Any]] = []
     for i, t in enumerate(results[0]["tensors"]):
-        line = f"| {t['name']} | {t['numel']:,} | {t['numel'] / total:.1%} |"
-        for r in results:
+        row: dict[Any, Any] = {"tensor": t["name"], "numel": f"{t['numel']:,}",
+                               "share": f"{t['numel'] / total:.1%}"}
+        for k, r in enumerate(results):
             u = r["tensors"][i]
-            line += (f" {u['density']:.2%} | {u['share_of_sent']:.1%} |"
-                     f" {u['compression_error']:.2f} |")
-        lines.append(line)
-    line = "| all | " + f"{total:,} | 100% |"
-    for r in results:
-        line += f" {r['density']:.2%} | 100% | |"
-    lines.append(line)
-    return "\n".join(lines)
+            row.update({("density", k): f"{u['density']:.2%}",
+                        ("sent", k): f"{u['share_of_sent']:.1%}",
+                        ("error", k): f"{u['compression_error']:.2f}"})
+        rows.append(row)
+    last: dict[Any, Any] = {"tensor": "all", "numel": f"{total:,}", "share": "100%"}
+    for k, r in enumerate(results):
+        last.update({("density", k): f"{r['density']:.2%}", ("sent", k): "100%",
+                     ("error", k): ""})
+    return format_table([*rows, last], columns)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -263,6 +263,7 @@ def train_least_squares(compressor: object, steps: int = 160, drop_at: int = 80,
     return engine, levels, float(((x @ weight - y) ** 2).mean())
 
 
+@pytest.mark.slow
 def test_training_log_shows_critical_regimes_and_bytes_fall_between_levels() -> None:
     acc = Accordion("topk:ratio=0.05", "topk:ratio=0.25", interval=10, window=10, **FIRST_RULE)
     engine, levels, loss = train_least_squares(acc)

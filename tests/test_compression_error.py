@@ -175,6 +175,7 @@ def test_a_schedule_run_records_each_level(tmp_path: Path) -> None:
     assert second["compression_error"] == second["compression_error_aggressive"]
 
 
+@pytest.mark.slow
 def test_procs_runs_pool_the_ranks_like_the_simulator(tmp_path: Path) -> None:
     """Two gloo processes, each measuring its own worker, sum their norms before the ratio:
     the simulator's value over both workers, to float rounding."""

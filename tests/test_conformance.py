@@ -214,6 +214,7 @@ def test_non_contiguous_input(spec: str) -> None:
         assert torch.equal(a[name], b[name])
 
 
+@pytest.mark.slow
 def test_compressors_converge_with_error_feedback() -> None:
     """Over many steps of one fixed gradient, error feedback delivers all of it."""
     for spec in ("topk:ratio=0.05", "sign", "powersgd:rank=1", "threshold:lam=2.5"):

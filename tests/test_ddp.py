@@ -140,6 +140,7 @@ def test_single_process_group_stats_levels_and_gathered_state(tmp_path: Path) ->
 
 
 # -- one group of processes, many scenarios -------------------------------------------------------
+@pytest.mark.slow
 def test_none_hook_equals_plain_ddp_exactly(main: list[dict[str, Any]]) -> None:
     for result in main:
         runs = result["parity_plain"]
@@ -151,6 +152,7 @@ def test_none_hook_equals_plain_ddp_exactly(main: list[dict[str, Any]]) -> None:
                        main[1]["parity_plain"]["none-one"]["params"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", SIM_SPECS)
 @pytest.mark.parametrize("label", BUCKET_LABELS)
 def test_deterministic_compressors_equal_the_simulator(
@@ -165,6 +167,7 @@ def test_deterministic_compressors_equal_the_simulator(
         assert real["stats"]["payload_bytes"] == sim["stats"]["payload_bytes"][0]
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_counts_optimizer_steps(main: list[dict[str, Any]]) -> None:
     runs = main[0]["parity_simulated"]
     real, sim = runs["accum"], runs["accum-sim"]
@@ -174,6 +177,7 @@ def test_gradient_accumulation_counts_optimizer_steps(main: list[dict[str, Any]]
     torch.testing.assert_close(real["params"], sim["params"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", [*ALL_SPECS, "threshold:lam=0.05"])
 @pytest.mark.parametrize("label", BUCKET_LABELS)
 def test_every_compressor_trains_in_one_bucket_and_many(
@@ -195,6 +199,7 @@ def test_every_compressor_trains_in_one_bucket_and_many(
             assert run["stats"]["compression_rate"] > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["torch.bfloat16", "torch.float16"])
 @pytest.mark.parametrize(
     "spec", ["none", "fp16", "powersgd:rank=2", "topk:ratio=0.1", "threshold:budget=0.05"]
@@ -209,11 +214,13 @@ def test_low_precision_gradients(main: list[dict[str, Any]], dtype: str, spec: s
         assert run["stats"]["steps"] == 3
 
 
+@pytest.mark.slow
 def test_autocast(main: list[dict[str, Any]]) -> None:
     run = main[0]["low_precision"]["autocast"]
     assert run["identical"] == [True] * 3 and run["finite"] and run["stats"]["steps"] == 3
 
 
+@pytest.mark.slow
 def test_grad_scaler_skips_a_nonfinite_step_and_keeps_the_state(main: list[dict[str, Any]]) -> None:
     for result in main:
         run = result["grad_scaler"]
@@ -233,6 +240,7 @@ def test_grad_scaler_skips_a_nonfinite_step_and_keeps_the_state(main: list[dict[
         assert all(run["identical"]) and run["finite"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["powersgd:rank=2", "topk:ratio=0.1", "threshold:budget=0.05"])
 @pytest.mark.parametrize("label", BUCKET_LABELS)
 def test_find_unused_parameters(main: list[dict[str, Any]], spec: str, label: str) -> None:
@@ -244,6 +252,7 @@ def test_find_unused_parameters(main: list[dict[str, Any]], spec: str, label: st
         assert run["steps"] == 3
 
 
+@pytest.mark.slow
 def test_against_builtin_powersgd_hook(main: list[dict[str, Any]]) -> None:
     """Same rank, model and data; the built-in needs one bucket (it deadlocks on gloo with
     more) and start_powerSGD_iter >= 2.
@@ -268,6 +277,7 @@ def test_against_builtin_powersgd_hook(main: list[dict[str, Any]]) -> None:
 
 
 # -- fresh processes --------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize(("spec", "source"), [*[(s, "rank") for s in RESUME_SPECS],
                                               ("powersgd:rank=2", "all")])
 def test_resume_in_fresh_processes_is_bit_exact(

@@ -87,10 +87,12 @@ def _check(results: list[dict[Any, Any]]) -> None:
             assert run == {"params": True, "stats": True, "residuals": True, "identical": True}, key
 
 
+@pytest.mark.slow
 def test_two_ranks_on_one_gpu_over_gloo(tmp_path: Path) -> None:
     specs = ("none", "fp16", "topk:ratio=0.1", "powersgd:rank=2", "threshold:budget=0.05")
     _check(spawn(cuda_group, 2, tmp_path, specs, timeout=400))
 
 
+@pytest.mark.slow
 def test_one_rank_over_nccl(tmp_path: Path) -> None:
     _check(spawn(cuda_group, 1, tmp_path, SPECS, timeout=400, backend="nccl"))

@@ -29,6 +29,7 @@ def load_example(name: str) -> ModuleType:
     return launch.load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
+@pytest.mark.slow
 def test_train_ddp_with_torchrun_and_resume(tmp_path: Path) -> None:
     args = ("--compressor", "powersgd:rank=2", "--steps", "5", "--checkpoint-dir", str(tmp_path))
     out = torchrun("train_ddp.py", *args)
@@ -59,6 +60,7 @@ def test_train_ddp_accordion_flag() -> None:
         example.parse_args(["--steps", "0"])
 
 
+@pytest.mark.slow
 def test_train_ddp_with_accordion_under_torchrun() -> None:
     out = torchrun("train_ddp.py", "--compressor", "powersgd:rank=1", "--accordion",
                    "powersgd:rank=4", "--steps", "12", "--interval", "3")
@@ -67,8 +69,9 @@ def test_train_ddp_with_accordion_under_torchrun() -> None:
     assert 0 < payload < dense
 
 
+@pytest.mark.slow
 def test_lightning_example_trains_and_resumes(tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
+    pytest.importorskip("lightning", reason="needs lightning (the `integrations` extra)")
     ckpt = str(tmp_path / "digits.ckpt")
     out = torchrun("lightning_ddp.py", "--compressor", "topk:ratio=0.05", "--steps", "6",
                    "--save", ckpt)
@@ -82,8 +85,9 @@ def test_lightning_example_trains_and_resumes(tmp_path: Path) -> None:
     assert "on 2 processes, 10 steps" in out
 
 
+@pytest.mark.slow
 def test_accelerate_example_accumulates_and_resumes(tmp_path: Path) -> None:
-    pytest.importorskip("accelerate")
+    pytest.importorskip("accelerate", reason="needs accelerate (the `integrations` extra)")
     args = ("--compressor", "powersgd:rank=2", "--steps", "4", "--accumulation", "2",
             "--checkpoint-dir", str(tmp_path / "ckpt"))
     out = torchrun("accelerate_ddp.py", *args)

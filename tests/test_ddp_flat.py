@@ -142,6 +142,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
     return spawn(flat_group, WORLD, tmp_path_factory.mktemp("flat"), timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("cap", list(CAPS))
 @pytest.mark.parametrize("spec", SPECS)
@@ -159,6 +160,7 @@ def _grads_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
                                     and torch.equal(x.isnan(), y.isnan()) for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", ["one", "several"])
 @pytest.mark.parametrize("what", list(INJECTED))
 @pytest.mark.parametrize("policy", POLICIES)
@@ -189,6 +191,7 @@ def test_a_nonfinite_bucket_on_one_rank_is_handled_as_on_the_ordinary_path(
             assert torch.isfinite(flat["grads"][2]).all()
 
 
+@pytest.mark.slow
 def test_views_that_do_not_tile_their_buffer(results: list[dict[Any, Any]]) -> None:
     for rank_results in results:
         for spec, got in rank_results["padded"].items():
@@ -196,6 +199,7 @@ def test_views_that_do_not_tile_their_buffer(results: list[dict[Any, Any]]) -> N
                            "stats": True}, spec
 
 
+@pytest.mark.slow
 def test_views_that_are_not_contiguous_take_the_ordinary_path(
     results: list[dict[Any, Any]],
 ) -> None:

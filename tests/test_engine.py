@@ -284,6 +284,7 @@ def _reduce_then_shut_down(rank: int, world_size: int) -> tuple[bool, bool]:
     return before, torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
 def test_shutdown_process_group_leaves_together_and_destroys_the_group() -> None:
     assert run_processes(_reduce_then_shut_down, 2, timeout=120) == [(True, False)] * 2
 

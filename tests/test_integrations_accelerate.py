@@ -62,7 +62,7 @@ def worker(out: Path) -> None:
 
 @pytest.mark.slow
 def test_register_compresses_and_load_state_resumes_every_rank_exactly(tmp_path: Path) -> None:
-    pytest.importorskip("accelerate")
+    pytest.importorskip("accelerate", reason="needs accelerate (the `integrations` extra)")
     torchrun(HERE, str(tmp_path))
     full, resumed = ([torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in (0, 1)]
                      for name in ("full", "resumed"))
@@ -75,7 +75,7 @@ def test_register_compresses_and_load_state_resumes_every_rank_exactly(tmp_path:
 
 
 def test_register_refuses_what_is_not_a_prepared_ddp_model() -> None:
-    pytest.importorskip("accelerate")
+    pytest.importorskip("accelerate", reason="needs accelerate (the `integrations` extra)")
     from accelerate import Accelerator
 
     import gradzip.integrations.accelerate

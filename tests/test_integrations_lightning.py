@@ -150,7 +150,7 @@ def assert_resumed_exactly(out: Path, steps: int) -> None:
 
 @pytest.mark.slow
 def test_trainer_strategy_compresses_logs_and_resumes_exactly(tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
+    pytest.importorskip("lightning", reason="needs lightning (the `integrations` extra)")
     torchrun(HERE, "trainer", str(tmp_path))
     assert_resumed_exactly(tmp_path, 2 * STEPS_PER_EPOCH)
     # Resuming without the gradzip entry (residuals and counters lost) does not match.
@@ -171,13 +171,13 @@ def test_trainer_strategy_compresses_logs_and_resumes_exactly(tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_fabric_strategy_saves_every_rank_and_resumes_exactly(tmp_path: Path) -> None:
-    pytest.importorskip("lightning")
+    pytest.importorskip("lightning", reason="needs lightning (the `integrations` extra)")
     torchrun(HERE, "fabric", str(tmp_path))
     assert_resumed_exactly(tmp_path, 8)
 
 
 def test_strategy_validates_its_arguments() -> None:
-    pytest.importorskip("lightning")
+    pytest.importorskip("lightning", reason="needs lightning (the `integrations` extra)")
     from gradzip.integrations.lightning import GradzipDDPStrategy, GradzipFabricDDPStrategy
 
     with pytest.raises(ValueError, match="ddp_comm_hook"):

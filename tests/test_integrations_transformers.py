@@ -57,7 +57,7 @@ def worker(out: Path) -> None:
 
 @pytest.mark.slow
 def test_callback_compresses_and_resumes_every_rank_exactly(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="needs transformers (the `integrations` extra)")
     torchrun(HERE, str(tmp_path), timeout=240.0)
     full, resumed = ([torch.load(tmp_path / f"{name}-rank{r}.pt", weights_only=False) for r in (0, 1)]
                      for name in ("full", "resumed"))
@@ -71,7 +71,7 @@ def test_callback_compresses_and_resumes_every_rank_exactly(tmp_path: Path) -> N
 
 
 def test_callback_validates_its_arguments() -> None:
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="needs transformers (the `integrations` extra)")
     from gradzip.integrations.transformers import GradzipCallback
 
     with pytest.raises(ValueError, match="ratio"):

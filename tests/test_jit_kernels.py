@@ -15,7 +15,7 @@ from gradzip.compressors.qsgd import QSGD
 from gradzip.ops import jit, select
 from gradzip.ops.bits import pack_bits, unpack_bits
 
-pytestmark = pytest.mark.skipif(not jit.enabled(), reason="the compiled kernels need numba")
+pytestmark = pytest.mark.skipif(not jit.enabled(), reason="the compiled kernels need numba (the `fast` extra)")
 
 FAST = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

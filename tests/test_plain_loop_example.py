@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from integrations_launch import load_script
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "plain_loop.py"
 
 
+@pytest.mark.slow
 def test_plain_loop_example_learns_and_compresses(capsys) -> None:
     module = load_script(EXAMPLE, "plain_loop")
     result = module.main(["--compressor", "powersgd:rank=1", "--accordion", "powersgd:rank=4",

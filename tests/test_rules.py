@@ -259,6 +259,7 @@ def _handshake(rank: int, world: int, variant: str) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["rules", "min_numel"])
 def test_ranks_with_different_rules_fail_naming_the_field(variant: str) -> None:
     messages = run_processes(_handshake, 2, variant, timeout=120)

@@ -41,6 +41,7 @@ def density(state: dict) -> float:
     return state["sent"] / state["offered"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("budget", "decay"), [(0.01, 100.0), (0.05, 60.0)])
 def test_run_density_meets_the_budget_and_lambda_follows_the_scale(budget: float, decay: float) -> None:
     engine = Engine(SHAPES, f"threshold:budget={budget}", collective=SimulatedGroup(WORKERS))
@@ -77,6 +78,7 @@ def test_budget_run_resumes_bit_exactly() -> None:
     assert resumed.compressor_state == straight.compressor_state  # plain floats and ints
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("steady", "critical", "steps"),
     [
@@ -100,6 +102,7 @@ def test_budget_levels_under_accordion_each_meet_their_budget(steady: str, criti
             assert density(state[key]) == pytest.approx(level.budget, rel=0.15), key
 
 
+@pytest.mark.slow
 def test_fixed_threshold_levels_under_accordion() -> None:
     acc = Accordion("threshold:lam=3.0", "threshold:lam=1.0", interval=10)
     engine = Engine(SHAPES, acc, collective=SimulatedGroup(WORKERS))

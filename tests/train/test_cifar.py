@@ -17,7 +17,7 @@ from gradzip.train import cifar as C
 from gradzip.train import data as D
 
 needs_pil = pytest.mark.skipif(importlib.util.find_spec("PIL") is None,
-                               reason="Pillow is not installed")
+                               reason="needs Pillow (the `data` extra)")
 
 def _rand_images(rng: np.random.Generator, n: int) -> np.ndarray:
     return rng.integers(0, 256, size=(n, 32, 32, 3), dtype=np.uint8)

@@ -64,7 +64,7 @@ def test_json_grid(tmp_path: Path) -> None:
 
 
 def test_yaml_grid(tmp_path: Path) -> None:
-    pytest.importorskip("yaml")
+    pytest.importorskip("yaml", reason="needs yaml (the `config` extra)")
     src = write(tmp_path, "base:\n  task: logreg\nruns:\n  - compressor: sign\n", "g.yaml")
     assert load_grid(src).runs[0].config.compressor == "sign"
 

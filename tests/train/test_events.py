@@ -12,7 +12,7 @@ import pytest
 from gradzip.train.compare import load_grid, run_grid
 from gradzip.train.runner import RunConfig, run
 
-event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator", reason="needs tensorboard (the `tensorboard` extra)")
 
 TINY = dict(task="digits", workers=2, limit_train=200, milestones=(2.0,), log_every=3,
             compressor="powersgd:rank=1", accordion="powersgd:rank=4", interval_epochs=0.5)

@@ -59,6 +59,7 @@ def test_vgg_options() -> None:
         M.VGGCifar("vgg11", width_multiplier=0)
 
 
+@pytest.mark.slow
 def test_digitsnet_learns_digits() -> None:
     torch.manual_seed(0)
     task = load_digits(seed=0)

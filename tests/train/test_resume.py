@@ -198,33 +198,66 @@ def _train_cmd(out: Path, epochs: int, *extra: str) -> list[str]:
             "--log-every", "2", "--epochs", str(epochs), "--out", str(out), "--quiet", *extra]
 
 
+#: The run killed below: the real ``gradzip train``, with one pause added at the start of epoch
+#: 3's checkpoint (epoch 3's records written, its checkpoint not yet): it writes the marker file
+#: named by ``argv[1]`` and then blocks on stdin. The test kills it once the marker exists, so
+#: the point of the kill does not depend on how fast the machine runs.
+_PAUSED_RUN = """
+import sys
+from pathlib import Path
+
+from gradzip.cli import main
+from gradzip.train.resume import Checkpointer
+
+marker, argv = Path(sys.argv[1]), sys.argv[2:]
+save = Checkpointer.__call__
+
+
+def save_or_pause(self, loop):
+    if loop.done["epoch"] == 3:
+        marker.write_text("epoch 3 recorded, not checkpointed")
+        sys.stdin.read()  # never returns: the test holds stdin open and kills the process
+    save(self, loop)
+
+
+Checkpointer.__call__ = save_or_pause
+sys.exit(main(argv))
+"""
+
+
 @pytest.mark.slow
 def test_a_killed_run_resumes_to_the_uninterrupted_result(tmp_path: Path) -> None:
-    """SIGKILL the whole process tree once a checkpoint exists, then resume with --resume."""
+    """SIGKILL the whole process tree between checkpoints, then resume with --resume."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(killed, 16), env=env, start_new_session=True,
+    killed, marker = tmp_path / "killed", tmp_path / "paused"
+    cmd = _train_cmd(killed, 16)
+    proc = subprocess.Popen([cmd[0], "-c", _PAUSED_RUN, str(marker), *cmd[3:]], env=env,
+                            start_new_session=True, stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        while proc.poll() is None:
-            manifest = read_manifest(killed) if (killed / "checkpoint").exists() else None
-            if manifest is not None and manifest.epoch >= 2:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.005)
+        # Polls for the marker; the deadline is only a safety net against a broken run.
+        deadline = time.monotonic() + 600
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
-    assert not (killed / "summary.json").exists()  # it was interrupted mid-run
+    assert proc.returncode == -signal.SIGKILL
+    manifest = read_manifest(killed)
+    assert manifest is not None and manifest.epoch == 2
+    # Epoch 3's records were written after the checkpoint: the resume must drop them.
+    assert (killed / "metrics.jsonl").stat().st_size > manifest.metrics_bytes
+    assert not (killed / "summary.json").exists()
     done = subprocess.run(_train_cmd(killed, 16, "--resume"), env=env, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     whole = tmp_path / "whole"
     ref = subprocess.run(_train_cmd(whole, 16), env=env, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=600)
     assert ref.returncode == 0, ref.stderr[-2000:]
     assert_same_run(killed, whole)
 

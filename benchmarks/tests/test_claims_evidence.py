@@ -4,32 +4,16 @@ table, the fit against gentle share, and the outputs written from a runs folder 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from benchmarks import claims
+from benchmarks import claims_evidence as evidence
 from gradzip.train.runner import resolve_config, run
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[f"{name}_bench"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-claims = _load("claims")
-evidence = _load("claims_evidence")
 
 
 @pytest.fixture(scope="module")

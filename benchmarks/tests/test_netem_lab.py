@@ -14,17 +14,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-sys.path.insert(0, str(BENCH))  # the scripts import the lab and their workers beside them
-import _netlab as netlab  # noqa: E402
-import netem  # noqa: E402
-import netem_steps as steps  # noqa: E402
+from benchmarks import _netlab as netlab
+from benchmarks import netem
+from benchmarks import netem_steps as steps
+from benchmarks._common import module_command, package_env
 
 
 class FakeRunner:
@@ -121,8 +117,8 @@ def test_rights_check_needs_iproute2(monkeypatch):
 
 
 def test_command_line_refuses_without_rights_and_creates_nothing():
-    env = {**os.environ, netlab.UNPRIVILEGED_ENV: "1"}
-    done = subprocess.run([sys.executable, str(BENCH / "netem.py"), "--workers", "2",
+    env = {**package_env(), netlab.UNPRIVILEGED_ENV: "1"}
+    done = subprocess.run([*module_command("netem"), "--workers", "2",
                            "--bandwidth-mbit", "10"], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DRIVER = ROOT / "benchmarks" / "gpu_step.py"
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 EXPECTED = [
@@ -26,7 +26,8 @@ EXPECTED = [
 
 
 def _run(*args: str, script: Path = DRIVER) -> subprocess.CompletedProcess[str]:
-    command = ["bash", str(script)] if script.suffix == ".sh" else [sys.executable, str(script)]
+    command = ["bash", str(script)] if script.suffix == ".sh" else [sys.executable, "-m",
+                                                                 "benchmarks.gpu_step"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("OUT", None)
     return subprocess.run([*command, *args], capture_output=True, text=True, timeout=120,
@@ -81,6 +82,7 @@ def test_arguments_are_checked() -> None:
     assert "--setups must name setups of this plan (gloo-1gpu, nccl-1rank), got nccl-2gpu" in done.stderr
 
 
+@pytest.mark.slow
 def test_cpu_run_writes_every_row_and_the_table(tmp_path: Path) -> None:
     configs = ["local", "ddp", "gradzip:none", "gradzip:powersgd:rank=4", "torch-powersgd:rank=4"]
     done = _run("--device", "cpu", "--out", str(tmp_path), "--steps", "2", "--warmup", "3",

@@ -9,21 +9,15 @@ test_netem_lab.py, the step-time benchmark in test_netem_steps.py.
 from __future__ import annotations
 
 import socket
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-
-
-sys.path.insert(0, str(BENCH))  # the scripts import the lab and their workers beside them
-import _netlab_launch as launch  # noqa: E402
-import netem  # noqa: E402
-import netem_steps as steps  # noqa: E402
-import netem_steps_worker as steps_worker  # noqa: E402
-import netem_worker as worker  # noqa: E402
+from benchmarks import _netlab_launch as launch
+from benchmarks import netem
+from benchmarks import netem_steps as steps
+from benchmarks import netem_steps_worker as steps_worker
+from benchmarks import netem_worker as worker
 
 # --------------------------------------------------------------------------- arguments
 
@@ -60,8 +54,8 @@ def test_dry_run_pairs_every_namespace_with_its_deletion():
 def test_worker_accepts_what_the_launcher_passes():
     args = netem.parse_args(["--stop-at-target", "--interval", "33", "--eta", "0.4"])
     argv = netem.worker_argv(args, "accordion", "/tmp/r.json")
-    assert argv[1] == str(netem.WORKER)
-    parsed = worker.parse_args(argv[2:])
+    assert argv[:len(netem.WORKER)] == netem.WORKER
+    parsed = worker.parse_args(argv[len(netem.WORKER):])
     assert (parsed.spec, parsed.interval, parsed.eta, parsed.stop_at_target) == (
         "accordion", 33, 0.4, True)
     env = launch.worker_env("10.77.0.1", 29501, 2, 4)
@@ -81,10 +75,10 @@ def test_every_passed_on_option_reaches_the_worker_unchanged(launcher, work, tab
     argv = [word for item in values.items() for word in item]
     if launcher is netem:
         args = netem.parse_args([*argv, "--methods", "accordion"])
-        sent = netem.worker_argv(args, "accordion", "r.json")[2:]
+        sent = netem.worker_argv(args, "accordion", "r.json")[len(netem.WORKER):]
     else:
         args = steps.parse_args(argv)
-        sent = steps.worker_argv(args, args.configs, args.rounds, "r.json")[2:]
+        sent = steps.worker_argv(args, args.configs, args.rounds, "r.json")[len(steps.WORKER):]
     parsed = work.parse_args(sent)
     for flag, _, default, _ in options:
         name = flag[2:].replace("-", "_")
@@ -117,7 +111,9 @@ def test_summary_rows_speedups_and_table():
     assert rows[2]["seconds_to_target"] is None and rows[2]["speedup_vs_none"] is None
     table = netem.markdown_table(rows).splitlines()
     assert len(table) == 6 and all(line.count("|") == 10 for line in table)
-    assert "| 50 Mbit/s | powersgd-r4 | 0.250 | 8 | 2.0 | 4.00x | 0 kB | 50x | 0.990 |" in table
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
+    assert ["50 Mbit/s", "powersgd-r4", "0.250", "8", "2.0", "4.00x", "0 kB", "50x",
+            "0.990"] in cells
     assert "not reached (best 0.500)" in table[4] and "failed: timed out" in table[5]
 
 
@@ -139,7 +135,7 @@ def test_accordion_variants_override_eta_and_interval_only():
             netem.parse_method(bad)
     args = netem.parse_args(["--methods", "accordion:interval=44"])
     argv = netem.worker_argv(args, "accordion:interval=44", "r.json")
-    parsed = worker.parse_args(argv[2:])
+    parsed = worker.parse_args(argv[len(netem.WORKER):])
     assert (parsed.spec, parsed.interval, parsed.eta, parsed.sync) == ("accordion", 44, 0.5, False)
 
 
@@ -150,9 +146,9 @@ def test_baselines_the_synchronous_hook_and_bucket_size_reach_the_worker():
         with pytest.raises(ValueError, match="--methods"):
             netem.parse_method(bad)
     args = netem.parse_args(["--bucket-cap-mb", "2"])
-    parsed = worker.parse_args(netem.worker_argv(args, "fp16:sync", "r.json")[2:])
+    parsed = worker.parse_args(netem.worker_argv(args, "fp16:sync", "r.json")[len(netem.WORKER):])
     assert (parsed.spec, parsed.sync, parsed.bucket_cap_mb) == ("fp16", True, 2.0)
-    parsed = worker.parse_args(netem.worker_argv(args, "torch-fp16", "r.json")[2:])
+    parsed = worker.parse_args(netem.worker_argv(args, "torch-fp16", "r.json")[len(netem.WORKER):])
     assert (parsed.spec, parsed.sync) == ("torch-fp16", False)
     fp16 = worker.BaselineStats(1000, 2, half=True)
     fp16.steps = 3

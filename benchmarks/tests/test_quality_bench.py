@@ -11,16 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations_launch import load_script
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-quality = load_script(BENCH / "quality.py", "quality_bench")
+from benchmarks import quality
 
 
 def _image_tree(root: Path, classes: int, train: int, test: int) -> Path:
     """A CIFAR-like ImageFolder tree of random 32x32 JPEGs."""
-    image = pytest.importorskip("PIL.Image")
+    image = pytest.importorskip("PIL.Image", reason="needs PIL (the `data` extra)")
     gen = torch.Generator().manual_seed(0)
     for split, count in (("train", train), ("test", test)):
         for c in range(classes):
@@ -66,6 +62,7 @@ def test_verdicts_apply_the_papers_targets() -> None:
     assert found["threshold budget 1% vs topk 1%"]["bytes_ratio"] == pytest.approx(1.1)
 
 
+@pytest.mark.slow
 def test_cifar10_grid_runs_and_writes_rows(tmp_path: Path) -> None:
     src = _image_tree(tmp_path / "src", classes=2, train=8, test=2)
     results = tmp_path / "results"
