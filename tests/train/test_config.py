@@ -35,7 +35,7 @@ def test_every_field_is_declared_with_an_option_and_documented() -> None:
 
 def test_train_options_are_the_fields_on_the_command_line() -> None:
     parser = _train_parser()
-    dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "resume", "quiet")}
+    dests = {a.dest: a for a in parser._actions if a.dest not in ("help", "resume", "overwrite", "quiet")}
     on_cli = {f.name: o for f, o in run_options() if o.cli}
     assert set(dests) == set(on_cli)
     assert "timeout" not in dests  # declared off the command line
