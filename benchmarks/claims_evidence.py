@@ -51,7 +51,7 @@ if str(HERE) not in sys.path:  # the report module sits beside this file
 from _claims_plan import SETTINGS  # noqa: E402
 from _evidence_report import markdown, markdown_pooled, plot  # noqa: E402
 
-from gradzip.engine_error import ERROR_KEYS  # noqa: E402
+from gradzip.engine.error import ERROR_KEYS  # noqa: E402
 
 LEVEL_ROLES = ("gentle", "aggressive", "accordion", "critical-gentle", "critical-aggressive")
 #: First critical regime (epochs) of the grid's settings; other settings use their warm-up.

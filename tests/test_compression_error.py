@@ -99,8 +99,7 @@ def test_a_schedule_splits_the_error_by_level() -> None:
 def test_a_step_the_nonfinite_policy_skips_is_left_out() -> None:
     for device in (False, True):
         engine = Engine({"w": (10, 10)}, "powersgd:rank=1", collective=SimulatedGroup(2),
-                        nonfinite="skip")
-        engine._device_decisions = device  # the device-decided path, on the CPU
+                        nonfinite="skip", decide_on="device" if device else "host")
         engine.reduce({"w": _grads(0)})
         clean = engine.compression_error(reset=False)
         bad = _grads(1)
@@ -113,8 +112,8 @@ def test_a_step_the_nonfinite_policy_skips_is_left_out() -> None:
 def test_the_device_path_measures_what_the_host_path_does() -> None:
     results = []
     for device in (False, True):
-        engine = Engine({"w": (10, 10)}, "powersgd:rank=1", collective=SimulatedGroup(2))
-        engine._device_decisions = device
+        engine = Engine({"w": (10, 10)}, "powersgd:rank=1", collective=SimulatedGroup(2),
+                        decide_on="device" if device else "host")
         for step in range(3):
             engine.reduce({"w": _grads(step)})
         results.append(engine.compression_error())

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from gradzip.statecheck import all_finite, check_tree, nonneg_int
+from gradzip.ops.finite import all_finite
+from gradzip.statecheck import check_tree, nonneg_int
 
 __all__ = ["REQUIRED_KEYS", "Loaded", "validate_checkpoint"]
 

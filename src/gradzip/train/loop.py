@@ -332,7 +332,7 @@ class TrainLoop:
             if density is not None:
                 rec["density"] = density
             # Relative compression error of the epoch (read once, which starts the next span;
-            # see gradzip.engine_error): ``compression_error`` and, with a controller, per level.
+            # see gradzip.engine.error): ``compression_error`` and, with a controller, per level.
             rec.update(stepper.compression_error())
             rec.update(self._control_fields(done["marks"]))
             now = time.perf_counter()
