@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradzip import Engine, Schedule, SimulatedGroup
+from gradzip import Engine, Schedule, SimulatedGroup, TopK
 from gradzip.train.runner import RunConfig, run
 
 
@@ -68,6 +69,27 @@ def test_tensors_routed_dense_are_left_out() -> None:
     plain.reduce({"w": g})
     routed.reduce({"w": g, "b": 100 * _grads(1, shape=(10,))})
     assert routed.compression_error() == plain.compression_error()
+
+
+@dataclasses.dataclass(frozen=True)
+class _AlwaysCritical(TopK):
+    """A compressor of one level that reports it the way controllers report theirs."""
+
+    def tensor_levels(self, state: Any) -> dict[str, str] | None:
+        return {"w": "critical"}
+
+
+def test_the_meter_learns_levels_from_the_compressor_not_its_type() -> None:
+    assert TopK(ratio=0.1).tensor_levels({}) is None
+    schedule = Schedule("topk:ratio=0.3", "topk:ratio=0.05", gentle_steps=[(0, 2)])
+    fresh = schedule.init_state({"w": torch.Size([10, 10])})
+    assert schedule.tensor_levels(fresh) == schedule.levels(fresh) == {"w": "critical"}
+    engine = Engine({"w": (10, 10)}, _AlwaysCritical(ratio=0.1), collective=SimulatedGroup(2))
+    for step in range(2):
+        engine.reduce({"w": _grads(step)})
+    out = engine.compression_error()
+    assert out["compression_error_aggressive"] is None
+    assert out["compression_error_gentle"] == out["compression_error"] > 0.0
 
 
 def test_a_schedule_splits_the_error_by_level() -> None:
