@@ -44,7 +44,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradzip.engine_error import ERROR_KEYS
+from gradzip.engine.error import ERROR_KEYS
 
 from ._claims_plan import SETTINGS
 from ._evidence_report import markdown, markdown_pooled, plot

@@ -1,6 +1,6 @@
 """Ops a DDP communication scheme adds to a training step, counted on the CPU.
 
-    python benchmarks/op_counts.py [--out DIR] [--steps N] [--warmup N] [--buckets B]
+    python -m benchmarks.op_counts [--out DIR] [--steps N] [--warmup N] [--buckets B]
                                    [--only NAME ...] [--models M,...] [--decide-on device|auto]
 
 On a GPU every ATen op a hook runs is at least one kernel launch (several microseconds of host
@@ -156,11 +156,7 @@ def summarize(counts: Counter[str]) -> dict[str, int]:
 def force_device_path(state: Any) -> None:
     """Make the gradzip hook's engine take the decision path CUDA tensors take (no host read
     of non-finite flags), so the CPU counts are those of a CUDA run."""
-    engine = state.engine
-    if hasattr(engine, "options") and "decide_on" in getattr(
-            type(engine.options), "__dataclass_fields__", {}):
-        engine.options = engine.options.replace(decide_on="device")  # pragma: no cover
-    engine._device_decisions = True
+    state.engine.decide_on = "device"
 
 
 def _bucket_cap_mb(model_fn: Callable[[], nn.Module], inputs: torch.Tensor, buckets: int) -> float:

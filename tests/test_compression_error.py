@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from gradzip import Engine, Schedule, SimulatedGroup
+from gradzip import Engine, Schedule, SimulatedGroup, TopK
 from gradzip.train.runner import RunConfig, run
 
 
@@ -70,6 +71,27 @@ def test_tensors_routed_dense_are_left_out() -> None:
     assert routed.compression_error() == plain.compression_error()
 
 
+@dataclasses.dataclass(frozen=True)
+class _AlwaysCritical(TopK):
+    """A compressor of one level that reports it the way controllers report theirs."""
+
+    def tensor_levels(self, state: Any) -> dict[str, str] | None:
+        return {"w": "critical"}
+
+
+def test_the_meter_learns_levels_from_the_compressor_not_its_type() -> None:
+    assert TopK(ratio=0.1).tensor_levels({}) is None
+    schedule = Schedule("topk:ratio=0.3", "topk:ratio=0.05", gentle_steps=[(0, 2)])
+    fresh = schedule.init_state({"w": torch.Size([10, 10])})
+    assert schedule.tensor_levels(fresh) == schedule.levels(fresh) == {"w": "critical"}
+    engine = Engine({"w": (10, 10)}, _AlwaysCritical(ratio=0.1), collective=SimulatedGroup(2))
+    for step in range(2):
+        engine.reduce({"w": _grads(step)})
+    out = engine.compression_error()
+    assert out["compression_error_aggressive"] is None
+    assert out["compression_error_gentle"] == out["compression_error"] > 0.0
+
+
 def test_a_schedule_splits_the_error_by_level() -> None:
     schedule = Schedule("topk:ratio=0.3", "topk:ratio=0.05", gentle_steps=[(0, 2)])
     engine = Engine({"w": (10, 10)}, schedule, collective=SimulatedGroup(2))
@@ -99,8 +121,7 @@ def test_a_schedule_splits_the_error_by_level() -> None:
 def test_a_step_the_nonfinite_policy_skips_is_left_out() -> None:
     for device in (False, True):
         engine = Engine({"w": (10, 10)}, "powersgd:rank=1", collective=SimulatedGroup(2),
-                        nonfinite="skip")
-        engine._device_decisions = device  # the device-decided path, on the CPU
+                        nonfinite="skip", decide_on="device" if device else "host")
         engine.reduce({"w": _grads(0)})
         clean = engine.compression_error(reset=False)
         bad = _grads(1)
@@ -113,8 +134,8 @@ def test_a_step_the_nonfinite_policy_skips_is_left_out() -> None:
 def test_the_device_path_measures_what_the_host_path_does() -> None:
     results = []
     for device in (False, True):
-        engine = Engine({"w": (10, 10)}, "powersgd:rank=1", collective=SimulatedGroup(2))
-        engine._device_decisions = device
+        engine = Engine({"w": (10, 10)}, "powersgd:rank=1", collective=SimulatedGroup(2),
+                        decide_on="device" if device else "host")
         for step in range(3):
             engine.reduce({"w": _grads(step)})
         results.append(engine.compression_error())

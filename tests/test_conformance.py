@@ -12,9 +12,9 @@ from conformance import DECODE_TOL, SHAPES, SPECS, make_grads
 from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.comm.header import HEADER_BYTES
 from gradzip.compressors.base import Job, StepContext
-from gradzip.engine import _copy_tree
 from gradzip.feedback import residual_after
 from gradzip.spec import CONTROLLERS, REGISTRY
+from gradzip.statecheck import copy_tree
 
 
 def test_every_registered_compressor_and_controller_is_covered() -> None:
@@ -126,7 +126,7 @@ def test_error_feedback_identity_in_engine(spec: str) -> None:
     for step in range(3):
         grads = make_grads(4, step)
         old = {n: engine.residuals.get(n, torch.zeros(4, *s)) for n, s in SHAPES.items()}
-        state_before = _copy_tree(engine.compressor_state)
+        state_before = copy_tree(engine.compressor_state)
         engine.reduce(grads)
         # Replay the same step on the compressor alone from the state it started with.
         jobs = [Job(n, grads[n] + old[n]) for n in SHAPES]

@@ -3,7 +3,7 @@ engine path, in real gloo groups.
 
 One group of 3 processes runs every scenario (three, so that a ring all-reduce's summation
 order depends on where each element sits in the message). The ordinary path
-(``engine._flat_path = False``) is the reference: the flat path must give the same gradients,
+(``decide_on="host"``) is the reference: the flat path must give the same gradients,
 parameters, counters and errors bit for bit, with one and several buckets, in both hook modes,
 and with a NaN or an overflowing value in one rank's bucket under every non-finite policy.
 """
@@ -36,7 +36,7 @@ INJECTED = {"nan": float("nan"), "huge": 3e38}
 
 def _flat(on: bool) -> Any:
     def setup(model: nn.Module, opt: Any, state: Any) -> None:
-        state.engine._flat_path = on
+        state.engine.decide_on = "auto" if on else "host"
     return setup
 
 
@@ -55,7 +55,7 @@ def _faulty_run(rank: int, spec: str, cap: float, policy: str, value: float, fla
     ddp = DDP(model, bucket_cap_mb=cap)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = gradzip.ddp.register(ddp, spec, optimizer=opt, nonfinite=policy, overlap=overlap)
-    state.engine._flat_path = flat
+    state.engine.decide_on = "auto" if flat else "host"
     target = list(model.parameters())[1]
     grads, errors, stats = [], [], []
     for step in range(4):

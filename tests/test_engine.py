@@ -14,7 +14,7 @@ import gradzip
 from conformance import SHAPES, make_grads
 from gradzip.comm import run_processes, shutdown_process_group
 from gradzip.compressors.sparse import _as_words, _from_words, index_bytes, scatter_decode
-from gradzip.engine import _first_mismatch
+from gradzip.statecheck import check_tree
 
 
 def sim_engine(spec: str = "topk:ratio=0.05", **kwargs: object) -> gradzip.Engine:
@@ -129,7 +129,7 @@ def test_dense_1d_sends_vectors_exactly_and_keeps_no_state_for_them(spec: str) -
     # The compressor never sees them: its state is what a model without them would have.
     without = {n: s for n, s in SHAPES.items() if n not in vectors}
     fresh = gradzip.Engine(without, spec, collective=gradzip.SimulatedGroup(4))
-    assert _first_mismatch(fresh.compressor_state, engine.compressor_state, "state") is None
+    assert check_tree(fresh.compressor_state, engine.compressor_state, "state") is None
     if spec in ("topk:ratio=0.05", "threshold:budget=0.02"):
         # Sparsified vectors cost less than their exact all-reduce does with dense_1d.
         plain, one = sim_engine(spec), sim_engine(spec, dense_1d=True)

@@ -4,7 +4,7 @@ On CUDA, engines whose compressor declares ``device_decisions`` (none, fp16, bf1
 powersgd) keep the non-finite flag of each call as a device tensor and apply the policy with
 ``torch.where``, so the host never waits per call (``tests/test_cuda.py`` checks that with
 ``torch.cuda.set_sync_debug_mode("error")``). Here the same path is forced on the CPU
-(``engine._device_decisions``) and compared with the host path: same averages, residuals,
+(``decide_on="device"``) and compared with the host path (``decide_on="host"``): same averages, residuals,
 compressor state and skipped-step counts, through NaN gradients, overflows, several calls
 per step, both policies, the header apart or riding; and ranks out of step are still caught
 on every rank in real gloo processes (at the end of the step).
@@ -41,8 +41,8 @@ def _same(a: Any, b: Any) -> bool:
 
 def _train(spec: str, policy: str, same_layout: bool, workers: int, on_device: bool) -> Any:
     group = SingleWorker() if workers == 1 else SimulatedGroup(workers)
-    engine = gradzip.Engine(SHAPES, spec, collective=group, nonfinite=policy)
-    engine._device_decisions = on_device
+    engine = gradzip.Engine(SHAPES, spec, collective=group, nonfinite=policy,
+                            decide_on="device" if on_device else "host")
     results = []
     for step in range(6):
         grads = make_grads(workers, step)
@@ -55,7 +55,7 @@ def _train(spec: str, policy: str, same_layout: bool, workers: int, on_device: b
         for i, part in enumerate([NAMES[:2], NAMES[2:]]):
             results.append(engine.reduce({n: grads[n] for n in part}, finish_step=i == 1,
                                          same_layout=same_layout))
-    pending = engine._skipped_pending is not None
+    pending = engine._skips.pending is not None
     return results, engine.state_dict(), pending
 
 
@@ -86,8 +86,8 @@ def test_device_decisions_count_the_header_like_the_host_path_in_finite_steps() 
     for spec in DEVICE_SPECS:
         stats = []
         for on_device in (False, True):
-            engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2))
-            engine._device_decisions = on_device
+            engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2),
+                                    decide_on="device" if on_device else "host")
             for step in range(3):
                 engine.reduce(make_grads(2, step))
             stats.append(engine.stats)
@@ -97,21 +97,46 @@ def test_device_decisions_count_the_header_like_the_host_path_in_finite_steps() 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.05", "qsgd", "sign", "threshold:budget=0.05"])
 def test_compressors_that_read_the_host_anyway_keep_host_decisions(spec: str) -> None:
     assert not compressor_from_spec(spec).device_decisions
-    engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2))
-    engine._device_decisions = True
+    engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2), decide_on="device")
     for step in range(2):
         engine.reduce(make_grads(2, step))
-    assert engine._skipped_pending is None
+    assert engine._skips.pending is None
 
 
 def test_raise_keeps_host_decisions() -> None:
-    engine = gradzip.Engine(SHAPES, "none", collective=SimulatedGroup(2), nonfinite="raise")
-    engine._device_decisions = True
+    engine = gradzip.Engine(SHAPES, "none", collective=SimulatedGroup(2), nonfinite="raise",
+                            decide_on="device")
     grads = make_grads(2, 0)
     grads["scale"][1] = float("inf")
     with pytest.raises(FloatingPointError):
         engine.reduce(grads)
     assert engine.state_dict()["step"] == 0
+
+
+def test_decide_on_is_validated_where_given_and_where_set() -> None:
+    with pytest.raises(ValueError, match="^`decide_on` must be one of 'auto', 'host', 'device', got 'gpu'$"):
+        gradzip.Engine(SHAPES, "none", collective=SimulatedGroup(2), decide_on="gpu")
+    with pytest.raises(TypeError, match="^`decide_on` must be a string, got True"):
+        gradzip.Engine(SHAPES, "none", collective=SimulatedGroup(2), decide_on=True)
+    engine = gradzip.Engine(SHAPES, "none", collective=SimulatedGroup(2))
+    assert engine.decide_on == "auto"
+    with pytest.raises(ValueError, match="`decide_on` must be one of"):
+        engine.decide_on = "cpu"
+    assert engine.decide_on == "auto"
+
+
+def test_decide_on_host_keeps_every_decision_on_the_host() -> None:
+    # Off CUDA "auto" decides on the host too; "host" must hold even where "device" is asked
+    # for first and then taken back.
+    engine = gradzip.Engine(SHAPES, "powersgd:rank=2", collective=SimulatedGroup(2),
+                            decide_on="device")
+    engine.decide_on = "host"
+    for step in range(3):
+        engine.reduce(make_grads(2, step))
+    assert engine._skips.pending is None
+    engine.decide_on = "device"
+    engine.reduce(make_grads(2, 3))
+    assert engine._skips.pending is not None
 
 
 # -- real gloo processes -------------------------------------------------------------------
@@ -122,8 +147,7 @@ def _mine(rank: int, world: int, step: int) -> dict[str, torch.Tensor]:
 
 
 def _device_path_out_of_step(rank: int, world: int) -> dict[str, Any]:
-    engine = gradzip.Engine(SHAPES, "powersgd:rank=2")
-    engine._device_decisions = True
+    engine = gradzip.Engine(SHAPES, "powersgd:rank=2", decide_on="device")
     outcome = "no error"
     try:
         for step in range(4):
@@ -139,8 +163,7 @@ def _device_path_out_of_step(rank: int, world: int) -> dict[str, Any]:
 
 
 def _device_path_nonfinite(rank: int, world: int) -> list[Any]:
-    engine = gradzip.Engine(SHAPES, "powersgd:rank=2")
-    engine._device_decisions = True
+    engine = gradzip.Engine(SHAPES, "powersgd:rank=2", decide_on="device")
     seen = []
     for step in range(4):
         grads = _mine(rank, world, step)

@@ -115,7 +115,7 @@ def test_zero_size_tensors_reduce(spec: str, jit: str, monkeypatch: pytest.Monke
     on_device = [gradzip.Engine(shapes, spec, collective=gradzip.SimulatedGroup(workers))
                  for shapes in ({"e": (3, 0), "b": (6,)}, {"b": (6,)})]
     for engine in on_device:
-        engine._device_decisions = True
+        engine.decide_on = "device"
     for grad in grads:
         device_out = on_device[0].reduce({"e": torch.ones(workers, 3, 0), "b": grad})
         assert torch.equal(device_out["b"], on_device[1].reduce({"b": grad})["b"])

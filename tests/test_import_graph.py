@@ -112,3 +112,38 @@ def test_outer_uses_the_engine_through_its_public_name_only() -> None:
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, (path.name, node.module, private)
     assert seen >= 1
+
+
+def _under(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def imports_between(
+    graph: dict[str, set[str]], sources: tuple[str, ...], targets: tuple[str, ...]
+) -> dict[str, list[str]]:
+    """``module -> the targets it imports`` for every module under ``sources`` that imports a
+    module under ``targets`` (packages and modules named by their dotted names)."""
+    found = {
+        m: sorted(t for t in graph[m] if _under(t, targets))
+        for m in graph if _under(m, sources)
+    }
+    return {m: t for m, t in found.items() if t}
+
+
+def test_imports_between_sees_packages_and_their_modules() -> None:
+    graph = {"p.a": {"q", "r.x"}, "p": {"q.b"}, "pp": {"q"}, "q": set(), "q.b": set(),
+             "r.x": set()}
+    assert imports_between(graph, ("p",), ("q",)) == {"p": ["q.b"], "p.a": ["q"]}
+    assert imports_between(graph, ("p.a",), ("r",)) == {"p.a": ["r.x"]}
+
+
+def test_the_engine_imports_nothing_from_the_controllers() -> None:
+    # The compression-error meter learns a controller's levels through
+    # ``Compressor.tensor_levels``: the engine runs any compressor without knowing its kind.
+    assert imports_between(import_graph(), ("gradzip.engine",), ("gradzip.control",)) == {}
+
+
+def test_compressors_import_nothing_from_the_engine() -> None:
+    # Finiteness tests that compressors share with the engine live in ``gradzip.ops.finite``.
+    engine_side = ("gradzip.engine", "gradzip.statecheck", "gradzip.checkpoint", "gradzip.ddp")
+    assert imports_between(import_graph(), ("gradzip.compressors",), engine_side) == {}

@@ -44,7 +44,7 @@ def _run(policy: str, workers: int, on_device: bool,
         collective=gradzip.SimulatedGroup(workers),
         nonfinite=policy,
     )
-    engine._device_decisions = on_device  # the device-decided path, on the CPU
+    engine.decide_on = "device" if on_device else "auto"  # the device-decided path, on the CPU
     gen = torch.Generator().manual_seed(1)
     outs = []
     for step in range(steps):

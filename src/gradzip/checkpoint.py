@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradzip.ops.finite import all_finite
 from gradzip.options import MAIN_ROUTE
-from gradzip.statecheck import all_finite, check_tree, nonneg_int
+from gradzip.statecheck import check_tree, nonneg_int
 
 if TYPE_CHECKING:
-    from gradzip.routing import Router
+    from gradzip.engine.routing import Router
 
 __all__ = ["REQUIRED_KEYS", "Loaded", "validate_checkpoint"]
 

@@ -1,22 +1,22 @@
 """Finiteness tests and checkpoint validation for the engine's state.
 
 Kept apart from :mod:`gradzip.engine` so the step logic stays readable: everything here is a
-pure function of tensors and plain data.
+pure function of tensors and plain data (the finiteness tests of tensors themselves are in
+:mod:`gradzip.ops.finite`, where compressors use them too).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from numbers import Integral, Real
 from typing import Any
 
 import torch
 
-__all__ = [
-    "all_finite", "bad_workers", "check_tree", "copy_tree", "finite_rows", "first_nonfinite",
-    "nonneg_int",
-]
+from gradzip.ops.finite import all_finite
+
+__all__ = ["check_tree", "copy_tree", "first_nonfinite", "nonneg_int"]
 
 
 def copy_tree(tree: Any) -> Any:
@@ -27,49 +27,6 @@ def copy_tree(tree: Any) -> Any:
     if isinstance(tree, list):
         return [copy_tree(v) for v in tree]
     return tree
-
-def finite_rows(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
-    """``[L]`` bool, on the tensors' device: whether every entry of worker ``w``'s part of
-    every tensor (each ``[L, ...]``) is finite. No host synchronisation.
-
-    One ``aminmax`` pass per tensor: NaN and Inf propagate into the minimum or the maximum,
-    and, unlike a sum, they never overflow, so a huge but finite tensor is never mistaken for
-    a non-finite one and no second, elementwise pass is needed.
-    """
-    device = tensors[0].device if tensors else torch.device("cpu")
-    ok = torch.ones(workers, dtype=torch.bool, device=device)
-    if device.type == "cpu":
-        # On the CPU a reduction along ``dim=1`` takes a slow, unvectorised path (an order of
-        # magnitude behind a whole-tensor reduction of the same row); reduce each row whole
-        # and test every extreme at once.
-        extremes = [e for t in tensors if t.numel() for row in t.reshape(workers, -1)
-                    for e in torch.aminmax(row)]
-        if extremes:
-            ok &= torch.isfinite(torch.stack(extremes)).reshape(-1, workers, 2).all(dim=2).all(dim=0)
-        return ok
-    for t in tensors:
-        rows = t.reshape(workers, -1)
-        if rows.shape[1] == 0:
-            continue
-        low, high = torch.aminmax(rows, dim=1)
-        ok &= torch.isfinite(low) & torch.isfinite(high)
-    return ok
-
-
-def bad_workers(tensors: Sequence[torch.Tensor], workers: int) -> list[bool]:
-    """Per local worker, whether any of ``tensors`` (each ``[L, ...]``) holds NaN or Inf
-    (one host read for all of them)."""
-    if not tensors:
-        return [False] * workers
-    return [not ok for ok in finite_rows(tensors, workers).tolist()]
-
-
-def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every entry of every tensor is finite (one host read for all of them)."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return True
-    return bool(finite_rows([t.reshape(1, -1) for t in tensors], 1).all())
 
 
 def _leaves(tree: Any, path: str, before: Any, out: list[tuple[str, Any]]) -> None:

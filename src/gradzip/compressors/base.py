@@ -197,6 +197,21 @@ class Compressor(ABC):
         """
         return None
 
+    def tensor_levels(self, state: Mapping[str, Any]) -> dict[str, str] | None:
+        """Each tensor's compression level in ``state``, for a compressor that switches tensors
+        between levels (a controller), else ``None``.
+
+        Read by the engine's compression-error meter after a call's ``reduce`` and before
+        ``end_step``, so the levels are those the call's tensors were reduced at.
+
+        Args:
+            state: this compressor's state.
+
+        Returns:
+            ``name -> "critical" | "steady" | "dense"``, or ``None`` (the default: one level).
+        """
+        return None
+
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """What a training log records about this compressor, from its state.
 

@@ -12,10 +12,10 @@ import torch
 from gradzip._validate import check_bool, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import orthogonalize
 from gradzip.ops.random import generator_for
-from gradzip.statecheck import finite_rows
 
 __all__ = ["PowerSGD"]
 

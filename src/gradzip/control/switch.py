@@ -200,6 +200,10 @@ class TwoLevel(Compressor):
         ctrl["step"] += 1
 
     # -- observability ---------------------------------------------------------------------
+    def tensor_levels(self, state: Mapping[str, Any]) -> dict[str, str] | None:
+        """Every tensor's level in ``state`` (see :meth:`levels`)."""
+        return self.levels(state)
+
     @staticmethod
     def levels(state: Any) -> dict[str, str]:
         """Level of every tensor for the next step: ``name -> "critical" | "steady" |

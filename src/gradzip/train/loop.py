@@ -351,7 +351,7 @@ class TrainLoop:
             if density is not None:
                 rec["density"] = density
             # Relative compression error of the epoch (read once, which starts the next span;
-            # see gradzip.engine_error): ``compression_error`` and, with a controller, per level.
+            # see gradzip.engine.error): ``compression_error`` and, with a controller, per level.
             rec.update(stepper.compression_error())
             rec.update(self._control_fields(done["marks"]))
             rec.update(rule_fields(self._engine(), done["marks"]))

@@ -29,8 +29,8 @@ import torch
 from gradzip._validate import check_bool
 from gradzip.comm.launch import run_processes
 from gradzip.comm.torch_dist import shutdown_process_group
+from gradzip.engine.routing import idle_rule
 from gradzip.ops.random import stable_hash
-from gradzip.routing import idle_rule
 from gradzip.train.config import RunConfig, build_compressor, resolve_config, under_torchrun
 from gradzip.train.loop import TrainLoop
 from gradzip.train.metrics import versions

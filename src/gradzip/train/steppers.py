@@ -104,7 +104,7 @@ class SimStepper:
 
     def compression_error(self) -> dict[str, float | None]:
         """The relative compression error since the last call, over every simulated worker
-        (see :mod:`gradzip.engine_error`)."""
+        (see :mod:`gradzip.engine.error`)."""
         return self.engine.compression_error()
 
     def all_sum(self, x: Tensor) -> Tensor:
@@ -175,7 +175,7 @@ class DDPStepper:
 
     def compression_error(self) -> dict[str, float | None]:
         """The relative compression error since the last call, over every rank's worker
-        (see :mod:`gradzip.engine_error`; a collective: every rank calls it)."""
+        (see :mod:`gradzip.engine.error`; a collective: every rank calls it)."""
         return self.hook.engine.compression_error(pool=self.all_sum)
 
     def _reduce(self, x: Tensor, op: Any) -> Tensor:

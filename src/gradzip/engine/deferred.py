@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gradzip.statecheck import finite_rows
+from gradzip.ops.finite import finite_rows
 
 __all__ = ["any_nonfinite", "changed_tensors", "where_tree"]
 

@@ -1,6 +1,6 @@
 """The engine's compression-error meter: how much of each compressed tensor stays unsent.
 
-A mixin of :class:`~gradzip.Engine` (it reads the engine's attributes). For every step and
+One :class:`ErrorMeter` per :class:`~gradzip.Engine`. For every step and
 every tensor that keeps a residual (error feedback on, tensor not routed dense), the
 compressor's input is ``x = gradient + residual`` and what it leaves unsent is the new
 residual ``e`` (recorded through :meth:`~gradzip.compressors.base.Job.keep`). The meter sums
@@ -30,21 +30,19 @@ waits for the device. The sums are not part of ``state_dict()``: the training lo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
 from gradzip._validate import check_bool
 from gradzip.compressors.base import Job
-from gradzip.compressors.none import NoCompression
-from gradzip.control.switch import TwoLevel
 
 __all__ = ["ERROR_KEYS", "ErrorMeter", "relative_error"]
 
 #: The keys :meth:`ErrorMeter.compression_error` returns (per-level ones with a controller).
 ERROR_KEYS = ("compression_error", "compression_error_gentle", "compression_error_aggressive")
 
-# A controller's level name -> the meter's group (see gradzip.control.switch).
+# A controller's level name -> the meter's group (what ``Compressor.tensor_levels`` reports).
 _GROUPS = {"critical": 1, "steady": 2}
 
 
@@ -61,60 +59,71 @@ def _sums(jobs: Sequence[Job]) -> torch.Tensor:
 
 
 class ErrorMeter:
-    """The compression-error meter of :class:`~gradzip.Engine` (a mixin; see the module
-    docstring)."""
+    """The compression-error sums of one engine (see the module docstring).
 
-    #: Per group (all, gentle, aggressive): ``[2]`` sums of completed steps since the last
-    #: read, and of the step in progress (``None`` where nothing was added).
-    _error_totals: list[torch.Tensor | None]
-    _error_pending: list[torch.Tensor | None]
+    The sums of the step in progress live on the engine's
+    :class:`~gradzip.engine.step.Step` (``error_sums``) and move here when the step commits.
 
-    def _error_reset(self) -> None:
-        self._error_totals = [None, None, None]
-        self._error_pending = [None, None, None]
+    Args:
+        feedback: the tensors that keep a residual (the only ones measured).
+        exact: whether every compressor in use sends tensors unchanged (``none``).
+    """
 
-    def _error_add(self, jobs: Sequence[Job]) -> None:
-        """Add this call's jobs that keep a residual (after ``reduce``, before the
-        compressor's ``end_step``: a controller's levels are still those the jobs took)."""
-        jobs = [j for j in jobs if j.name in self._feedback]  # type: ignore[attr-defined]
+    def __init__(self, feedback: frozenset[str], *, exact: bool) -> None:
+        self.feedback = feedback
+        self.exact = exact
+        #: Per group (all, gentle, aggressive): ``[2]`` sums of completed steps since the
+        #: last read (``None`` where nothing was added).
+        self.totals: list[torch.Tensor | None] = [None, None, None]
+
+    def add(
+        self, sums: list[torch.Tensor | None], jobs: Sequence[Job],
+        levels: Callable[[], Mapping[str, str] | None],
+    ) -> None:
+        """Add a call's jobs that keep a residual to the step's ``sums`` (in place).
+
+        Args:
+            sums: the step's sums per group.
+            jobs: the call's compressed jobs, reduced.
+            levels: the main compressor's ``tensor_levels`` of its state now (after
+                ``reduce``, before ``end_step``: the levels the jobs were reduced at).
+        """
+        jobs = [j for j in jobs if j.name in self.feedback]
         if not jobs:
             return
         groups: list[list[Job]] = [jobs, [], []]
-        if isinstance(self.compressor, TwoLevel):  # type: ignore[attr-defined]
-            levels = TwoLevel.levels(self.compressor_state)  # type: ignore[attr-defined]
+        found = levels()
+        if found is not None:
             for j in jobs:
-                where = _GROUPS.get(levels.get(j.name, ""))
+                where = _GROUPS.get(found.get(j.name, ""))
                 if where is not None:
                     groups[where].append(j)
         for i, group in enumerate(groups):
             if group:
                 part = _sums(group)
-                pending = self._error_pending[i]
-                self._error_pending[i] = part if pending is None else pending + part
+                pending = sums[i]
+                sums[i] = part if pending is None else pending + part
 
-    def _error_commit(self, dropped: torch.Tensor | None = None) -> None:
-        """Move the step's sums to the totals (``dropped``: a 0-d bool tensor deciding on
-        the device that the non-finite policy handled the step, so it counts zero)."""
-        for i, part in enumerate(self._error_pending):
+    def commit(self, sums: list[torch.Tensor | None], dropped: torch.Tensor | None = None) -> None:
+        """Move a step's sums to the totals (``dropped``: a 0-d bool tensor deciding on the
+        device that the non-finite policy handled the step, so it counts zero)."""
+        for i, part in enumerate(sums):
             if part is None:
                 continue
             if dropped is not None:
                 part = torch.where(dropped, torch.zeros_like(part), part)
-            total = self._error_totals[i]
-            self._error_totals[i] = part if total is None else total + part
-        self._error_pending = [None, None, None]
+            total = self.totals[i]
+            self.totals[i] = part if total is None else total + part
 
-    def _error_exact(self) -> bool:
-        """Whether every compressor in use sends tensors unchanged (``none``)."""
-        used = [self.compressor, *self.rule_compressors]  # type: ignore[attr-defined]
-        return all(c is None or isinstance(c, NoCompression) for c in used)
-
-    def compression_error(
-        self, *, reset: bool = True, pool: Callable[[torch.Tensor], torch.Tensor] | None = None
+    def read(
+        self, *, per_level: bool, reset: bool = True,
+        pool: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> dict[str, float | None]:
         """The relative compression error since the last reset (see the module docstring).
 
         Args:
+            per_level: whether the main compressor is a two-level controller (its ratios
+                per level are then returned too).
             reset: start a new span after reading (the training loop reads once per epoch).
             pool: where each process holds its own workers, a function that sums a float64
                 tensor over every process (an all-reduce, e.g. ``torch.distributed``'s
@@ -136,15 +145,15 @@ class ErrorMeter:
         check_bool("reset", reset)
         if pool is not None and not callable(pool):
             raise TypeError(f"`pool` must be a callable or None, got {type(pool).__name__}")
-        totals = self._error_totals
+        totals = self.totals
         if reset:
-            self._error_totals = [None, None, None]
+            self.totals = [None, None, None]
         # Which groups hold sums is the same on every process (same tensors, steps and
         # levels), so only those travel, in a fixed order.
         known = [i for i, t in enumerate(totals) if t is not None]
         values: list[list[float] | None] = [None, None, None]
         if known:
-            flat = torch.cat([totals[i].to(torch.float64).cpu() for i in known])  # type: ignore[union-attr]
+            flat = torch.cat([t.to(torch.float64).cpu() for t in totals if t is not None])
             if pool is not None:
                 flat = pool(flat)
             got = [float(v) for v in flat.tolist()]
@@ -155,9 +164,9 @@ class ErrorMeter:
         if first is not None:
             out[ERROR_KEYS[0]] = relative_error(*first)
         else:
-            exact = not self._feedback and self._error_exact()  # type: ignore[attr-defined]
+            exact = not self.feedback and self.exact
             out[ERROR_KEYS[0]] = 0.0 if exact else None
-        if isinstance(self.compressor, TwoLevel):  # type: ignore[attr-defined]
+        if per_level:
             for key, value in zip(ERROR_KEYS[1:], values[1:], strict=True):
                 out[key] = None if value is None else relative_error(*value)
         return out

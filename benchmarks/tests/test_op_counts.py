@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import op_counts
 
 
 @pytest.fixture(scope="module")
 def oc():
-    spec = importlib.util.spec_from_file_location("op_counts", ROOT / "benchmarks" / "op_counts.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["op_counts"] = module
-    spec.loader.exec_module(module)
-    return module
+    return op_counts
 
 
 def _profile(fn):

@@ -1,7 +1,7 @@
 """The state behind gradzip's DDP comm hook: one engine, the buckets' work, checkpoints.
 
 See :mod:`gradzip.ddp` for why the hook is shaped as it is; the hook functions and
-``register`` live there.
+``register`` live in :mod:`gradzip.ddp.hook`.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradzip._ddp_thread import comm_thread, private_group
 from gradzip._validate import check_bool
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
-from gradzip.ddp_params import named_trainable_parameters, tree_to
-from gradzip.engine import STATS_KEYS, Engine
-from gradzip.engine_flat import BucketLayout
+from gradzip.ddp.params import named_trainable_parameters, tree_to
+from gradzip.ddp.thread import comm_thread, private_group
+from gradzip.engine import STATS_KEYS, BucketLayout, Engine
+from gradzip.engine.routing import idle_rule
 from gradzip.options import EngineOptions
-from gradzip.routing import idle_rule
 from gradzip.spec import compressor_from_spec
 
 __all__ = ["GatheredState", "GradzipHookState"]
@@ -230,7 +229,9 @@ class GradzipHookState:
             if not self._private_group:
                 # Every member reaches its first bucket in the same order: the one moment
                 # all of them can make the thread's group together.
-                engine.comm.group = private_group(self.process_group)  # type: ignore[attr-defined]
+                comm = engine.comm
+                assert isinstance(comm, ProcessGroupCollective)  # built so by ``engine``
+                comm.group = private_group(self.process_group)
                 self._private_group = True
             layout = self._layout(engine, bucket)
             finish_step = bucket.is_last()
@@ -272,8 +273,8 @@ class GradzipHookState:
     # -- observability ---------------------------------------------------------------------
     @property
     def stats(self) -> dict[str, Any]:
-        """This rank's cumulative counters (the engine's, as plain ints; see the module
-        docstring for the byte counts), plus ``compression_rate`` (dense wire bytes / wire
+        """This rank's cumulative counters (the engine's, as plain ints; see
+        :mod:`gradzip.ddp` for the byte counts), plus ``compression_rate`` (dense wire bytes / wire
         bytes, ``None`` before any byte is sent) and ``levels`` (``report(state)["levels"]`` of
         the compressor when it reports one, e.g. an Accordion, else ``None``)."""
         with self._between_steps(counters=True):

@@ -1,0 +1,146 @@
+"""The step in progress as one object: its snapshot, its calls, its non-finite flags.
+
+A step is a transaction over the engine's compression state (every compressor's state and
+every residual). Its first call *begins* it (a snapshot of that state); the call that
+finishes it *commits* it; an exception inside it *rolls it back* to the snapshot. In
+between, a step of several calls (a DDP bucket per call) carries what its earlier calls
+decided: everything of that kind lives on :class:`Step`, and nothing else in the engine
+outlives a step but the state itself and the counters.
+
+Everything here is plain data; what a decision does to the engine's state is done by the
+engine (:mod:`gradzip.engine.core`) and the non-finite policy (:mod:`gradzip.engine.policy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gradzip.statecheck import copy_tree
+
+__all__ = ["Saved", "SkipCount", "Step", "or_flag"]
+
+
+@dataclass
+class Saved:
+    """Every compressor's state and every residual at one moment.
+
+    The trees' structure is copied and their tensors shared: state is replaced, never
+    mutated in place, so a shared tensor never changes under a copy.
+
+    Attributes:
+        states: every compressor's state, the main one first (see
+            :meth:`~gradzip.engine.base.EngineBase.states`).
+        residuals: ``name -> residual``.
+    """
+
+    states: list[Any]
+    residuals: dict[str, torch.Tensor]
+
+    @classmethod
+    def take(cls, states: list[Any], residuals: dict[str, torch.Tensor]) -> Saved:
+        """A copy of ``states`` and ``residuals`` that later replacements leave unchanged."""
+        return cls(copy_tree(states), dict(residuals))
+
+    def copy(self) -> Saved:
+        """A copy to restore from (the engine writes into what it restores)."""
+        return Saved.take(self.states, self.residuals)
+
+
+def or_flag(flag: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    """``flag | more`` for 0-d bool tensors, where ``None`` is a flag not raised yet."""
+    return more if flag is None else flag | more
+
+
+class Step:
+    """The state of the step in progress (fresh between steps).
+
+    Attributes:
+        snapshot: the compression state where the step began (``None``: no step begun).
+        call: the calls completed so far in this step.
+        poisoned: ``"skip"`` decided on the host that the step is non-finite: every later
+            call of the step returns NaN and sends its header only.
+        handled: the non-finite policy handled a call of this step on the host (the step
+            counts in ``skipped_steps``).
+        poison_dev, handled_dev: the same two decisions kept on the device (0-d bool
+            tensors, ``None`` while no call decided on the device), see
+            :mod:`gradzip.engine.device`.
+        desync_dev: on the device, whether a call's header found ranks out of step (read
+            once, at the step's end).
+        error_sums: the compression-error meter's sums of this step, per group (all,
+            gentle, aggressive), committed with the step (see :mod:`gradzip.engine.error`).
+    """
+
+    def __init__(self) -> None:
+        self._clear()
+
+    def _clear(self) -> None:
+        self.snapshot: Saved | None = None
+        self.call = 0
+        self.poisoned = False
+        self.handled = False
+        self.poison_dev: torch.Tensor | None = None
+        self.handled_dev: torch.Tensor | None = None
+        self.desync_dev: torch.Tensor | None = None
+        self.error_sums: list[torch.Tensor | None] = [None, None, None]
+
+    @property
+    def begun(self) -> bool:
+        """Whether a step is in progress (a call of it has started)."""
+        return self.snapshot is not None
+
+    def begin(self, saved: Saved) -> None:
+        """Begin the step at ``saved`` (the state before its first call)."""
+        assert self.snapshot is None, "a step is already in progress"
+        self.snapshot = saved
+
+    def complete_call(self) -> None:
+        """Count a call of the step that completed."""
+        self.call += 1
+
+    def commit(self) -> None:
+        """End the step: its effects stand; every flag is forgotten."""
+        self._clear()
+
+    def roll_back(self) -> Saved | None:
+        """Abandon the step: every flag is forgotten; returns the state to restore (``None``
+        when no step was begun)."""
+        saved = self.snapshot
+        self._clear()
+        return saved
+
+    def started_at(self) -> Saved:
+        """The snapshot of the step in progress."""
+        assert self.snapshot is not None, "no step in progress"
+        return self.snapshot
+
+
+class SkipCount:
+    """``skipped_steps``: an int on the host plus a count still on the device (steps whose
+    decision stayed there), added when someone reads it.
+
+    Args:
+        value: the starting count.
+    """
+
+    def __init__(self, value: int = 0) -> None:
+        self.host = int(value)
+        #: Skipped steps decided on the device and not yet read (an int64 0-d tensor).
+        self.pending: torch.Tensor | None = None
+
+    def read(self) -> int:
+        """The count (a host read where some of it is still on the device)."""
+        if self.pending is not None:
+            self.host += int(self.pending)
+            self.pending = None
+        return self.host
+
+    def add(self, count: int) -> None:
+        """Add steps skipped on the host."""
+        self.host = self.read() + count
+
+    def add_on_device(self, count: torch.Tensor) -> None:
+        """Add a 0-d int64 count without reading it."""
+        self.pending = count if self.pending is None else self.pending + count
