@@ -154,7 +154,7 @@ def test_an_overwrite_killed_midway_leaves_the_old_run_whole(
 # -- TensorBoard ----------------------------------------------------------------------------
 def test_an_unusable_tensorboard_folder_is_refused_before_any_write(
         tmp_path: Path, snapshot: Snapshot) -> None:
-    pytest.importorskip("tensorboard")
+    pytest.importorskip("tensorboard", reason="needs the `tensorboard` extra")
     out = tmp_path / "run"
     run(cfg(out))
     (out / "tensorboard").write_text("not a folder")
@@ -172,7 +172,7 @@ def test_an_unusable_tensorboard_folder_is_refused_before_any_write(
 
 
 def test_only_this_runs_event_files_are_replaced(tmp_path: Path) -> None:
-    pytest.importorskip("tensorboard")
+    pytest.importorskip("tensorboard", reason="needs the `tensorboard` extra")
     shared = tmp_path / "shared-logs"  # a log folder other runs and tools write to as well
     shared.mkdir()
     foreign = {"events.out.tfevents.1.otherhost.7.0": b"another tool",

@@ -200,7 +200,7 @@ def test_unusable_grid_files_are_refused(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_unreadable_image_in_a_folder_tree_is_named(tmp_path: Path) -> None:
-    image = pytest.importorskip("PIL.Image")
+    image = pytest.importorskip("PIL.Image", reason="needs the `data` extra (Pillow)")
     root = tmp_path / "tree"
     for split in ("train", "test"):
         (root / split / "cat").mkdir(parents=True)
