@@ -67,6 +67,13 @@ def test_a_gentle_range_shorter_than_a_step_is_refused() -> None:
     assert kept.gentle_steps == ((0, 1),)
 
 
+def test_an_aggressive_part_shorter_than_a_step_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"part aggressive:1-1.05 must cover at least one step, "
+                                         r"but at 5 steps per epoch it rounds to steps 5-5"):
+        Schedule.from_text("gentle:0-1,aggressive:1-1.05,gentle:1.05-2", "topk:ratio=0.1",
+                           steps_per_epoch=5)
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--rule", "nope.*=dense"], "--rule: rule 'nope.*=dense' must match a parameter"),
     # With processes the engine is built only at the first DDP bucket: refused before that.

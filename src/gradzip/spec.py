@@ -65,6 +65,7 @@ __all__ = [
     "format_call",
     "format_ranges",
     "parse_call",
+    "level_schedule_parts",
     "parse_level_schedule",
     "parse_ranges",
     "parse_spec",
@@ -169,6 +170,12 @@ def parse_level_schedule(text: str) -> list[tuple[float, float]]:
         ValueError: a part that is not ``gentle:A-B`` or ``aggressive:A-B``, an empty range,
             or ranges (of either kind) that overlap or are out of order.
     """
+    return [(a, b) for kind, a, b in level_schedule_parts(text) if kind == "gentle"]
+
+
+def level_schedule_parts(text: str) -> list[tuple[str, float, float]]:
+    """Every part of a level schedule's text as ``(kind, start, end)`` in epochs, checked as
+    :func:`parse_level_schedule` checks them."""
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"`level_schedule` must look like 'gentle:0-5,aggressive:5-30', got {text!r}")
     parts: list[tuple[str, float, float]] = []
@@ -186,7 +193,7 @@ def parse_level_schedule(text: str) -> list[tuple[float, float]]:
         if i and start < parts[i - 1][2]:
             raise ValueError(f"`level_schedule` ranges must be sorted and disjoint, got "
                              f"{(start, end)!r} after {parts[i - 1][1:]!r}")
-    return [(a, b) for kind, a, b in parts if kind == "gentle"]
+    return parts
 
 
 def _as_bool(text: str) -> bool:

@@ -24,7 +24,13 @@ from gradzip.control.records import MODEL, force_critical, key_levels, record, s
 from gradzip.control.rule import CRITICAL, STEADY, is_lr_drop
 from gradzip.control.state_values import schedule_problem
 from gradzip.control.switch import TwoLevel, build_levels
-from gradzip.spec import format_call, format_ranges, parse_level_schedule, register_controller
+from gradzip.spec import (
+    format_call,
+    format_ranges,
+    level_schedule_parts,
+    parse_level_schedule,
+    register_controller,
+)
 
 __all__ = ["Schedule"]
 
@@ -167,6 +173,15 @@ class Schedule(TwoLevel):
         Raises:
             ValueError: malformed text, or invalid levels or ranges.
         """
+        per = check_int("steps_per_epoch", steps_per_epoch, minimum=1)
+        for kind, a, b in level_schedule_parts(text):
+            # An aggressive part shorter than a step would vanish between its neighbours: the
+            # text would promise a stretch the schedule never runs.
+            if kind == "aggressive" and round(b * per) <= round(a * per):
+                raise ValueError(
+                    f"`level_schedule` part aggressive:{a:g}-{b:g} must cover at least one "
+                    f"step, but at {per} steps per epoch it rounds to steps "
+                    f"{round(a * per)}-{round(b * per)} (none)")
         return cls(gentle, aggressive, gentle_epochs=parse_level_schedule(text),
                    steps_per_epoch=steps_per_epoch)
 
