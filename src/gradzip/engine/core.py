@@ -222,16 +222,14 @@ class Engine(EngineBase):
                       step: int | None = None) -> None:
         """Average a DDP bucket's gradients in place: :meth:`reduce` with
         ``same_layout=True``, its averages written back into the bucket, bit for bit (as
-        one flat message where that applies, see :mod:`gradzip.engine.flat`).
+        one flat message where that applies, see :mod:`gradzip.engine.flat`). Raises what
+        :meth:`reduce` raises.
 
         Args:
             layout: from :meth:`bucket_layout`.
             finish_step: whether this call completes an optimizer step.
             step: the caller's step number, carried in the header (see :meth:`reduce`); the
                 DDP hook passes its count of optimizer steps when it knows the optimizer.
-
-        Raises:
-            as :meth:`reduce`.
         """
         call = layout.call(finish_step, step)
         if not flat_applies(self, self._step, layout):
