@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy
 import torch
 
 from gradzip.comm.header import read_summed, rider_digit_bits, summed_row
@@ -317,7 +318,9 @@ def reduce_flat_on_device(
     # stays 0; the policy acts the same whichever test finds it.
     _copy_in(layout, world, prescale)
     code = code_of(engine, step, call, layout.set_code)
-    header = torch.tensor(summed_row(code, layout.bits, False), dtype=message.dtype)
+    # Made by numpy, not torch.tensor: no op of its own, one copy into the message (the
+    # values are small integers, exact in every message dtype, see gradzip.comm.header).
+    header = torch.from_numpy(numpy.asarray(summed_row(code, layout.bits, False), numpy.float32))
     message[n:].copy_(to_device(header, device))
     comm.all_reduce_(message)
     if world > 1:
