@@ -127,8 +127,10 @@ def finish_on_device(
             f"{engine.compressor.spec()} changed its state at the end of a step in a way a "
             "device rollback cannot undo; it must not declare device_decisions"
         )
-    handled = policy.finish_on_device(engine, step, start, any_nonfinite(changed, device))
-    engine._skips.add_on_device(handled.to(torch.int64))
+    # No changed tensor (a stateless compressor): nothing to test, no op.
+    end_bad = any_nonfinite(changed, device) if changed else None
+    handled = policy.finish_on_device(engine, step, start, end_bad, device)
+    engine._skips.add_on_device(handled)
     step.poison_dev = step.handled_dev = None
     if step.desync_dev is not None:
         # Why only now: with the header riding in a payload of guaranteed layout, and
