@@ -214,7 +214,14 @@ def _copy_in(layout: BucketLayout, world: int, prescale: bool) -> None:
     # engine's parameter order (see Engine.reduce), so a bucket is often many runs: one
     # multi-tensor copy moves them all (one launch on CUDA, elementwise the same as a copy
     # per run).
-    if prescale:
+    if prescale and layout.whole:
+        # The whole bucket divided and cast in one op (into a bucket-ordered scratch of the
+        # message's dtype), then the runs moved: the same rounding as run by run.
+        scaled = torch.div(layout.buffer, world, out=torch.empty_like(layout.buffer,
+                                                                     dtype=parts[0].dtype))
+        base = layout.buffer.storage_offset()
+        sources = [scaled[src.storage_offset() - base :][: src.numel()] for src in sources]
+    elif prescale:
         sources = torch._foreach_div(sources, world)
     torch._foreach_copy_(parts, sources)
 
