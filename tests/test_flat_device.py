@@ -136,3 +136,26 @@ def test_device_form_reads_nothing_on_the_host() -> None:
     assert layout.message is not None
     assert profiled("auto") & HOST_READS  # on the CPU, "auto" takes the host form
     assert engine.stats["steps"] == 3 and engine.stats["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_one_pass_flags_match_the_per_tensor_tests(dtype: torch.dtype) -> None:
+    from gradzip.engine.deferred import any_nonfinite, finite_rows_at_once, nonfinite_flag
+    from gradzip.ops.finite import finite_rows
+
+    big = torch.finfo(dtype).max
+    cases = {"finite": [1.0, -2.0], "extremes": [big, -big], "nan": [float("nan"), 1.0],
+             "inf": [float("inf"), 0.0], "-inf": [-float("inf"), 3.0],
+             "both": [float("inf"), -float("inf")], "zeros": [0.0, -0.0]}
+    for name, values in cases.items():
+        x = torch.tensor(values, dtype=dtype)
+        expected = not bool(torch.isfinite(x).all())
+        assert bool(nonfinite_flag(x)) == expected, name
+        # Several tensors of mixed dtypes, one of them empty.
+        parts = [torch.ones(3), x, torch.empty(0), torch.full((2, 2), 5.0, dtype=dtype)]
+        assert bool(any_nonfinite(parts, x.device)) == expected, name
+    rows = torch.randn(3, 4, 5)
+    rows[1, 2, 3] = float("nan")
+    tensors = [rows, torch.randn(3, 7), torch.empty(3, 0)]
+    assert torch.equal(finite_rows_at_once(tensors, 3), finite_rows(tensors, 3))
+    assert finite_rows_at_once(tensors, 3).tolist() == [True, False, True]
