@@ -34,9 +34,11 @@ POLICIES = ("skip", "zero", "raise")
 INJECTED = {"nan": float("nan"), "huge": 3e38}
 
 
-def _flat(on: bool) -> Any:
+def _flat(on: bool | str) -> Any:
+    """Setup: ``True`` the flat path (host form on the CPU), ``"device"`` its device form,
+    ``False`` the ordinary host path."""
     def setup(model: nn.Module, opt: Any, state: Any) -> None:
-        state.engine.decide_on = "auto" if on else "host"
+        state.engine.decide_on = on if isinstance(on, str) else "auto" if on else "host"
     return setup
 
 
@@ -46,7 +48,7 @@ def _took_flat_path(state: Any, every: bool = True) -> bool:
     return bool(used) and (all(used) if every else any(used))
 
 
-def _faulty_run(rank: int, spec: str, cap: float, policy: str, value: float, flat: bool,
+def _faulty_run(rank: int, spec: str, cap: float, policy: str, value: float, flat: bool | str,
                 overlap: bool) -> dict[str, Any]:
     """Four steps; at step 1 the gradient of one parameter (one bucket of several) is filled
     with ``value``: on rank 1 for a NaN, on every rank otherwise. The optimizer steps only on
@@ -55,7 +57,7 @@ def _faulty_run(rank: int, spec: str, cap: float, policy: str, value: float, fla
     ddp = DDP(model, bucket_cap_mb=cap)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     state = gradzip.ddp.register(ddp, spec, optimizer=opt, nonfinite=policy, overlap=overlap)
-    state.engine.decide_on = "auto" if flat else "host"
+    state.engine.decide_on = flat if isinstance(flat, str) else "auto" if flat else "host"
     target = list(model.parameters())[1]
     grads, errors, stats = [], [], []
     for step in range(4):
@@ -107,6 +109,26 @@ def _padded_buffer(rank: int, transposed: bool) -> dict[str, Any]:
     return out
 
 
+def _out_of_step_on_device(rank: int) -> dict[str, Any]:
+    """Two buckets of a step with decisions on the device, rank 1 calling with another step
+    number: caught at the step's last bucket, on every rank, the step abandoned."""
+    shapes = {"a": torch.Size([3, 4]), "b": torch.Size([5])}
+    engine = Engine(shapes, "fp16", collective=ProcessGroupCollective(), decide_on="device")
+    buffers = [torch.randn(12), torch.randn(5)]
+    layouts = [engine.bucket_layout({"a": buffers[0].view(3, 4)}, buffers[0]),
+               engine.bucket_layout({"b": buffers[1]}, buffers[1])]
+    engine.reduce_bucket(layouts[0], finish_step=False, step=0)
+    engine.reduce_bucket(layouts[1], finish_step=True, step=0)
+    error = "no error"
+    try:
+        engine.reduce_bucket(layouts[0], finish_step=False, step=7 if rank == 1 else 1)
+        engine.reduce_bucket(layouts[1], finish_step=True, step=1)
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "steps": engine.stats["steps"],
+            "flat": all(layout.message is not None for layout in layouts)}
+
+
 def flat_group(rank: int, world: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for spec in SPECS:
@@ -114,23 +136,25 @@ def flat_group(rank: int, world: int) -> dict[Any, Any]:
             for mode, kwargs in MODES.items():
                 runs = {flat: train_ddp(rank, spec=spec, steps=3, bucket_cap_mb=cap,
                                         model=chain(5), setup=_flat(flat), hook_kwargs=kwargs)
-                        for flat in (True, False)}
-                out[("clean", spec, cap_name, mode)] = {
-                    "same_params": torch.equal(runs[True]["params"], runs[False]["params"]),
-                    "same_stats": runs[True]["stats"] == runs[False]["stats"],
-                    "flat": _took_flat_path(runs[True]["state"]),
-                    "reference_flat": _took_flat_path(runs[False]["state"]),
-                }
+                        for flat in (True, "device", False)}
+                for form in (True, "device"):
+                    out[("clean", spec, cap_name, mode, form)] = {
+                        "same_params": torch.equal(runs[form]["params"], runs[False]["params"]),
+                        "same_stats": runs[form]["stats"] == runs[False]["stats"],
+                        "flat": _took_flat_path(runs[form]["state"]),
+                        "reference_flat": _took_flat_path(runs[False]["state"]),
+                    }
     for spec in SPECS:
         for policy in POLICIES:
             for what, value in INJECTED.items():
                 for cap_name in ("one", "several"):
                     runs = {flat: _faulty_run(rank, spec, CAPS[cap_name], policy, value, flat,
                                               overlap=cap_name == "several")
-                            for flat in (True, False)}
+                            for flat in (True, "device", False)}
                     out[("faulty", spec, policy, what, cap_name)] = {
                         flat: run for flat, run in runs.items()
                     }
+    out["desync"] = _out_of_step_on_device(rank)
     out["padded"] = _padded_buffer(rank, transposed=False)
     out["transposed"] = _padded_buffer(rank, transposed=True)
     dist.barrier()
@@ -146,13 +170,22 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("cap", list(CAPS))
 @pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("form", [True, "device"], ids=["host_form", "device_form"])
 def test_the_flat_path_equals_the_ordinary_path(
-    results: list[dict[Any, Any]], spec: str, cap: str, mode: str
+    results: list[dict[Any, Any]], spec: str, cap: str, mode: str, form: bool | str
 ) -> None:
     for rank_results in results:
-        got = rank_results[("clean", spec, cap, mode)]
+        got = rank_results[("clean", spec, cap, mode, form)]
         assert got == {"same_params": True, "same_stats": True, "flat": True,
                        "reference_flat": False}
+
+
+@pytest.mark.slow
+def test_ranks_out_of_step_are_caught_by_the_device_form(results: list[dict[Any, Any]]) -> None:
+    for rank_results in results:
+        got = rank_results["desync"]
+        assert got["flat"] and got["steps"] == 1, got
+        assert got["error"].startswith("ranks are out of step"), got
 
 
 def _grads_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -189,6 +222,35 @@ def test_a_nonfinite_bucket_on_one_rank_is_handled_as_on_the_ordinary_path(
             else:  # the bucket holding the parameter is zeroed, others stand
                 assert (bad == 0).any() and not bad.isnan().any()
             assert torch.isfinite(flat["grads"][2]).all()
+
+
+#: Counters in which the device form may differ from the host path in a non-finite step
+#: (as the ordinary device path does, see gradzip.engine.device): a non-finite call's dense
+#: bytes are counted, and the later calls of a "skip" step send their payload.
+DEVICE_COUNTS = ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes",
+                 "collective_calls", "compression_rate")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", ["one", "several"])
+@pytest.mark.parametrize("what", list(INJECTED))
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_nonfinite_bucket_in_the_device_form_is_handled_as_on_the_host_path(
+    results: list[dict[Any, Any]], spec: str, policy: str, what: str, cap: str
+) -> None:
+    for rank_results in results:
+        device, ordinary = (rank_results[("faulty", spec, policy, what, cap)][k]
+                            for k in ("device", False))
+        # "raise" needs the host to know at once: the flat path's host form.
+        assert device["flat"] and not ordinary["flat"]
+        assert _grads_equal(device["grads"], ordinary["grads"])
+        assert torch.equal(device["params"], ordinary["params"])
+        assert device["errors"] == ordinary["errors"]
+        for mine, ref in zip(device["stats"], ordinary["stats"], strict=True):
+            differ = DEVICE_COUNTS if policy != "raise" else ()
+            assert {k: v for k, v in mine.items() if k not in differ} == \
+                {k: v for k, v in ref.items() if k not in differ}
 
 
 @pytest.mark.slow

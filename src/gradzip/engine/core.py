@@ -30,7 +30,13 @@ from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, build_jobs, exchange_header, filled
 from gradzip.engine.checkpoint import load_state, save_state
 from gradzip.engine.device import decides_on_device, reduce_on_device
-from gradzip.engine.flat import BucketLayout, bucket_layout, flat_applies, reduce_flat
+from gradzip.engine.flat import (
+    BucketLayout,
+    bucket_layout,
+    flat_applies,
+    reduce_flat,
+    reduce_flat_on_device,
+)
 from gradzip.engine.host import reduce_on_host
 from gradzip.engine.policy import NonfinitePolicy
 from gradzip.options import EngineOptions
@@ -54,11 +60,12 @@ class Engine(EngineBase):
             documented there).
         decide_on: where calls read their non-finite decisions. ``"auto"`` (default): on the
             device for tensors on CUDA where the compressor and policy allow it (no host
-            read per call), and a DDP bucket of ``none``/``fp16``/``bf16`` on the CPU as one
-            flat message; the results are the same bit for bit as ``"host"``'s. ``"host"``:
-            every call takes the per-tensor host path (the reference the others are tested
-            against). ``"device"``: decisions on the device wherever the compressor and
-            policy allow it, on any device (how the CUDA path is tested on the CPU). Also
+            read per call), and a DDP bucket of ``none``/``fp16``/``bf16`` on any device as
+            one flat message; the results are the same bit for bit as ``"host"``'s.
+            ``"host"``: every call takes the per-tensor host path (the reference the others
+            are tested against). ``"device"``: decisions on the device wherever the
+            compressor and policy allow it, on any device (how the CUDA path is tested on
+            the CPU), DDP buckets flat as with ``"auto"``. Also
             settable as the attribute ``engine.decide_on``.
         **engine_options: the same options as keywords (they replace the record's fields).
 
@@ -232,16 +239,23 @@ class Engine(EngineBase):
                 DDP hook passes its count of optimizer steps when it knows the optimizer.
         """
         call = layout.call(finish_step, step)
-        if not flat_applies(self, self._step, layout):
+        on_device = False
+        flat = flat_applies(self, self._step, layout)
+        if flat:
+            on_device = decides_on_device(self, self._step, call)
+            # A host decision after device ones must first settle them: the ordinary path.
+            flat = on_device or self._step.poison_dev is None
+        if not flat:
             # The ordinary call, on the names and worker-axis views checked and ordered once.
             averaged = self._run(call)
             for name, grad in layout.named.items():
                 grad.copy_(averaged[name])
             return
+        path = reduce_flat_on_device if on_device else reduce_flat
         try:
             self._begin()
             before = self._policy.restore_point(self, self._step)
-            reduce_flat(self, self._step, self._policy, call, layout, before)
+            path(self, self._step, self._policy, call, layout, before)
         except BaseException:
             self._roll_back()
             raise

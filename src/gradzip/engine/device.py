@@ -17,10 +17,9 @@ from gradzip.comm.header import HEADER_BYTES, HeaderRider
 from gradzip.compressors.base import Job, dense_reduce
 from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, count_dense, header_rider, results
-from gradzip.engine.deferred import any_nonfinite, changed_tensors
+from gradzip.engine.deferred import any_nonfinite, changed_tensors, finite_rows_at_once
 from gradzip.engine.policy import NonfinitePolicy
 from gradzip.engine.step import Saved, Step, or_flag
-from gradzip.ops.finite import finite_rows
 
 __all__ = ["decides_on_device", "finish_on_device", "reduce_on_device"]
 
@@ -74,7 +73,7 @@ def reduce_on_device(
     workers, world = comm_in.local_workers, comm_in.world_size
     tensors = [j.tensor for j in jobs + dense]
     device = tensors[0].device
-    ok = finite_rows(tensors, workers)
+    ok = finite_rows_at_once(tensors, workers)
     comm = comm_in
     rider: HeaderRider | None = None
     if call.same_layout:
@@ -108,7 +107,10 @@ def reduce_on_device(
     engine._measure(jobs)  # before end_step: a controller's levels are this call's
     if call.finish_step:
         finish_on_device(engine, step, policy, device)
-    return {n: torch.where(mask, fill, avg) for n, avg in results(engine, call, jobs + dense).items()}
+    # One 0-d fill for every tensor of the call (a Python number would make one per tensor).
+    filler = torch.full((), fill, dtype=torch.float32, device=device)
+    return {n: torch.where(mask, filler, avg)
+            for n, avg in results(engine, call, jobs + dense).items()}
 
 
 def finish_on_device(
@@ -125,8 +127,10 @@ def finish_on_device(
             f"{engine.compressor.spec()} changed its state at the end of a step in a way a "
             "device rollback cannot undo; it must not declare device_decisions"
         )
-    handled = policy.finish_on_device(engine, step, start, any_nonfinite(changed, device))
-    engine._skips.add_on_device(handled.to(torch.int64))
+    # No changed tensor (a stateless compressor): nothing to test, no op.
+    end_bad = any_nonfinite(changed, device) if changed else None
+    handled = policy.finish_on_device(engine, step, start, end_bad, device)
+    engine._skips.add_on_device(handled)
     step.poison_dev = step.handled_dev = None
     if step.desync_dev is not None:
         # Why only now: with the header riding in a payload of guaranteed layout, and

@@ -21,9 +21,9 @@ from gradzip.engine.call import (
     header_rider,
     results,
 )
+from gradzip.engine.deferred import any_nonfinite, finite_rows_at_once
 from gradzip.engine.policy import NonfinitePolicy
 from gradzip.engine.step import Saved, Step
-from gradzip.ops.finite import bad_workers
 from gradzip.statecheck import first_nonfinite
 
 __all__ = ["reduce_on_host"]
@@ -56,7 +56,8 @@ def reduce_on_host(
     nonfinite = "a gradient holds NaN or Inf"
     # The compensated gradient, not only the incoming one: a finite gradient plus a finite
     # residual can overflow, and that must not reach the compressor or the state.
-    bad = bad_workers([j.tensor for j in jobs + dense], engine.comm.local_workers)
+    bad = [not ok for ok in finite_rows_at_once([j.tensor for j in jobs + dense],
+                                                engine.comm.local_workers).tolist()]
     if call.same_layout:
         # The agreement rides in the payload, so it is known only after the compressor has
         # started sending: a worker whose gradient is non-finite sends zeros instead
@@ -82,10 +83,14 @@ def reduce_on_host(
     # aggregated quantities), so testing them locally takes the same decision everywhere.
     # Residuals are per worker: compressors guarantee they are finite whenever the
     # compensated gradient and the average are (see ``Compressor.reduce``).
-    overflow = first_nonfinite(  # one host read for the average and the state together
-        {"average": averaged, **engine._state_tree(engine._states())}, "",
-        engine._state_tree(before.states),
-    )
+    # The averages in one pass (one host read); the state's changed tensors in another (none
+    # for a stateless compressor); only where a test fails is the path looked up, in the
+    # order of the whole tree (the averages first), so the message names the same tensor.
+    state_tree = engine._state_tree(engine._states())
+    tree, values = state_tree, [a for a in averaged.values() if a is not None]
+    if values and bool(any_nonfinite(values, values[0].device)):
+        tree = {"average": averaged, **state_tree}
+    overflow = first_nonfinite(tree, "", engine._state_tree(before.states))
     if overflow is None:
         for job in jobs:
             if job.name in engine._feedback:

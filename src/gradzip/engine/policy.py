@@ -118,15 +118,18 @@ class NonfinitePolicy:
         return step.poison_dev, float("nan")
 
     def finish_on_device(
-        self, engine: EngineBase, step: Step, start: object, end_bad: torch.Tensor
+        self, engine: EngineBase, step: Step, start: object, end_bad: torch.Tensor | None,
+        device: torch.device,
     ) -> torch.Tensor:
         """Apply the policy at the end of a step decided on the device (``start``: the
         compressor's state before its end of step; ``end_bad``: whether the end of step
-        turned it non-finite); returns whether the policy handled the step (0-d bool)."""
+        turned it non-finite, ``None`` where it changed no tensor); returns whether the
+        policy handled the step (0-d bool on ``device``)."""
         if self.name == "zero":
-            engine.compressor_state = where_tree(end_bad, start, engine.compressor_state)
-            return or_flag(step.handled_dev, end_bad)
-        poison = or_flag(step.poison_dev, end_bad)
+            if end_bad is not None:
+                engine.compressor_state = where_tree(end_bad, start, engine.compressor_state)
+            return _raised(step.handled_dev, end_bad, device)
+        poison = _raised(step.poison_dev, end_bad, device)
         snap = step.started_at()
         if any(n not in snap.residuals for n in engine.residuals):
             # A residual made this step by a call that decided on the host has nothing to go
@@ -140,3 +143,12 @@ class NonfinitePolicy:
                 for n, r in engine.residuals.items()
             }
         return poison
+
+
+def _raised(
+    flag: torch.Tensor | None, more: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """``flag | more`` as a 0-d bool on ``device``, where ``None`` is a flag not raised."""
+    if more is not None:
+        return or_flag(flag, more)
+    return torch.zeros((), dtype=torch.bool, device=device) if flag is None else flag

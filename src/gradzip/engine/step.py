@@ -142,5 +142,8 @@ class SkipCount:
         self.host = self.read() + count
 
     def add_on_device(self, count: torch.Tensor) -> None:
-        """Add a 0-d int64 count without reading it."""
-        self.pending = count if self.pending is None else self.pending + count
+        """Add a 0-d count (int64, or bool for one step) without reading it."""
+        if self.pending is None:
+            self.pending = count.to(torch.int64)
+        else:
+            self.pending = self.pending + count  # int64 + bool stays int64: one op
