@@ -15,7 +15,8 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops import jit
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
-from gradzip.ops.flat import reinterpret
+from gradzip.ops.checks import check_range
+from gradzip.ops.flat import reinterpret, to_device
 from gradzip.ops.random import generator_for
 
 __all__ = ["QSGD"]
@@ -49,6 +50,7 @@ class QSGD(Compressor):
     bucket_size: int = 0
     seed: int = 0
     spec_name: ClassVar[str] = "qsgd"
+    device_decisions: ClassVar[bool] = True
     biased: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -83,9 +85,13 @@ class QSGD(Compressor):
         noise = torch.stack([
             torch.rand(buckets, size, generator=generator_for("qsgd", self.seed, ctx.step, job.name, r))
             for r in ctx.ranks
-        ]).to(x.device)
+        ])
+        # Page-locked and queued: a plain ``.to`` of host memory would make the host wait.
+        noise = to_device(noise, x.device)
         level = lower + (noise < (scaled - lower)).to(x.dtype)
-        level = level.clamp_(0, self.levels).reshape(workers, -1)[:, :numel]
+        # A non-finite input gives NaN levels; they become 0 so every code stays in range
+        # (the engine discards such a call's result, but the message must still decode).
+        level = level.nan_to_num_(0.0).clamp_(0, self.levels).reshape(workers, -1)[:, :numel]
         codes = (torch.sign(x) * level + self.levels).to(torch.uint8)
         return norms, codes
 
@@ -161,10 +167,8 @@ class QSGD(Compressor):
             self._average_compiled(jobs, all_norms, gathered[:, offset:], comm.world_size)
             return
         codes = unpack_bits(gathered[:, offset:], self.bits, total)
-        if total and int(codes.max()) > 2 * self.levels:
-            raise ValueError(
-                f"message codes must lie in [0, {2 * self.levels}], got {int(codes.max())}"
-            )
+        # Asserted on the device: a host read of the codes would stall a CUDA stream per call.
+        check_range(codes, 2 * self.levels, "message codes")
         start = 0
         for job, norms in zip(jobs, all_norms, strict=True):
             mine = codes[:, start : start + job.numel]

@@ -10,6 +10,7 @@ import torch
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Job
 from gradzip.feedback import residual_unsent
+from gradzip.ops.checks import check_on_device
 from gradzip.ops.flat import reinterpret, to_device
 from gradzip.ops.select import index_dtype
 
@@ -34,13 +35,15 @@ def scatter_decode(values: torch.Tensor, indices: torch.Tensor, numel: int) -> t
     """Sum ``values[R, m]`` at ``indices[R, m]`` into one dense vector of length ``numel``.
 
     Raises:
-        ValueError: an index lies outside ``[0, numel)`` (a corrupt message).
+        ValueError: an index lies outside ``[0, numel)`` (a corrupt message; checked on the
+            device, see :mod:`gradzip.ops.checks`: on CUDA the device asserts instead).
     """
     flat_idx = indices.reshape(-1)
-    if flat_idx.numel() and (int(flat_idx.min()) < 0 or int(flat_idx.max()) >= numel):
-        raise ValueError(
-            f"message indices must lie in [0, {numel}), got range "
-            f"[{int(flat_idx.min())}, {int(flat_idx.max())}]"
+    if flat_idx.numel():
+        lo, hi = torch.aminmax(flat_idx)
+        check_on_device(
+            (lo >= 0) & (hi < numel), f"message indices must lie in [0, {numel})",
+            lambda: f"message indices must lie in [0, {numel}), got range [{int(lo)}, {int(hi)}]",
         )
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     # One row (one worker's message) at a time, in rank order: within a row every index is
@@ -108,7 +111,8 @@ def gather_sparse(
     the unpadded indices.
 
     Raises:
-        ValueError: a received index lies outside its tensor (a corrupt message).
+        ValueError: a received index lies outside its tensor (a corrupt message; checked on
+            the device, see :mod:`gradzip.ops.checks`: on CUDA the device asserts instead).
     """
     if not jobs:
         return
@@ -137,9 +141,18 @@ def gather_sparse(
         offset += width + words
     idx_all = torch.cat(received_idx, dim=1)  # [W, sum(widths)], each job's own positions
     limits = _per_entry(numels, widths, device)
-    if idx_all.numel() and bool(((idx_all < 0) | (idx_all >= limits)).any()):
-        for j, numel in enumerate(numels):  # name the first bad range
-            scatter_decode(received_val[j], received_idx[j], numel)
+    if idx_all.numel():
+        def explain() -> str:  # the CPU's precise message: the first job whose range is bad
+            for j, numel in enumerate(numels):
+                try:
+                    scatter_decode(received_val[j], received_idx[j], numel)
+                except ValueError as err:
+                    return str(err)
+            return "message indices must lie in their tensors"
+
+        # Asserted on the device: a host read here would stall a CUDA stream once per call.
+        check_on_device(((idx_all >= 0) & (idx_all < limits)).all(),
+                        "message indices must lie in their tensors", explain)
     shifts = _per_entry(offsets[:-1], widths, device)
     total = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
     flat_idx, flat_val = idx_all + shifts, torch.cat(received_val, dim=1)

@@ -33,6 +33,7 @@ class TopK(Compressor):
 
     ratio: float = 0.01
     spec_name: ClassVar[str] = "topk"
+    device_decisions: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", check_real("ratio", self.ratio, low=0, high=1, low_open=True))
