@@ -1,0 +1,59 @@
+"""Steady steps on the device decision path make no host read of a device value.
+
+On CUDA a scalar read (``.item()``, ``bool()``, ``int()``) or a ``nonzero`` stalls the stream
+that launches kernels. Here the path CUDA tensors take is forced on the CPU
+(``decide_on="device"``) and the ops of steady steps are recorded: every host-reading op must
+sit inside a device-side assertion (``torch._assert_async``, which on CUDA reads nothing).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradzip
+from conformance import SHAPES, make_grads
+from gradzip.comm.simulated import SimulatedGroup
+from gradzip.ops.checks import check_on_device, check_range
+
+#: Ops that read a device value on the host (on CUDA).
+READS_HOST = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+              "aten::_unique2", "aten::unique_dim", "aten::equal"}
+
+
+def _host_reads(events: list) -> list[str]:
+    """The host-reading ops among ``events`` that are not part of a device-side assertion."""
+    found = []
+    for ev in events:
+        if ev.name not in READS_HOST:
+            continue
+        parent, inside = ev.cpu_parent, False
+        while parent is not None:
+            inside = inside or parent.name == "aten::_assert_async"
+            parent = parent.cpu_parent
+        if not inside:
+            found.append(ev.name)
+    return found
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "randk:ratio=0.05", "qsgd:levels=4", "sign"])
+def test_steady_steps_read_nothing_on_the_host(spec: str) -> None:
+    engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2), decide_on="device")
+    for step in range(2):  # the first step records the residuals (steady state after it)
+        engine.reduce(make_grads(2, step))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        engine.reduce(make_grads(2, 2))
+    assert engine._skips.pending is not None  # the device path was really taken
+    assert _host_reads(prof.events()) == []
+
+
+def test_range_check_raises_a_precise_value_error_on_the_cpu() -> None:
+    check_range(torch.tensor([0, 3, 16], dtype=torch.uint8), 16, "message codes")
+    check_range(torch.zeros(0, dtype=torch.int64), 0, "message codes")
+    with pytest.raises(ValueError, match=r"^message codes must lie in \[0, 16\], got 17$"):
+        check_range(torch.tensor([[0, 17, 3]]), 16, "message codes")
+    with pytest.raises(ValueError, match=r"^message indices must lie in \[0, 4\], got -2$"):
+        check_range(torch.tensor([-2, 9]), 4, "message indices")
+    with pytest.raises(ValueError, match="^fallback$"):
+        check_on_device(torch.tensor(False), "fallback")
+    check_on_device(torch.tensor(True), "never raised", lambda: "never raised")
