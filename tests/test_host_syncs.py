@@ -1,4 +1,5 @@
-"""Steady steps on the device decision path make no host read of a device value.
+"""Steady steps on the device decision path make no host read of a device value, and the
+per-bucket compressors' device work does not grow with the number of tensors.
 
 On CUDA a scalar read (``.item()``, ``bool()``, ``int()``) or a ``nonzero`` stalls the stream
 that launches kernels. Here the path CUDA tensors take is forced on the CPU
@@ -14,7 +15,9 @@ import torch
 import gradzip
 from conformance import SHAPES, make_grads
 from gradzip.comm.simulated import SimulatedGroup
+from gradzip.compressors.base import Job, StepContext
 from gradzip.ops.checks import check_on_device, check_range
+from gradzip.spec import compressor_from_spec
 
 #: Ops that read a device value on the host (on CUDA).
 READS_HOST = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
@@ -57,3 +60,33 @@ def test_range_check_raises_a_precise_value_error_on_the_cpu() -> None:
     with pytest.raises(ValueError, match="^fallback$"):
         check_on_device(torch.tensor(False), "fallback")
     check_on_device(torch.tensor(True), "never raised", lambda: "never raised")
+
+
+
+def _ops_of_one_call(spec: str, tensors: int, names: set[str]) -> int:
+    """How many ops among ``names`` one call of ``spec`` runs over ``tensors`` tensors of
+    8192 entries in total (two simulated workers)."""
+    comp = compressor_from_spec(spec)
+    gen = torch.Generator().manual_seed(tensors)
+    jobs = [Job(f"t{i}", torch.randn(2, 8192 // tensors, generator=gen)) for i in range(tensors)]
+    state = comp.init_state({job.name: job.tensor.shape[1:] for job in jobs})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        comp.reduce(jobs, state, SimulatedGroup(2), StepContext(3, (0, 1), 2))
+    assert all(job.averaged is not None for job in jobs)
+    return sum(1 for ev in prof.events() if ev.name in names)
+
+
+# The ops that touch the tensors' entries on the device (per tensor before the work was
+# done per call): they must not multiply with the number of tensors.
+PER_CALL = {
+    "randk:ratio=0.05": {"aten::index_copy_"},  # (its index draws are host work)
+    # (its encoding: the CPU decodes through per-tensor lookup tables)
+    "sign": {"aten::abs", "aten::mean", "aten::ge", "aten::isfinite"},
+}
+
+
+@pytest.mark.parametrize("spec", sorted(PER_CALL))
+def test_work_per_call_does_not_grow_with_the_number_of_tensors(spec: str) -> None:
+    few = _ops_of_one_call(spec, 2, PER_CALL[spec])
+    many = _ops_of_one_call(spec, 32, PER_CALL[spec])
+    assert 0 < few and many == few, (few, many)
