@@ -123,7 +123,9 @@ class HardThreshold(Compressor):
         )
         # Sizes first: every worker learns every worker's count, so the padding and the
         # sparse-or-dense choice below are identical everywhere.
-        all_counts = comm.all_gather(counts).to(torch.int64)  # [W, T]
+        # Read on the host once (on CUDA the call's one wait for the device: the message's
+        # size depends on these counts, the documented exception to a sync-free step).
+        all_counts = comm.all_gather(counts).to(torch.int64).cpu()  # [W, T]
         widest = all_counts.max(dim=0).values.tolist()
         # What counts against the budget: the entries workers said, or (padded) the entries
         # the wire carries, the densest worker's count from every worker.
