@@ -80,6 +80,8 @@ def _ops_of_one_call(spec: str, tensors: int, names: set[str]) -> int:
 # done per call): they must not multiply with the number of tensors.
 PER_CALL = {
     "randk:ratio=0.05": {"aten::index_copy_"},  # (its index draws are host work)
+    # (tensors of one size: one selection for all)
+    "topk:ratio=0.05": {"aten::topk", "aten::index_fill_", "aten::scatter_", "aten::index_add_"},
     # (its encoding: the CPU decodes through per-tensor lookup tables)
     "sign": {"aten::abs", "aten::mean", "aten::ge", "aten::isfinite"},
 }
