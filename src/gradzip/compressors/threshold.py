@@ -125,11 +125,11 @@ class HardThreshold(Compressor):
         # sparse-or-dense choice below are identical everywhere.
         # Read on the host once (on CUDA the call's one wait for the device: the message's
         # size depends on these counts, the documented exception to a sync-free step).
-        all_counts = comm.all_gather(counts).to(torch.int64).cpu()  # [W, T]
-        widest = all_counts.max(dim=0).values.tolist()
+        all_counts = comm.all_gather(counts).tolist()  # [W][T]
+        widest = [max(column) for column in zip(*all_counts, strict=True)]
         # What counts against the budget: the entries workers said, or (padded) the entries
         # the wire carries, the densest worker's count from every worker.
-        sent = sum(widest) * comm.world_size if self.padded else int(all_counts.sum())
+        sent = sum(widest) * comm.world_size if self.padded else sum(map(sum, all_counts))
         state["step_sent"] += sent
         state["step_offered"] += comm.world_size * sum(j.numel for j in jobs)
         sparse_ids = [
