@@ -15,6 +15,7 @@ import torch
 import gradzip
 from conformance import SHAPES, make_grads
 from gradzip.comm.simulated import SimulatedGroup
+from gradzip.compressors import threshold as threshold_module
 from gradzip.compressors.base import Job, StepContext
 from gradzip.ops.checks import check_on_device, check_range
 from gradzip.spec import compressor_from_spec
@@ -92,3 +93,45 @@ def test_work_per_call_does_not_grow_with_the_number_of_tensors(spec: str) -> No
     few = _ops_of_one_call(spec, 2, PER_CALL[spec])
     many = _ops_of_one_call(spec, 32, PER_CALL[spec])
     assert 0 < few and many == few, (few, many)
+
+
+def _threshold_run(spec: str, workers: int, monkeypatch: pytest.MonkeyPatch, per_call: bool) -> list:
+    monkeypatch.setattr(threshold_module, "_selects_per_call", lambda device: per_call)
+    engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(workers))
+    out = []
+    for step in range(4):
+        grads = make_grads(workers, step)
+        if step == 2:  # a NaN never reaches lambda; the step is skipped either way
+            grads["fc.weight"].view(workers, -1)[0, 3] = float("nan")
+        out.append(engine.reduce(grads))
+    return [out, engine.state_dict()["residuals"], engine.stats]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("spec", ["threshold:lam=1.5", "threshold:budget=0.05",
+                                  "threshold:budget=0.05,padded=True"])
+def test_threshold_selection_per_call_equals_the_per_tensor_scan(
+    spec: str, workers: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off the CPU the threshold selects every tensor of a call at once (one host read per
+    call); forced here, it gives the CPU scan's averages, residuals and counts bit for bit."""
+    scan = _threshold_run(spec, workers, monkeypatch, per_call=False)
+    batched = _threshold_run(spec, workers, monkeypatch, per_call=True)
+    for a, b in zip(scan[0], batched[0], strict=True):
+        assert all(torch.equal(a[n].nan_to_num(7.0), b[n].nan_to_num(7.0)) for n in a)
+    assert scan[1].keys() == batched[1].keys()
+    assert all(torch.equal(scan[1][n], batched[1][n]) for n in scan[1])
+    assert scan[2] == batched[2]
+
+
+def test_threshold_selection_per_call_reads_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threshold_module, "_selects_per_call", lambda device: True)
+    comp = compressor_from_spec("threshold:lam=0.5")
+    gen = torch.Generator().manual_seed(0)
+    jobs = [Job(f"t{i}", torch.randn(2, 300, generator=gen)) for i in range(12)]
+    state = comp.init_state({job.name: job.tensor.shape[1:] for job in jobs})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        threshold_module.HardThreshold.reduce(comp, jobs, state, SimulatedGroup(2),
+                                              StepContext(0, (0, 1), 2))
+    assert _host_reads(prof.events()) == []  # the counts' read is a .tolist(): no op shows
+    assert sum(ev.name == "aten::nonzero_static" for ev in prof.events()) == 1
