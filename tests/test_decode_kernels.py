@@ -174,3 +174,29 @@ def test_qsgd_decode_of_tensors_of_one_size_together_equals_each_alone(
     got = q._decode_sums(norms, codes, numel, workers + 1)
     for g in range(group):
         assert _same_bits(got[g], _decode_sum_whole(q, norms[g], codes[g], numel, workers + 1))
+
+
+@FAST
+@given(
+    workers=st.integers(1, 40),
+    numels=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+    exponent=st.integers(-30, 30),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sign_average_of_all_tensors_together_equals_each_alone(
+    workers: int, numels: list[int], exponent: int, seed: int
+) -> None:
+    """The decoding that runs off the CPU (every tensor of a call at once) gives every
+    tensor the bits of its own worker-by-worker sum."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(numels)
+    bits = torch.randint(0, 2, (workers, total), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(workers, len(numels), generator=gen) * 10.0**exponent
+    slots = [_Slot(n) for n in numels]
+    owner = torch.repeat_interleave(torch.arange(len(numels)), torch.tensor(numels))
+    sign_module._average_together(slots, bits, scales, owner, workers + 1)
+    start = 0
+    for t, slot in enumerate(slots):
+        ref = sign_module._sign_average(bits[:, start : start + slot.numel], scales[:, t], workers + 1)
+        start += slot.numel
+        assert slot.averaged is not None and _same_bits(slot.averaged, ref)

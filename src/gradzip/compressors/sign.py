@@ -104,14 +104,7 @@ class Sign(Compressor):
         if payload.device.type == "cpu" and MAX_KEY_WORKERS > 0:
             _average_by_table(jobs, payload, all_scales, comm.world_size)
             return
-        received = unpack_bits(payload, 1, total)  # [W, total]
-        # Every tensor at once: each entry sees the operations of _sign_average (its own
-        # tensor's scales, workers added in rank order), so the bits are the same.
-        per_entry = all_scales.index_select(1, owner)  # [W, total]
-        acc = _sign_sum(received, per_entry)
-        averaged = acc.sub_(all_scales.sum(dim=0).index_select(0, owner)).div_(comm.world_size)
-        for job, part in zip(jobs, torch.split(averaged, list(numels)), strict=True):
-            job.averaged = part.reshape(job.shape)
+        _average_together(jobs, unpack_bits(payload, 1, total), all_scales, owner, comm.world_size)
 
 
 def _sign_sum(bits: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,15 +118,41 @@ def _sign_sum(bits: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor | None 
     return acc
 
 
+def _scale_total(scale: torch.Tensor) -> torch.Tensor:
+    """``sum_w scale[w]`` over the first dimension, added in rank order: the same bits for one
+    tensor's scales ``[W]`` as for every tensor's at once (``[W, T]``), which a reduction
+    kernel does not promise."""
+    total = scale[0].clone()
+    for w in range(1, scale.shape[0]):
+        total += scale[w]
+    return total
+
+
 def _finish(acc: torch.Tensor, scale: torch.Tensor, world_size: int) -> torch.Tensor:
     """``(acc - sum_w scale_w) / world_size`` in place: the average of ``scale_w (2 b_w - 1)``."""
-    return acc.sub_(scale.sum()).div_(world_size)
+    return acc.sub_(_scale_total(scale)).div_(world_size)
 
 
 def _sign_average(bits: torch.Tensor, scale: torch.Tensor, world_size: int) -> torch.Tensor:
     """The average of ``scale_w (2 b_w - 1)`` over the rows of ``bits[W, m]``: this sequence of
     operations (:func:`_sign_sum`, then :func:`_finish`) defines the average's bits."""
     return _finish(_sign_sum(bits, scale), scale, world_size)
+
+
+def _average_together(
+    jobs: Sequence[Job], bits: torch.Tensor, scales: torch.Tensor, owner: torch.Tensor,
+    world_size: int,
+) -> None:
+    """Every job's average from the unpacked bits ``bits[W, total]`` and the scales
+    ``scales[W, T]`` (``owner``: each entry's tensor), all tensors at once: each entry sees
+    the operations of :func:`_sign_average` (its own tensor's scales, workers added in rank
+    order, then the sum of its tensor's scales taken off), so the bits are the same."""
+    per_entry = scales.index_select(1, owner)  # [W, total]
+    acc = _sign_sum(bits, per_entry)
+    offsets = _scale_total(scales)  # [T], each as _finish sums one tensor's
+    averaged = acc.sub_(offsets.index_select(0, owner)).div_(world_size)
+    for job, part in zip(jobs, torch.split(averaged, [job.numel for job in jobs]), strict=True):
+        job.averaged = part.reshape(job.shape)
 
 
 def _average_by_table(
