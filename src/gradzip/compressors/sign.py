@@ -180,13 +180,17 @@ def _average_by_table(
     # Key k holds combination (k >> (j * G)) & (2**G - 1) for its entry j.
     shifts = torch.arange(e) * head
     parts = (torch.arange(1 << (e * head)).unsqueeze(1) >> shifts) & ((1 << head) - 1)
+    # Every tensor's table at once ([T, 2**G] sums, then [T, keys, e]): each value sees the
+    # operations _sign_sum and _finish apply to its tensor alone.
+    values = torch.zeros(len(jobs), 1 << head, dtype=torch.float32)
+    for w in range(head):
+        values.addcmul_(combo_bits[w].unsqueeze(0), (2 * scales[w]).unsqueeze(1))
+    if rest is None:
+        values.sub_(_scale_total(scales).unsqueeze(1)).div_(world_size)
+    tables = values.index_select(1, parts.reshape(-1)).reshape(len(jobs), -1, e).numpy()
     start = 0
     for t, job in enumerate(jobs):
-        scale = scales[:, t]
-        values = _sign_sum(combo_bits, scale[:head])  # [2**G]
-        if rest is None:
-            values = _finish(values, scale, world_size)
-        table = values.index_select(0, parts.reshape(-1)).reshape(-1, e).numpy()
+        scale, table = scales[:, t], tables[t]
         first, last = start // e, -(-(start + job.numel) // e)
         looked_up = np.take(table, keys[first:last], axis=0, mode="clip").reshape(-1)
         skip = start - first * e
