@@ -83,8 +83,8 @@ PER_CALL = {
     "randk:ratio=0.05": {"aten::index_copy_"},  # (its index draws are host work)
     # (tensors of one size: one selection for all)
     "topk:ratio=0.05": {"aten::topk", "aten::index_fill_", "aten::scatter_", "aten::index_add_"},
-    # (its encoding: the CPU decodes through per-tensor lookup tables)
-    "sign": {"aten::abs", "aten::mean", "aten::ge", "aten::isfinite"},
+    "sign": {"aten::abs", "aten::mean", "aten::ge", "aten::isfinite", "aten::addcmul_",
+             "aten::index_select"},
 }
 
 
