@@ -170,12 +170,10 @@ class QSGD(Compressor):
         # Codes are clamped to [0, 2 * levels] by _encode: no range test (a host sync).
         packed = pack_bits(torch.cat(code_parts, dim=1), self.bits, checked=False)
         gathered = comm.all_gather(torch.cat([*norm_parts, packed], dim=1))  # [W, bytes] uint8
-        offset = 0
-        all_norms = []
-        for job in jobs:
-            buckets, _ = self._layout(job.numel)
-            all_norms.append(reinterpret(gathered[:, offset : offset + 4 * buckets], torch.float32))
-            offset += 4 * buckets
+        # Every tensor's norms reinterpreted at once, then split (views).
+        counts = [self._layout(job.numel)[0] for job in jobs]
+        offset = 4 * sum(counts)
+        all_norms = list(torch.split(reinterpret(gathered[:, :offset], torch.float32), counts, dim=1))
         if total and gathered.device.type == "cpu" and 2 <= self.bits <= 7 and _jit_usable():
             self._average_compiled(jobs, all_norms, gathered[:, offset:], comm.world_size)
             return
