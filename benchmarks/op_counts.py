@@ -17,7 +17,8 @@ What is counted, per step:
 * **host syncs**: ops that make the host wait for the device on CUDA
   (:data:`HOST_SYNC_OPS`: a scalar read such as ``.item()``/``bool()``, ``nonzero``...).
   A ``.tolist()`` or ``.cpu()`` of a CUDA tensor also syncs but shows no distinct op on
-  the CPU; the gradzip engine's decode-time checks use scalar reads.
+  the CPU. A device-side assertion (``torch._assert_async``, gradzip's decode-time range
+  checks) counts as one op and no sync: on the CPU it reads its value at once, on CUDA not.
 * **collectives**: ``c10d::`` calls.
 
 Setup: one gloo process (world size 1), so nothing travels and the figures are the
@@ -128,6 +129,17 @@ class SplitMatrices(nn.Module):
         return torch.stack([torch.tanh(x @ w).sum(1) for w in self.weights], 1)
 
 
+def _inside_assert(ev: Any) -> bool:
+    """Whether ``ev`` is part of a device-side assertion (``torch._assert_async``): one kernel
+    on CUDA, which reads nothing on the host; only the CPU's immediate check reads the value."""
+    parent = ev.cpu_parent
+    while parent is not None:
+        if parent.name == "aten::_assert_async":
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def leaf_counts(events: Any) -> Counter[str]:
     """``op name -> count`` of the leaf ``aten::`` ops among profiler ``events``."""
     counts: Counter[str] = Counter()
@@ -137,7 +149,11 @@ def leaf_counts(events: Any) -> Counter[str]:
         if ev.name.startswith("c10d::"):
             counts[ev.name] += 1
             continue
-        if any(child.name.startswith("aten::") for child in ev.cpu_children):
+        if ev.name != "aten::_assert_async" and any(
+            child.name.startswith("aten::") for child in ev.cpu_children
+        ):
+            continue
+        if _inside_assert(ev):
             continue
         counts[ev.name] += 1
     return counts

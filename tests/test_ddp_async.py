@@ -33,6 +33,8 @@ from ddp_helpers import (
 from ddp_scenarios import train_branchy
 from gradzip import TopK
 from gradzip.compressors.base import StepContext
+from gradzip.ddp.hook import runs_inline
+from gradzip.spec import compressor_from_spec
 
 WORLD = 2
 ACCORDION = "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,interval=1)"
@@ -305,3 +307,33 @@ def test_an_error_on_one_rank_becomes_an_error_on_every_rank(results: list[dict[
         assert result["failures"]["one_rank"][0] is None
     assert "injected failure on rank 1" in results[1]["failures"]["one_rank"][1]
     assert results[0]["failures"]["one_rank"][1] is not None  # its peer left: not a hang
+
+
+@pytest.mark.parametrize(
+    ("backend", "device", "device_decisions", "expected"),
+    [
+        ("nccl", "cuda:0", True, True),
+        ("NCCL", "cuda", True, True),
+        ("cpu:gloo,cuda:nccl", "cuda:1", True, True),
+        ("nccl", "cuda:0", False, False),  # a compressor that reads the host keeps the thread
+        ("gloo", "cuda:0", True, False),  # gloo's collectives block the calling thread
+        ("gloo", "cpu", True, False),
+        ("cpu:gloo,cuda:gloo", "cuda:0", True, False),
+        ("cuda:nccl,cpu:gloo", "cpu", True, False),
+        ("nccl", "cpu", True, False),
+        ("mpi", "cuda:0", True, False),
+    ],
+)
+def test_inline_only_on_cuda_with_nccl_and_device_decisions(
+    backend: str, device: str, device_decisions: bool, expected: bool
+) -> None:
+    assert runs_inline(backend, torch.device(device), device_decisions) is expected
+
+
+def test_device_deciding_compressors_are_the_inline_ones() -> None:
+    cuda = torch.device("cuda:0")
+    for spec in ("none", "fp16", "bf16", "topk:ratio=0.1", "randk:ratio=0.1", "qsgd", "sign",
+                 "powersgd:rank=2"):
+        assert runs_inline("nccl", cuda, compressor_from_spec(spec).device_decisions), spec
+    for spec in ("threshold:budget=0.05", "threshold:lam=1.0"):
+        assert not runs_inline("nccl", cuda, compressor_from_spec(spec).device_decisions), spec

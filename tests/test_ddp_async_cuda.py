@@ -4,7 +4,8 @@ On CUDA the hook's work runs on the communication thread's own stream, after an 
 the autograd stream, and DDP's consumer waits on the stream the future was completed on.
 Any missing wait shows up as averages that differ from the synchronous hook's, or replicas
 that drift apart. Two processes share one GPU over gloo (NCCL refuses two ranks on one
-device); one process runs NCCL.
+device); one process runs NCCL, where compressors that decide on the device run inline in
+the hook (no thread) even with ``overlap=True``.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _train(rank: int, spec: str, n: int, kwargs: dict[str, Any], device: torch.d
     saved = state.state_dict()  # read right after the step: waits for the thread's stream
     return {"params": flat_params(model).cpu(), "stats": state.stats,
             "residuals": {k: v.cpu() for k, v in saved["residuals"].items()},
-            "identical": identical}
+            "identical": identical, "inline": state._inline}
 
 
 def cuda_group(rank: int, world: int, specs: tuple[str, ...], device: str = "cuda:0") -> dict[Any, Any]:
@@ -96,3 +97,26 @@ def test_two_ranks_on_one_gpu_over_gloo(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_one_rank_over_nccl(tmp_path: Path) -> None:
     _check(spawn(cuda_group, 1, tmp_path, SPECS, timeout=400, backend="nccl"))
+
+
+def nccl_inline(rank: int, world: int, specs: tuple[str, ...]) -> dict[str, Any]:
+    """Per spec: whether ``overlap=True`` ran inline, and gave the synchronous hook's bits."""
+    out = {}
+    for spec in specs:
+        runs = {mode: _train(rank, spec, 5, kwargs, torch.device("cuda:0"))
+                for mode, kwargs in MODES.items()}
+        a, s = runs["async"], runs["sync"]
+        out[spec] = {"inline": a["inline"], "params": torch.equal(a["params"], s["params"]),
+                     "stats": a["stats"] == s["stats"]}
+    return out
+
+
+@pytest.mark.slow
+def test_nccl_runs_device_deciding_compressors_inline(tmp_path: Path) -> None:
+    inline = ("none", "topk:ratio=0.1", "qsgd:levels=4", "sign", "randk:ratio=0.1")
+    threaded = ("threshold:budget=0.05",)
+    (result,) = spawn(nccl_inline, 1, tmp_path, inline + threaded, timeout=400, backend="nccl")
+    for spec in inline:
+        assert result[spec] == {"inline": True, "params": True, "stats": True}, spec
+    for spec in threaded:
+        assert result[spec] == {"inline": False, "params": True, "stats": True}, spec

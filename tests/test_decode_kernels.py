@@ -150,3 +150,53 @@ def test_qsgd_decode_of_a_large_tensor_matches_at_the_default_chunk() -> None:
     codes = torch.randint(0, 17, (4, numel), generator=gen, dtype=torch.uint8)
     norms = torch.rand(4, 1, generator=gen) * 50
     assert _same_bits(q._decode_sum(norms, codes, numel, 4), _decode_sum_whole(q, norms, codes, numel, 4))
+
+
+@FAST
+@given(
+    workers=st.integers(1, 9),
+    group=st.integers(1, 5),
+    levels=st.integers(1, 127),
+    bucket_size=st.sampled_from([0, 1, 7, 100]),
+    numel=st.integers(1, 700),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_qsgd_decode_of_tensors_of_one_size_together_equals_each_alone(
+    workers: int, group: int, levels: int, bucket_size: int, numel: int, seed: int
+) -> None:
+    """The batched sum (off the CPU, tensors of one size decoded together) gives each tensor
+    the bits its own whole-tensor sum gives."""
+    gen = torch.Generator().manual_seed(seed)
+    q = QSGD(levels=levels, bucket_size=bucket_size)
+    buckets, _ = q._layout(numel)
+    codes = torch.randint(0, 2 * levels + 1, (group, workers, numel), generator=gen, dtype=torch.uint8)
+    norms = torch.rand(group, workers, buckets, generator=gen) * 100
+    got = q._decode_sums(norms, codes, numel, workers + 1)
+    for g in range(group):
+        assert _same_bits(got[g], _decode_sum_whole(q, norms[g], codes[g], numel, workers + 1))
+
+
+@FAST
+@given(
+    workers=st.integers(1, 40),
+    numels=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
+    exponent=st.integers(-30, 30),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_sign_average_of_all_tensors_together_equals_each_alone(
+    workers: int, numels: list[int], exponent: int, seed: int
+) -> None:
+    """The decoding that runs off the CPU (every tensor of a call at once) gives every
+    tensor the bits of its own worker-by-worker sum."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(numels)
+    bits = torch.randint(0, 2, (workers, total), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(workers, len(numels), generator=gen) * 10.0**exponent
+    slots = [_Slot(n) for n in numels]
+    owner = torch.repeat_interleave(torch.arange(len(numels)), torch.tensor(numels))
+    sign_module._average_together(slots, bits, scales, owner, workers + 1)
+    start = 0
+    for t, slot in enumerate(slots):
+        ref = sign_module._sign_average(bits[:, start : start + slot.numel], scales[:, t], workers + 1)
+        start += slot.numel
+        assert slot.averaged is not None and _same_bits(slot.averaged, ref)

@@ -1,8 +1,8 @@
 """Non-finite decisions kept on the device give what the host decision gives, bit for bit.
 
 On CUDA, engines whose compressor declares ``device_decisions`` (none, fp16, bf16, randk,
-powersgd) keep the non-finite flag of each call as a device tensor and apply the policy with
-``torch.where``, so the host never waits per call (``tests/test_cuda.py`` checks that with
+powersgd, topk, qsgd, sign) keep the non-finite flag of each call as a device tensor and
+apply the policy with ``torch.where``, so the host never waits per call (``tests/test_cuda.py`` checks that with
 ``torch.cuda.set_sync_debug_mode("error")``). Here the same path is forced on the CPU
 (``decide_on="device"``) and compared with the host path (``decide_on="host"``): same averages, residuals,
 compressor state and skipped-step counts, through NaN gradients, overflows, several calls
@@ -23,7 +23,8 @@ from gradzip.comm import run_processes
 from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.spec import compressor_from_spec
 
-DEVICE_SPECS = ["none", "fp16", "bf16", "randk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=1"]
+DEVICE_SPECS = ["none", "fp16", "bf16", "randk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=1",
+                "topk:ratio=0.05", "qsgd:levels=4", "sign"]
 NAMES = list(SHAPES)
 
 
@@ -94,7 +95,7 @@ def test_device_decisions_count_the_header_like_the_host_path_in_finite_steps() 
         assert stats[0] == stats[1], spec
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "qsgd", "sign", "threshold:budget=0.05"])
+@pytest.mark.parametrize("spec", ["threshold:budget=0.05", "threshold:lam=2.5"])
 def test_compressors_that_read_the_host_anyway_keep_host_decisions(spec: str) -> None:
     assert not compressor_from_spec(spec).device_decisions
     engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2), decide_on="device")

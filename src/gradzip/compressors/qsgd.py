@@ -15,7 +15,8 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops import jit
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
-from gradzip.ops.flat import reinterpret
+from gradzip.ops.checks import check_range
+from gradzip.ops.flat import reinterpret, to_device
 from gradzip.ops.random import generator_for
 
 __all__ = ["QSGD"]
@@ -49,6 +50,7 @@ class QSGD(Compressor):
     bucket_size: int = 0
     seed: int = 0
     spec_name: ClassVar[str] = "qsgd"
+    device_decisions: ClassVar[bool] = True
     biased: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -72,31 +74,42 @@ class QSGD(Compressor):
         norms = sum(4 * self._layout(n)[0] for n in numels)
         return norms + packed_size(sum(numels), self.bits)
 
-    def _encode(self, x: torch.Tensor, job: Job, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x[L, n]`` -> (norms [L, buckets] fp32, codes [L, n] uint8)."""
-        workers, numel = x.shape
+    def _encode(
+        self, x: torch.Tensor, names: Sequence[str], ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x[G, L, n]`` (``G`` tensors of ``n`` entries, named ``names``) -> (norms
+        ``[G, L, buckets]`` fp32, codes ``[G, L, n]`` uint8). Every entry sees the operations
+        it would see in a tensor of its own; the rounding noise of each tensor and rank comes
+        from its own keyed generator."""
+        group, workers, numel = x.shape
         buckets, size = self._layout(numel)
-        padded = torch.nn.functional.pad(x, (0, buckets * size - numel)).reshape(workers, buckets, size)
-        norms = padded.norm(dim=2)
-        scaled = padded.abs() / torch.where(norms > 0, norms, 1.0).unsqueeze(2) * self.levels
+        padded = torch.nn.functional.pad(x, (0, buckets * size - numel))
+        padded = padded.reshape(group, workers, buckets, size)
+        norms = padded.norm(dim=3)
+        scaled = padded.abs() / torch.where(norms > 0, norms, 1.0).unsqueeze(3) * self.levels
         lower = scaled.floor()
         noise = torch.stack([
-            torch.rand(buckets, size, generator=generator_for("qsgd", self.seed, ctx.step, job.name, r))
-            for r in ctx.ranks
-        ]).to(x.device)
+            torch.rand(buckets, size, generator=generator_for("qsgd", self.seed, ctx.step, name, r))
+            for name in names for r in ctx.ranks
+        ]).reshape(group, workers, buckets, size)
+        # Page-locked and queued: a plain ``.to`` of host memory would make the host wait.
+        noise = to_device(noise, x.device)
         level = lower + (noise < (scaled - lower)).to(x.dtype)
-        level = level.clamp_(0, self.levels).reshape(workers, -1)[:, :numel]
+        # A non-finite input gives NaN levels; they become 0 so every code stays in range
+        # (the engine discards such a call's result, but the message must still decode).
+        level = level.nan_to_num_(0.0).clamp_(0, self.levels)
+        level = level.reshape(group, workers, -1)[..., :numel]
         codes = (torch.sign(x) * level + self.levels).to(torch.uint8)
         return norms, codes
 
     def _decode(self, norms: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
-        """(norms [R, buckets], codes [R, n]) -> values [R, n]."""
-        rows = codes.shape[0]
+        """(norms ``[..., R, buckets]``, codes ``[..., R, n]``) -> values ``[..., R, n]``."""
+        lead = codes.shape[:-1]
         buckets, size = self._layout(numel)
         level = codes.to(torch.float32) - self.levels
-        level = torch.nn.functional.pad(level, (0, buckets * size - numel)).reshape(rows, buckets, size)
-        values = level * (norms / self.levels).unsqueeze(2)
-        return values.reshape(rows, -1)[:, :numel]
+        level = torch.nn.functional.pad(level, (0, buckets * size - numel))
+        values = level.reshape(*lead, buckets, size) * (norms / self.levels).unsqueeze(-1)
+        return values.reshape(*lead, -1)[..., :numel]
 
     def _decode_sum(
         self, norms: torch.Tensor, codes: torch.Tensor, numel: int, divisor: int = 1
@@ -139,37 +152,67 @@ class QSGD(Compressor):
         if not jobs:
             return
         workers = comm.local_workers
-        norm_parts, code_parts = [], []
-        for job in jobs:
-            flat = job.tensor.reshape(workers, -1)
-            norms, codes = self._encode(flat, job, ctx)
-            job.decoded = self._decode(norms, codes, job.numel).reshape(job.tensor.shape)
-            norm_parts.append(norms.contiguous().view(torch.uint8))
-            code_parts.append(codes)
+        # Tensors of one size are encoded together: the work grows with the number of
+        # distinct sizes, not of tensors.
+        groups = _by_size(jobs)
+        norm_parts: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
+        code_parts: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
+        for numel, members in groups.items():
+            x = torch.stack([jobs[i].tensor.reshape(workers, numel) for i in members])
+            norms, codes = self._encode(x, [jobs[i].name for i in members], ctx)
+            decoded = self._decode(norms, codes, numel)
+            for g, i in enumerate(members):
+                jobs[i].decoded = decoded[g].reshape(jobs[i].tensor.shape)
+                norm_parts[i] = norms[g].contiguous().view(torch.uint8)
+                code_parts[i] = codes[g]
         # One message per call: every tensor's norms, then all codes as one packed stream.
         total = sum(job.numel for job in jobs)
         # Codes are clamped to [0, 2 * levels] by _encode: no range test (a host sync).
         packed = pack_bits(torch.cat(code_parts, dim=1), self.bits, checked=False)
         gathered = comm.all_gather(torch.cat([*norm_parts, packed], dim=1))  # [W, bytes] uint8
-        offset = 0
-        all_norms = []
-        for job in jobs:
-            buckets, _ = self._layout(job.numel)
-            all_norms.append(reinterpret(gathered[:, offset : offset + 4 * buckets], torch.float32))
-            offset += 4 * buckets
+        # Every tensor's norms reinterpreted at once, then split (views).
+        counts = [self._layout(job.numel)[0] for job in jobs]
+        offset = 4 * sum(counts)
+        all_norms = list(torch.split(reinterpret(gathered[:, :offset], torch.float32), counts, dim=1))
         if total and gathered.device.type == "cpu" and 2 <= self.bits <= 7 and _jit_usable():
             self._average_compiled(jobs, all_norms, gathered[:, offset:], comm.world_size)
             return
         codes = unpack_bits(gathered[:, offset:], self.bits, total)
-        if total and int(codes.max()) > 2 * self.levels:
-            raise ValueError(
-                f"message codes must lie in [0, {2 * self.levels}], got {int(codes.max())}"
-            )
-        start = 0
-        for job, norms in zip(jobs, all_norms, strict=True):
-            mine = codes[:, start : start + job.numel]
-            start += job.numel
-            job.averaged = self._decode_sum(norms, mine, job.numel, comm.world_size).reshape(job.shape)
+        # Asserted on the device: a host read of the codes would stall a CUDA stream per call.
+        check_range(codes, 2 * self.levels, "message codes")
+        starts = [0]
+        for job in jobs:
+            starts.append(starts[-1] + job.numel)
+        for numel, members in groups.items():
+            if codes.device.type == "cpu":  # the CPU's chunked sum, tensor by tensor
+                for i in members:
+                    mine = codes[:, starts[i] : starts[i + 1]]
+                    averaged = self._decode_sum(all_norms[i], mine, numel, comm.world_size)
+                    jobs[i].averaged = averaged.reshape(jobs[i].shape)
+                continue
+            mine = torch.stack([codes[:, starts[i] : starts[i + 1]] for i in members])
+            totals = self._decode_sums(torch.stack([all_norms[i] for i in members]), mine, numel,
+                                       comm.world_size)
+            for g, i in enumerate(members):
+                jobs[i].averaged = totals[g].reshape(jobs[i].shape)
+
+    def _decode_sums(
+        self, norms: torch.Tensor, codes: torch.Tensor, numel: int, divisor: int
+    ) -> torch.Tensor:
+        """:meth:`_decode_sum`'s whole-tensor form for ``G`` tensors of one size at once:
+        (norms ``[G, R, buckets]``, codes ``[G, R, n]``) -> ``[G, n]``, each the bits
+        :meth:`_decode_sum` gives for its tensor (every entry sees the same operations)."""
+        group, rows = codes.shape[:2]
+        buckets, size = self._layout(numel)
+        steps = norms / self.levels  # [G, R, buckets]
+        offsets = norms.sum(dim=1)  # [G, buckets]
+        codes = torch.nn.functional.pad(codes, (0, buckets * size - numel))
+        codes = codes.reshape(group, rows, buckets, size)
+        total = torch.zeros(group, buckets, size, dtype=torch.float32, device=codes.device)
+        for row in range(rows):
+            total.addcmul_(codes[:, row], steps[:, row].unsqueeze(2))
+        total.sub_(offsets.unsqueeze(2)).div_(divisor)
+        return total.reshape(group, -1)[:, :numel]
 
     def _average_compiled(
         self, jobs: Sequence[Job], all_norms: list[torch.Tensor], packed: torch.Tensor, world_size: int
@@ -202,6 +245,14 @@ class QSGD(Compressor):
             raise ValueError(f"message codes must lie in [0, {2 * self.levels}], got {top}")
         for job, out in zip(jobs, results, strict=True):
             job.averaged = torch.from_numpy(out).reshape(job.shape)
+
+
+def _by_size(jobs: Sequence[Job]) -> dict[int, list[int]]:
+    """``numel -> positions of the jobs of that size``, in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault(job.numel, []).append(i)
+    return groups
 
 
 @functools.cache

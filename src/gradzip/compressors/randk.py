@@ -11,7 +11,7 @@ import torch
 from gradzip._validate import check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
-from gradzip.ops.flat import split_flat
+from gradzip.ops.flat import to_device
 from gradzip.ops.select import randk_indices
 
 __all__ = ["RandK"]
@@ -50,20 +50,25 @@ class RandK(Compressor):
         dense_reduce([j for j in jobs if self.k_for(j.numel) >= j.numel], comm)
         if not sparse:
             return
-        picks = [
-            randk_indices(j.numel, self.k_for(j.numel), self.seed, ctx.step, j.name,
-                          device=j.tensor.device)
-            for j in sparse
-        ]
-        flats = [j.tensor.reshape(comm.local_workers, -1) for j in sparse]
-        message = torch.cat([f.index_select(1, idx) for f, idx in zip(flats, picks, strict=True)], dim=1)
+        # Indices drawn per tensor on the host (each from its own keyed stream: the same
+        # entries as ever), shifted into one flat space and moved once, so the device work is
+        # a few ops per call whatever the number of tensors.
+        numels = [j.numel for j in sparse]
+        picks = [randk_indices(n, self.k_for(n), self.seed, ctx.step, j.name)
+                 for n, j in zip(numels, sparse, strict=True)]
+        shifted, offset = [], 0
+        for n, idx in zip(numels, picks, strict=True):
+            shifted.append(idx + offset if offset else idx)
+            offset += n
+        device = sparse[0].tensor.device
+        where = to_device(torch.cat(shifted), device)
+        flat = torch.cat([j.tensor.reshape(comm.local_workers, -1) for j in sparse], dim=1)
+        message = flat.index_select(1, where)
         total = comm.all_reduce(message) / comm.world_size
-        sizes = [idx.numel() for idx in picks]
-        for job, idx, avg, own in zip(
-            sparse, picks, split_flat(total, sizes), split_flat(message, sizes), strict=True
-        ):
-            dense_avg = torch.zeros(job.numel, dtype=torch.float32, device=job.tensor.device)
-            job.averaged = dense_avg.index_copy_(0, idx, avg).reshape(job.shape)
-            local = torch.zeros(comm.local_workers, job.numel, dtype=torch.float32,
-                                device=job.tensor.device)
-            job.decoded = local.index_copy_(1, idx, own).reshape(job.tensor.shape)
+        dense_avg = torch.zeros(offset, dtype=torch.float32, device=device).index_copy_(0, where, total)
+        local = torch.zeros(comm.local_workers, offset, dtype=torch.float32, device=device)
+        local.index_copy_(1, where, message)
+        for job, avg, own in zip(sparse, torch.split(dense_avg, numels),
+                                 torch.split(local, numels, dim=1), strict=True):
+            job.averaged = avg.reshape(job.shape)
+            job.decoded = own.reshape(job.tensor.shape)

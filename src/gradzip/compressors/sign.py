@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -19,19 +20,42 @@ from gradzip.ops.bits import (
     packed_size,
     unpack_bits,
 )
-from gradzip.ops.flat import reinterpret
+from gradzip.ops.flat import reinterpret, to_device
 
 __all__ = ["Sign"]
 
 
-def _mean_abs_scaled(flat: torch.Tensor) -> torch.Tensor:
-    """``mean(|x|)`` per row when the plain sum overflows although every entry is finite:
-    the rows are scaled by a power of two first (exact), so the mean is finite whenever it is
-    representable. Without this, one huge entry left in a residual (spread over the whole
-    tensor by the previous scale) would make every later step overflow."""
-    top = flat.abs().amax(dim=1, keepdim=True)
-    shift = torch.exp2(torch.floor(torch.log2(torch.where(top > 0, top, 1.0))))  # <= top: finite
-    return (flat / shift).abs().mean(dim=1, keepdim=True) * shift
+@functools.lru_cache(maxsize=64)
+def _host_layout(numels: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """For tensors of ``numels`` entries laid end to end: each entry's tensor (int64
+    ``[total]``), each tensor's first and last-plus-one entry (int64 ``[T]`` each) and its
+    entry count (float64 ``[T]``, at least 1). Made on the host from the shapes, so no size is
+    ever read from a device tensor."""
+    counts = np.asarray(numels, dtype=np.int64)
+    owner = torch.from_numpy(np.repeat(np.arange(len(numels), dtype=np.int64), counts))
+    ends = np.cumsum(counts)
+    return (owner, torch.from_numpy(ends - counts), torch.from_numpy(ends),
+            torch.from_numpy(np.maximum(counts, 1).astype(np.float64)))
+
+
+def _layout(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:func:`_host_layout` on ``device`` (queued page-locked copies: the host never waits)."""
+    return tuple(to_device(t, device) for t in _host_layout(numels))
+
+
+def _mean_abs(
+    flat: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """``mean(|x|)`` of every tensor laid end to end in the rows of ``flat[L, total]``: a float64
+    prefix sum of the magnitudes read at each tensor's bounds, a few ops per call whatever the
+    number of tensors. In float64 the sums of float32 magnitudes cannot overflow (so no host
+    test for an overflowed float32 sum is needed) and the differences of prefix sums keep far
+    more than float32's precision; the mean is rounded to float32 once (it can differ from a
+    float32 ``mean`` in the last bit)."""
+    prefix = torch.cumsum(flat.abs(), dim=1, dtype=torch.float64)
+    prefix = torch.nn.functional.pad(prefix, (1, 0))  # [L, total + 1], a zero first
+    sums = prefix.index_select(1, ends) - prefix.index_select(1, starts)
+    return (sums / counts).to(torch.float32)  # [L, T]
 
 
 @dataclass(frozen=True)
@@ -48,6 +72,7 @@ class Sign(Compressor):
     """
 
     spec_name: ClassVar[str] = "sign"
+    device_decisions: ClassVar[bool] = True
 
     @staticmethod
     def message_bytes(*numels: int) -> int:
@@ -61,39 +86,30 @@ class Sign(Compressor):
         if not jobs:
             return
         workers = comm.local_workers
-        scales, signs = [], []
-        for job in jobs:
-            flat = job.tensor.reshape(workers, -1)
-            if flat.shape[1] == 0:  # an empty tensor: no mean (NaN), its scale is sent as 0
-                scale = flat.new_zeros(workers, 1)
-            else:
-                scale = flat.abs().mean(dim=1, keepdim=True)  # [L, 1]
-            if not bool(torch.isfinite(scale).all()):
-                scale = _mean_abs_scaled(flat)
-            bits = (flat >= 0).to(torch.uint8)
-            job.decoded = ((bits.to(torch.float32) * 2 - 1) * scale).reshape(job.tensor.shape)
-            scales.append(scale)
-            signs.append(bits)
+        numels = tuple(job.numel for job in jobs)
+        owner, starts, ends, counts = _layout(numels, jobs[0].tensor.device)
+        # The call's tensors as one flat buffer: every step below is one op per call.
+        flat = torch.cat([job.tensor.reshape(workers, -1) for job in jobs], dim=1)
+        scale = _mean_abs(flat, starts, ends, counts)  # [L, T]; an empty tensor's scale is 0
+        bits = (flat >= 0).to(torch.uint8)
+        decoded = (bits.to(torch.float32) * 2 - 1) * scale.index_select(1, owner)
+        for job, part in zip(jobs, torch.split(decoded, list(numels), dim=1), strict=True):
+            job.decoded = part.reshape(job.tensor.shape)
         # One message per call: every tensor's scale, then all sign bits as one packed stream.
         total = sum(job.numel for job in jobs)
-        head = torch.cat(scales, dim=1).contiguous().view(torch.uint8)  # [L, 4 T]
-        gathered = comm.all_gather(torch.cat([head, pack_bits(torch.cat(signs, dim=1), 1, checked=False)], dim=1))
+        head = scale.contiguous().view(torch.uint8)  # [L, 4 T]
+        gathered = comm.all_gather(torch.cat([head, pack_bits(bits, 1, checked=False)], dim=1))
         all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
         payload = gathered[:, head.shape[1] :]
         if payload.device.type == "cpu" and MAX_KEY_WORKERS > 0:
             _average_by_table(jobs, payload, all_scales, comm.world_size)
             return
-        bits = unpack_bits(payload, 1, total)  # [W, total]
-        start = 0
-        for t, job in enumerate(jobs):
-            mine = bits[:, start : start + job.numel]
-            start += job.numel
-            job.averaged = _sign_average(mine, all_scales[:, t], comm.world_size).reshape(job.shape)
+        _average_together(jobs, unpack_bits(payload, 1, total), all_scales, owner, comm.world_size)
 
 
 def _sign_sum(bits: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
     """``acc + sum_w 2 scale_w b_w`` over the rows of ``bits[w, m]`` (uint8 0/1) with
-    ``scale[w]``, added worker by worker in rank order (the same on every worker) without a
+    ``scale[w]`` (a scalar, or one per entry: ``scale[w, m]``), added worker by worker in rank order (the same on every worker) without a
     float tensor per worker; ``acc`` (float32 ``[m]``, updated in place) starts at zero."""
     if acc is None:
         acc = torch.zeros(bits.shape[1], dtype=torch.float32, device=bits.device)
@@ -102,15 +118,41 @@ def _sign_sum(bits: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor | None 
     return acc
 
 
+def _scale_total(scale: torch.Tensor) -> torch.Tensor:
+    """``sum_w scale[w]`` over the first dimension, added in rank order: the same bits for one
+    tensor's scales ``[W]`` as for every tensor's at once (``[W, T]``), which a reduction
+    kernel does not promise."""
+    total = scale[0].clone()
+    for w in range(1, scale.shape[0]):
+        total += scale[w]
+    return total
+
+
 def _finish(acc: torch.Tensor, scale: torch.Tensor, world_size: int) -> torch.Tensor:
     """``(acc - sum_w scale_w) / world_size`` in place: the average of ``scale_w (2 b_w - 1)``."""
-    return acc.sub_(scale.sum()).div_(world_size)
+    return acc.sub_(_scale_total(scale)).div_(world_size)
 
 
 def _sign_average(bits: torch.Tensor, scale: torch.Tensor, world_size: int) -> torch.Tensor:
     """The average of ``scale_w (2 b_w - 1)`` over the rows of ``bits[W, m]``: this sequence of
     operations (:func:`_sign_sum`, then :func:`_finish`) defines the average's bits."""
     return _finish(_sign_sum(bits, scale), scale, world_size)
+
+
+def _average_together(
+    jobs: Sequence[Job], bits: torch.Tensor, scales: torch.Tensor, owner: torch.Tensor,
+    world_size: int,
+) -> None:
+    """Every job's average from the unpacked bits ``bits[W, total]`` and the scales
+    ``scales[W, T]`` (``owner``: each entry's tensor), all tensors at once: each entry sees
+    the operations of :func:`_sign_average` (its own tensor's scales, workers added in rank
+    order, then the sum of its tensor's scales taken off), so the bits are the same."""
+    per_entry = scales.index_select(1, owner)  # [W, total]
+    acc = _sign_sum(bits, per_entry)
+    offsets = _scale_total(scales)  # [T], each as _finish sums one tensor's
+    averaged = acc.sub_(offsets.index_select(0, owner)).div_(world_size)
+    for job, part in zip(jobs, torch.split(averaged, [job.numel for job in jobs]), strict=True):
+        job.averaged = part.reshape(job.shape)
 
 
 def _average_by_table(
@@ -138,13 +180,17 @@ def _average_by_table(
     # Key k holds combination (k >> (j * G)) & (2**G - 1) for its entry j.
     shifts = torch.arange(e) * head
     parts = (torch.arange(1 << (e * head)).unsqueeze(1) >> shifts) & ((1 << head) - 1)
+    # Every tensor's table at once ([T, 2**G] sums, then [T, keys, e]): each value sees the
+    # operations _sign_sum and _finish apply to its tensor alone.
+    values = torch.zeros(len(jobs), 1 << head, dtype=torch.float32)
+    for w in range(head):
+        values.addcmul_(combo_bits[w].unsqueeze(0), (2 * scales[w]).unsqueeze(1))
+    if rest is None:
+        values.sub_(_scale_total(scales).unsqueeze(1)).div_(world_size)
+    tables = values.index_select(1, parts.reshape(-1)).reshape(len(jobs), -1, e).numpy()
     start = 0
     for t, job in enumerate(jobs):
-        scale = scales[:, t]
-        values = _sign_sum(combo_bits, scale[:head])  # [2**G]
-        if rest is None:
-            values = _finish(values, scale, world_size)
-        table = values.index_select(0, parts.reshape(-1)).reshape(-1, e).numpy()
+        scale, table = scales[:, t], tables[t]
         first, last = start // e, -(-(start + job.numel) // e)
         looked_up = np.take(table, keys[first:last], axis=0, mode="clip").reshape(-1)
         skip = start - first * e

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -10,10 +10,11 @@ import torch
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Job
 from gradzip.feedback import residual_unsent
+from gradzip.ops.checks import check_on_device
 from gradzip.ops.flat import reinterpret, to_device
 from gradzip.ops.select import index_dtype
 
-__all__ = ["gather_sparse", "index_bytes", "scatter_decode"]
+__all__ = ["gather_full", "gather_sparse", "index_bytes", "scatter_decode"]
 
 
 def index_bytes(numel: int) -> int:
@@ -34,13 +35,15 @@ def scatter_decode(values: torch.Tensor, indices: torch.Tensor, numel: int) -> t
     """Sum ``values[R, m]`` at ``indices[R, m]`` into one dense vector of length ``numel``.
 
     Raises:
-        ValueError: an index lies outside ``[0, numel)`` (a corrupt message).
+        ValueError: an index lies outside ``[0, numel)`` (a corrupt message; checked on the
+            device, see :mod:`gradzip.ops.checks`: on CUDA the device asserts instead).
     """
     flat_idx = indices.reshape(-1)
-    if flat_idx.numel() and (int(flat_idx.min()) < 0 or int(flat_idx.max()) >= numel):
-        raise ValueError(
-            f"message indices must lie in [0, {numel}), got range "
-            f"[{int(flat_idx.min())}, {int(flat_idx.max())}]"
+    if flat_idx.numel():
+        lo, hi = torch.aminmax(flat_idx)
+        check_on_device(
+            (lo >= 0) & (hi < numel), f"message indices must lie in [0, {numel})",
+            lambda: f"message indices must lie in [0, {numel}), got range [{int(lo)}, {int(hi)}]",
         )
     out = torch.zeros(numel, dtype=values.dtype, device=values.device)
     # One row (one worker's message) at a time, in rank order: within a row every index is
@@ -108,16 +111,14 @@ def gather_sparse(
     the unpadded indices.
 
     Raises:
-        ValueError: a received index lies outside its tensor (a corrupt message).
+        ValueError: a received index lies outside its tensor (a corrupt message; checked on
+            the device, see :mod:`gradzip.ops.checks`: on CUDA the device asserts instead).
     """
     if not jobs:
         return
     workers = comm.local_workers
     device = jobs[0].tensor.device
     numels = [job.numel for job in jobs]
-    offsets = [0]
-    for n in numels:
-        offsets.append(offsets[-1] + n)
     parts: list[torch.Tensor] = []
     payload = [extra_payload] * workers
     for j, job in enumerate(jobs):
@@ -136,13 +137,42 @@ def gather_sparse(
         received_idx.append(_from_words(gathered[:, offset + width : offset + width + words], numel))
         offset += width + words
     idx_all = torch.cat(received_idx, dim=1)  # [W, sum(widths)], each job's own positions
-    limits = _per_entry(numels, widths, device)
-    if idx_all.numel() and bool(((idx_all < 0) | (idx_all >= limits)).any()):
-        for j, numel in enumerate(numels):  # name the first bad range
+
+    def explain() -> str:  # the CPU's precise message: the first job whose range is bad
+        for j, numel in enumerate(numels):
             scatter_decode(received_val[j], received_idx[j], numel)
+        return "message indices must lie in their tensors"
+
+    _average(jobs, torch.cat(received_val, dim=1), idx_all, widths, comm, explain)
+
+
+def _offsets(numels: Sequence[int]) -> list[int]:
+    """Where each of tensors of ``numels`` entries starts when laid end to end, then the total."""
+    offsets = [0]
+    for n in numels:
+        offsets.append(offsets[-1] + n)
+    return offsets
+
+
+def _average(
+    jobs: Sequence[Job], flat_val: torch.Tensor, idx_all: torch.Tensor, widths: Sequence[int],
+    comm: Collective, explain: Callable[[], str],
+) -> None:
+    """Every job's average from all workers' messages ``flat_val[W, K]`` and
+    ``idx_all[W, K]`` (int64, each entry an index into its own job's tensor; job ``j`` owns
+    ``widths[j]`` consecutive entries): one range check, one scatter per worker, one division.
+    """
+    device = flat_val.device
+    numels = [job.numel for job in jobs]
+    offsets = _offsets(numels)
+    if idx_all.numel():
+        limits = _per_entry(numels, widths, device)
+        # Asserted on the device: a host read here would stall a CUDA stream once per call.
+        check_on_device(((idx_all >= 0) & (idx_all < limits)).all(),
+                        "message indices must lie in their tensors", explain)
     shifts = _per_entry(offsets[:-1], widths, device)
     total = torch.zeros(offsets[-1], dtype=torch.float32, device=device)
-    flat_idx, flat_val = idx_all + shifts, torch.cat(received_val, dim=1)
+    flat_idx = idx_all + shifts
     # One worker's row at a time, in rank order: a row never holds an index twice (padding
     # adds zeros), so even atomic GPU scatters add in a fixed order and every rank computes
     # bit-identical averages (a decision taken from them must agree across ranks).
@@ -151,3 +181,61 @@ def gather_sparse(
     total.div_(comm.world_size)
     for j, job in enumerate(jobs):
         job.averaged = total[offsets[j] : offsets[j + 1]].reshape(job.shape)
+
+
+def gather_full(
+    jobs: Sequence[Job], values: torch.Tensor, indices: torch.Tensor, widths: Sequence[int],
+    comm: Collective,
+) -> None:
+    """:func:`gather_sparse` for messages that are all full (Top-k), given for all jobs at once:
+    a few ops per call whatever the number of tensors.
+
+    Args:
+        jobs: the tensors, in an order identical on every worker.
+        values, indices: ``[L, K]``, job ``j``'s ``widths[j]`` entries after those of the jobs
+            before it; indices are int64 positions in the job's own tensor.
+        widths: per job, its number of entries (identical on every worker).
+        comm: the collective.
+
+    The message carries all values, then all indices as int32 (where a tensor needs int64
+    indices, the call goes through :func:`gather_sparse`); the bytes counted are the same.
+    Residuals and averages are those of :func:`gather_sparse`, bit for bit.
+
+    Raises:
+        ValueError: a received index lies outside its tensor (as :func:`gather_sparse`).
+    """
+    if not jobs:
+        return
+    workers = comm.local_workers
+    numels = [job.numel for job in jobs]
+    if any(index_dtype(n) != torch.int32 for n in numels):
+        starts = _offsets(widths)
+        parts = [(values[:, a:b], indices[:, a:b]) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        gather_sparse(jobs, [list(v) for v, _ in parts], [list(i) for _, i in parts], widths, comm)
+        return
+    device = values.device
+    if any(job.residual is None for job in jobs):
+        # Every job's tensor with its sent entries zeroed (what residual_unsent gives), in
+        # one scatter over the call's tensors laid end to end.
+        offsets = _offsets(numels)
+        rest = torch.cat([job.tensor.reshape(workers, -1) for job in jobs], dim=1)
+        rest.scatter_(1, indices + _per_entry(offsets[:-1], widths, device), 0.0)
+        for j, job in enumerate(jobs):
+            if job.residual is None:
+                job.keep(rest[:, offsets[j] : offsets[j + 1]].reshape(job.tensor.shape))
+    count = values.shape[1]
+    payload = [count * 8] * workers
+    words = indices.to(torch.int32).contiguous().view(torch.float32)  # every index fits
+    message = torch.cat([values.to(torch.float32), words], dim=1)
+    gathered = comm.all_gather(message, payload=payload)
+    received_val = gathered[:, :count]
+    received_idx = reinterpret(gathered[:, count:], torch.int32).to(torch.int64)
+
+    def explain() -> str:  # the CPU's precise message: the first job whose range is bad
+        starts = _offsets(widths)
+        for j, numel in enumerate(numels):
+            a, b = starts[j], starts[j + 1]
+            scatter_decode(received_val[:, a:b], received_idx[:, a:b], numel)
+        return "message indices must lie in their tensors"
+
+    _average(jobs, received_val, received_idx, widths, comm, explain)

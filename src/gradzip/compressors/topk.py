@@ -6,10 +6,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from gradzip._validate import check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
-from gradzip.compressors.sparse import gather_sparse, index_bytes
+from gradzip.compressors.sparse import gather_full, index_bytes
 from gradzip.ops.select import topk_abs
 
 __all__ = ["TopK"]
@@ -33,6 +35,7 @@ class TopK(Compressor):
 
     ratio: float = 0.01
     spec_name: ClassVar[str] = "topk"
+    device_decisions: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", check_real("ratio", self.ratio, low=0, high=1, low_open=True))
@@ -54,11 +57,22 @@ class TopK(Compressor):
             pays = sparse_pays(job.numel, k, 4 + index_bytes(job.numel), comm)
             (sparse if pays else dense).append(job)
         dense_reduce(dense, comm)
-        values, indices, widths = [], [], []
-        for job in sparse:
-            k = self.k_for(job.numel)
-            val, idx = topk_abs(job.tensor.reshape(comm.local_workers, -1), k)
-            values.append(list(val))
-            indices.append(list(idx))
-            widths.append(k)
-        gather_sparse(sparse, values, indices, widths, comm)
+        if not sparse:
+            return
+        workers = comm.local_workers
+        # Tensors of one size share k: one selection over all their rows (each row's
+        # selection is the one it would get alone), so the work grows with the number of
+        # distinct sizes, not of tensors.
+        groups: dict[int, list[int]] = {}
+        for i, job in enumerate(sparse):
+            groups.setdefault(job.numel, []).append(i)
+        values: list[torch.Tensor] = [torch.empty(0)] * len(sparse)
+        indices: list[torch.Tensor] = [torch.empty(0)] * len(sparse)
+        for numel, members in groups.items():
+            rows = torch.cat([sparse[i].tensor.reshape(workers, numel) for i in members])
+            val, idx = topk_abs(rows, self.k_for(numel))
+            for g, i in enumerate(members):
+                values[i] = val[g * workers : (g + 1) * workers]
+                indices[i] = idx[g * workers : (g + 1) * workers]
+        gather_full(sparse, torch.cat(values, dim=1), torch.cat(indices, dim=1),
+                    [self.k_for(job.numel) for job in sparse], comm)

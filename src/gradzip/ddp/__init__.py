@@ -10,7 +10,9 @@ local gradients) at a time; the hook looks the parameters up by name, lets one
 the bucket's buffer and completes the future it returned. By default (``overlap=True``) that
 work runs on a communication thread while autograd computes the later buckets, as native DDP
 overlaps its all-reduces; ``overlap=False`` runs it inside the hook (the baseline, and the
-simplest to debug). Both give the same results bit for bit.
+simplest to debug). Both give the same results bit for bit. On CUDA with NCCL, a compressor
+that decides on the device runs inside the hook either way (:func:`~gradzip.ddp.hook.runs_inline`):
+its collectives are asynchronous already, so the thread would add nothing but contention.
 
 Why it is shaped this way (each point is a failure of hooks keyed differently):
 

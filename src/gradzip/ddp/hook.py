@@ -20,9 +20,47 @@ from gradzip.ddp.params import named_trainable_parameters
 from gradzip.ddp.state import GradzipHookState
 from gradzip.options import EngineOptions
 
-__all__ = ["gradzip_hook", "make_hook", "register"]
+__all__ = ["gradzip_hook", "make_hook", "register", "runs_inline"]
 
 log = logging.getLogger("gradzip.ddp")
+
+
+def runs_inline(backend: str, device: torch.device, device_decisions: bool) -> bool:
+    """Whether a bucket's work runs inside the hook even with ``overlap=True``.
+
+    On CUDA with NCCL every collective is already asynchronous on its own stream, and a
+    compressor that decides on the device (``Compressor.device_decisions``) only enqueues
+    kernels and collectives: the hook returns as soon as they are queued, so a thread would
+    buy no overlap and add interpreter-lock contention with autograd. Everywhere else (gloo,
+    whose collectives block the calling thread; a compressor that reads values on the host)
+    the communication thread is what overlaps communication with the backward pass.
+
+    Args:
+        backend: the process group's backend, as ``torch.distributed.get_backend`` names it
+            (``"nccl"``, ``"gloo"`` or a per-device list such as ``"cpu:gloo,cuda:nccl"``).
+        device: where the parameters live.
+        device_decisions: the compressor's ``device_decisions``.
+
+    Returns:
+        True to run inline (NCCL serves ``device``, which is CUDA, and the compressor decides
+        on the device), False for the communication thread.
+    """
+    if device.type != "cuda" or not device_decisions:
+        return False
+    name = str(backend).lower()
+    if ":" in name:  # one backend per device type
+        per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        name = per_device.get("cuda", "")
+    return name == "nccl"
+
+
+def _inline(state: GradzipHookState) -> bool:
+    """:func:`runs_inline` for this hook state (decided once: the group and device are fixed)."""
+    if state._inline is None:
+        device = next(iter(state.params.values())).device
+        backend = dist.get_backend(state.process_group)
+        state._inline = runs_inline(backend, device, state.compressor.device_decisions)
+    return state._inline
 
 
 def gradzip_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -34,11 +72,13 @@ def gradzip_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futu
 
     Returns:
         A future holding the bucket's buffer, completed once that buffer holds the averaged
-        gradients: at once with ``overlap=False``, by the communication thread otherwise.
+        gradients: at once with ``overlap=False`` or inline on NCCL (:func:`runs_inline`; the
+        buffer's averages are then queued on the current CUDA stream, which DDP's later use
+        of the buffer follows), by the communication thread otherwise.
     """
-    if state.overlap:
+    if state.overlap and not _inline(state):
         return state._submit(bucket)
-    # Synchronous collectives, in bucket order, identical on every rank: see gradzip.ddp's
+    # Collectives issued here, in bucket order, identical on every rank: see gradzip.ddp's
     # docstring for why nothing may wait inside a Future callback.
     engine = state.engine
     state._hook_thread = threading.get_ident()
@@ -47,8 +87,6 @@ def gradzip_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futu
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
-
-
 
 
 # DDP checks the hook's annotations against the real types; postponed (string) annotations

@@ -46,7 +46,9 @@ class GradzipHookState:
             optimizer, grad scaler, ``dense_1d``, ``rules``, ``min_numel``: documented there).
         **engine_options: the same options as keywords (they replace the record's fields).
         overlap: run each bucket's work on the communication thread while autograd computes
-            later buckets (the default); ``False`` runs it inside the hook, synchronously.
+            later buckets (the default); ``False`` runs it inside the hook, synchronously. On
+            CUDA with NCCL, a compressor that decides on the device runs inside the hook either
+            way: its collectives are asynchronous already (``gradzip.ddp.hook.runs_inline``).
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
@@ -108,6 +110,7 @@ class GradzipHookState:
         self._step_cv = threading.Condition()
         self._step_open = False
         self._hook_thread: int | None = None  # the thread DDP calls the hook on
+        self._inline: bool | None = None  # overlap without the thread (NCCL; ddp.hook)
         self._optimizer_steps: int | None = None
         if options.optimizer is not None:
             self._optimizer_steps = 0
