@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["orthogonalize"]
+__all__ = ["orthogonalize", "stack_matrices"]
 
 
 # Columns whose largest entry lies outside [_LOW, _HIGH] are rescaled by a power of two before
@@ -59,3 +61,64 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
         return torch.where(norm > 0, p / torch.where(norm > 0, norm, 1.0), unit)
     q, _ = torch.linalg.qr(_rescaled(p, (-2, -1)), mode="reduced")
     return q
+
+
+def stack_matrices(tensors: Sequence[torch.Tensor], rows: int, cols: int) -> torch.Tensor:
+    """``[L, B, rows, cols]``: the ``B`` tensors (each ``[L, *shape]`` holding ``rows * cols``
+    entries per worker) as one batch of matrices.
+
+    Tensors that already lie one after another in one storage (views of one flat buffer, in
+    order) are viewed in place; otherwise they are copied once into a new contiguous tensor.
+    Either way every matrix is row-major with unit column stride, so a batched product rounds
+    the same whichever way the batch was made.
+
+    Args:
+        tensors: at least one tensor, each ``[L, ...]`` with ``rows * cols`` entries per worker.
+        rows: the rows of each matrix.
+        cols: the columns of each matrix.
+
+    Returns:
+        A tensor ``[L, B, rows, cols]``.
+
+    Raises:
+        ValueError: if ``tensors`` is empty or a tensor does not hold ``L * rows * cols`` entries.
+    """
+    if not tensors:
+        raise ValueError("`tensors` must hold at least one tensor, got none")
+    workers = tensors[0].shape[0]
+    for t in tensors:
+        if t.numel() != workers * rows * cols:
+            raise ValueError(
+                f"`tensors` must each hold {workers} x {rows} x {cols} entries, got shape "
+                f"{tuple(t.shape)}")
+    view = _consecutive_view(tensors, workers, rows, cols)
+    if view is not None:
+        return view
+    mats = [t.reshape(workers, rows, cols) for t in tensors]
+    if len(mats) == 1:
+        return mats[0].contiguous().unsqueeze(1)
+    return torch.stack(mats, dim=1)
+
+
+def _consecutive_view(
+    tensors: Sequence[torch.Tensor], workers: int, rows: int, cols: int
+) -> torch.Tensor | None:
+    """The ``[L, B, rows, cols]`` view of ``tensors`` when each worker's part of each is
+    contiguous and they follow one another in one storage (same worker stride); else ``None``."""
+    first = tensors[0]
+    size = rows * cols
+    if len(tensors) == 1:
+        return None
+    base = first.untyped_storage().data_ptr()
+    stride = first.stride(0) if workers > 1 else size * len(tensors)
+    for i, t in enumerate(tensors):
+        if (
+            t.dtype != first.dtype
+            or t.untyped_storage().data_ptr() != base
+            or t.storage_offset() != first.storage_offset() + i * size
+            or not t[0].is_contiguous()
+            or (workers > 1 and t.stride(0) != stride)
+        ):
+            return None
+    return first.as_strided((workers, len(tensors), rows, cols), (stride, size, cols, 1),
+                            first.storage_offset())
