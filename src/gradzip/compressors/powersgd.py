@@ -14,7 +14,7 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
-from gradzip.ops.lowrank import orthogonalize, stack_matrices
+from gradzip.ops.lowrank import orthogonalize, orthogonalize_batches, stack_matrices
 from gradzip.ops.random import generator_for
 
 __all__ = ["PowerSGD"]
@@ -24,31 +24,35 @@ __all__ = ["PowerSGD"]
 _Q_LIMIT = 2.0**32
 
 
-def _tame(q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Each matrix of ``q`` (``[..., a, b]``, batched over leading dims) scaled by a power of
-    two so that its largest entry is at most 1 when it exceeds :data:`_Q_LIMIT`; otherwise
-    times 1 (exact). Computed on ``q``'s device, without a host synchronisation.
+def _tame_shifts(top: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scale of each warm start whose largest absolute entry is ``top``
+    (elementwise): the one that brings it to at most 1 where it exceeds :data:`_Q_LIMIT` (and
+    is finite), else exactly 1. Computed on the device, without a host synchronisation.
 
     ``Q = M^T P`` carries the gradient's magnitude (only ``P`` is orthonormal), and the next
     step multiplies it by the next gradient: after one huge but finite gradient, every later
     product would overflow, and each step would be skipped forever. Only the column space of
     ``Q`` matters (``P = orthogonalize(M Q)``), and a power-of-two scale is exact, so this
     changes nothing else; ordinary warm starts never reach the limit and stay bit-identical.
-    The scale is chosen per matrix, as if each were tamed alone.
-
-    Args:
-        q: the warm starts.
-        out: where to write the result (same shape; its layout is kept), else a new tensor.
-
-    Returns:
-        The scaled ``q``.
     """
-    if q.numel() == 0:
-        return q if out is None else out.copy_(q)
-    top = q.abs().amax(dim=(-2, -1), keepdim=True)
     huge = (top > _Q_LIMIT) & torch.isfinite(top)
-    shift = torch.exp2(-torch.ceil(torch.log2(torch.where(huge, top, 1.0))))
-    return torch.mul(q, shift) if out is None else torch.mul(q, shift, out=out)
+    return torch.exp2(-torch.ceil(torch.log2(torch.where(huge, top, 1.0))))
+
+
+def _tame(q: torch.Tensor) -> torch.Tensor:
+    """Each matrix of ``q`` (``[..., a, b]``) times its :func:`_tame_shifts` scale."""
+    if q.numel() == 0:
+        return q
+    return q * _tame_shifts(q.abs().amax(dim=(-2, -1), keepdim=True))
+
+
+def _tops(region: torch.Tensor, sizes: list[int], counts: list[int]) -> torch.Tensor:
+    """The largest absolute entry of each matrix of a 1-D ``region`` made of groups of
+    ``sizes[i]`` entries, each ``counts[i]`` equal-size matrices one after another:
+    ``[sum(counts)]``, in order (one ``abs`` for the region, one reduction per group)."""
+    parts = region.abs().split(sizes)
+    tops = [part.reshape(c, -1).amax(dim=1) for part, c in zip(parts, counts, strict=True)]
+    return tops[0] if len(tops) == 1 else torch.cat(tops)
 
 
 def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -62,6 +66,12 @@ def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if b.shape[0] == 1:
         return torch.matmul(a, b[0]).unsqueeze(0)
     return torch.stack([torch.matmul(a, part) for part in b])
+
+
+def _mean(total: torch.Tensor, world: int) -> torch.Tensor:
+    """An all-reduced sum (a fresh tensor) divided by the world size, in place; with one
+    worker the division by 1 is exact and skipped."""
+    return total.div_(world) if world > 1 else total
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -189,7 +199,8 @@ class PowerSGD(Compressor):
         # batched GEMM per group, whatever the number of tensors.
         mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
         qts = {k: self._warm_starts(groups[k], state, ctx, mats[k].device) for k in keys}
-        ps: dict[tuple[int, int, int], torch.Tensor] = {}
+        counts = [len(groups[k]) for k in keys]
+        ps: dict[tuple[int, int, int], torch.Tensor] = {}  # [B, rows, r] per group
         for iteration in range(self.power_iterations):
             # Round 1: P = M Q, summed. Dense tensors ride along in the first round's buffer.
             # Both products are computed transposed, P^T = Q^T M^T and Q^T = P^T M, and the
@@ -200,31 +211,40 @@ class PowerSGD(Compressor):
             pt_parts = [_each_worker(qts[k], mats[k].transpose(-1, -2)) for k in keys]
             riders = list(dense) if iteration == 0 else []
             flat = flatten_workers([j.tensor for j in riders] + pt_parts, workers)
-            total = comm.all_reduce(flat).div_(world)  # a fresh tensor: divide in place
+            total = _mean(comm.all_reduce(flat), world)
             sizes = [j.numel for j in riders] + [p[0].numel() for p in pt_parts]
             pieces = split_flat(total, sizes)
             for job, piece in zip(riders, pieces[: len(riders)], strict=True):
                 job.averaged = piece.reshape(job.shape)
                 job.decoded = job.tensor
-            for k, piece in zip(keys, pieces[len(riders):], strict=True):
-                pt = piece.reshape(len(groups[k]), k[2], k[0])
-                ps[k] = orthogonalize(pt.transpose(-1, -2))  # [B, rows, r]
+            # P^T travels as [B, r, rows]; orthogonalised as [B, rows, r], all groups' rescaling
+            # exponents computed together (bit for bit what each group alone would use).
+            pts = [piece.reshape(len(groups[k]), k[2], k[0]).transpose(-1, -2)
+                   for k, piece in zip(keys, pieces[len(riders):], strict=True)]
+            if keys:
+                tops = _tops(total[sum(sizes[: len(riders)]):], sizes[len(riders):], counts)
+                ps = dict(zip(keys, orthogonalize_batches(pts, tops), strict=True))
             # Round 2: Q = M^T P, summed.
             qt_local = {k: _each_worker(ps[k].transpose(-1, -2), mats[k]) for k in keys}
             if iteration == self.power_iterations - 1:
                 self._settle_residuals(keys, groups, ps, qt_local, workers, mats)
             flat_q = flatten_workers([qt_local[k] for k in keys], workers)
-            total_q = comm.all_reduce(flat_q).div_(world)
-            sizes = [qt_local[k][0].numel() for k in keys]
-            for k, piece in zip(keys, split_flat(total_q, sizes), strict=True):
+            total_q = _mean(comm.all_reduce(flat_q), world)
+            sizes_q = [qt_local[k][0].numel() for k in keys]
+            for k, piece in zip(keys, split_flat(total_q, sizes_q), strict=True):
                 qts[k] = piece.reshape(len(groups[k]), k[2], k[1])
+        if not keys:
+            return
         new_q = dict(state["q"])
-        for k in keys:
+        # Warm starts are stored per name as contiguous [cols, r] slices of one tamed
+        # [B, cols, r] tensor per group (the layout of a checkpoint's), which the next step
+        # takes as it is; the taming scales of all groups are computed together.
+        shifts = _tame_shifts(_tops(total_q, sizes_q, counts)).split(counts)
+        for k, shift in zip(keys, shifts, strict=True):
             approx = torch.bmm(ps[k], qts[k])  # [B, rows, cols]
-            # Stored per name as contiguous [cols, r] slices of one tamed [B, cols, r] tensor
-            # (the layout of a checkpoint's), which the next step takes as it is.
             q = qts[k].transpose(-1, -2)
-            tamed = _tame(q, out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+            tamed = torch.mul(q, shift.reshape(-1, 1, 1),
+                              out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
             for b, job in enumerate(groups[k]):
                 job.averaged = approx[b].reshape(job.shape)
                 new_q[job.name] = tamed[b]
