@@ -55,17 +55,29 @@ def _tops(region: torch.Tensor, sizes: list[int], counts: list[int]) -> torch.Te
     return tops[0] if len(tops) == 1 else torch.cat(tops)
 
 
-def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a[B, x, y] @ b[w]`` for every worker ``w`` of ``b[L, B, y, z]``: ``[L, B, x, z]``.
+def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a[B, x, y] @ b[w]`` for every worker ``w`` of ``b[L, B, y, z]``: ``[L, B, x, z]``
+    (written into ``out`` when given).
 
     One batched GEMM per local worker (one in a real process group), never a matmul
     broadcast over the worker axis: that would copy ``a`` into a new layout, and the GEMM
     would round differently with the number of workers a process holds (the simulator's
     results must equal a process group's bit for bit).
     """
+    if out is not None:
+        for w in range(b.shape[0]):
+            torch.matmul(a, b[w], out=out[w])
+        return out
     if b.shape[0] == 1:
         return torch.matmul(a, b[0]).unsqueeze(0)
     return torch.stack([torch.matmul(a, part) for part in b])
+
+
+def _group_views(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Consecutive views ``[L, *shape]`` of a ``[L, total]`` buffer, one per shape."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return [part.view(flat.shape[0], *shape)
+            for part, shape in zip(flat.split(sizes, dim=1), shapes, strict=True)]
 
 
 def _mean(total: torch.Tensor, world: int) -> torch.Tensor:
@@ -211,6 +223,14 @@ class PowerSGD(Compressor):
             pt_parts = [_each_worker(qts[k], mats[k].transpose(-1, -2)) for k in keys]
             riders = list(dense) if iteration == 0 else []
             flat = flatten_workers([j.tensor for j in riders] + pt_parts, workers)
+            if riders:
+                # What error feedback keeps of a tensor sent dense, ``tensor - tensor`` (zero,
+                # NaN where not finite), for all of them in one op, before the all-reduce
+                # (which may sum in place).
+                lead = flat[:, : sum(j.numel for j in riders)]
+                kept = _group_views(torch.sub(lead, lead), [tuple(j.shape) for j in riders])
+                for job, rest in zip(riders, kept, strict=True):
+                    job.keep(rest)
             total = _mean(comm.all_reduce(flat), world)
             sizes = [j.numel for j in riders] + [p[0].numel() for p in pt_parts]
             pieces = split_flat(total, sizes)
@@ -225,10 +245,14 @@ class PowerSGD(Compressor):
                 tops = _tops(total[sum(sizes[: len(riders)]):], sizes[len(riders):], counts)
                 ps = dict(zip(keys, orthogonalize_batches(pts, tops), strict=True))
             # Round 2: Q = M^T P, summed.
-            qt_local = {k: _each_worker(ps[k].transpose(-1, -2), mats[k]) for k in keys}
+            # Each group's product is written straight into its place in the message.
+            flat_q = torch.empty(workers, sum(len(groups[k]) * k[2] * k[1] for k in keys),
+                                 dtype=total.dtype, device=total.device)
+            views = _group_views(flat_q, [(len(groups[k]), k[2], k[1]) for k in keys])
+            qt_local = {k: _each_worker(ps[k].transpose(-1, -2), mats[k], out=view)
+                        for k, view in zip(keys, views, strict=True)}
             if iteration == self.power_iterations - 1:
-                self._settle_residuals(keys, groups, ps, qt_local, workers, mats)
-            flat_q = flatten_workers([qt_local[k] for k in keys], workers)
+                self._settle_residuals(keys, groups, ps, qt_local, workers, mats, flat_q)
             total_q = _mean(comm.all_reduce(flat_q), world)
             sizes_q = [qt_local[k][0].numel() for k in keys]
             for k, piece in zip(keys, split_flat(total_q, sizes_q), strict=True):
@@ -258,6 +282,7 @@ class PowerSGD(Compressor):
         qt_local: dict[tuple[int, int, int], torch.Tensor],
         workers: int,
         mats: dict[tuple[int, int, int], torch.Tensor] | None = None,
+        flat_q: torch.Tensor | None = None,
     ) -> None:
         """Decode each worker's own message and its residual *before* the last all-reduce,
         and make a worker whose residual is not finite send NaN in its ``Q`` factor.
@@ -275,25 +300,29 @@ class PowerSGD(Compressor):
             workers: ``L``.
             mats: the groups' matrices ``[L, B, rows, cols]`` (stacked from the jobs if
                 ``None``).
+            flat_q: the ``[L, total]`` buffer that ``qt_local``'s tensors are consecutive views
+                of, if they are (then poisoned with one op).
         """
         if not keys:
             return
-        residuals = []
-        for k in keys:
+        device = ps[keys[0]].device
+        # All residuals of the call in one buffer: one finiteness test for all of them.
+        shapes = [(len(groups[k]), k[0], k[1]) for k in keys]
+        flat = torch.empty(workers, sum(math.prod(shape) for shape in shapes),
+                           dtype=torch.float32, device=device)
+        for k, residual in zip(keys, _group_views(flat, shapes), strict=True):
             jobs = groups[k]
             m = mats[k] if mats is not None else stack_matrices([j.tensor for j in jobs], k[0], k[1])
             own = _each_worker(ps[k], qt_local[k])  # [L, B, rows, cols]
             # One subtraction per group: bit for bit each job's ``tensor - decoded``.
-            residual = m - own
-            residuals.append(residual)
+            torch.sub(m, own, out=residual)
             for b, job in enumerate(jobs):
                 job.decoded = own[:, b].reshape(job.tensor.shape)
                 job.keep(residual[:, b].reshape(job.tensor.shape))
         # On the device, no host synchronisation: NaN where a worker's residual is not finite.
-        bad = ~finite_rows(residuals, workers)
-        for k in keys:
-            qt_local[k].masked_fill_(bad.reshape(workers, *([1] * (qt_local[k].dim() - 1))),
-                                     float("nan"))
+        bad = ~finite_rows([flat], workers)
+        for target in [flat_q] if flat_q is not None else [qt_local[k] for k in keys]:
+            target.masked_fill_(bad.reshape(workers, *([1] * (target.dim() - 1))), float("nan"))
 
 
 def _reduce_per_matrix(
