@@ -35,7 +35,7 @@ def _tame_shifts(top: torch.Tensor) -> torch.Tensor:
     ``Q`` matters (``P = orthogonalize(M Q)``), and a power-of-two scale is exact, so this
     changes nothing else; ordinary warm starts never reach the limit and stay bit-identical.
     """
-    huge = (top > _Q_LIMIT) & torch.isfinite(top)
+    huge = (top > _Q_LIMIT) & (top < torch.inf)  # top >= 0: finite in one op
     return torch.exp2(-torch.ceil(torch.log2(torch.where(huge, top, 1.0))))
 
 

@@ -18,16 +18,18 @@ _LOW = 2.0**-32
 
 def rescale_exponents(top: torch.Tensor) -> torch.Tensor:
     """The power of two (as an exponent, fp32) that :func:`orthogonalize` multiplies a matrix
-    by, from its largest absolute entry ``top`` (any shape, elementwise): 0 when ``top`` lies
-    in ``[_LOW, _HIGH]``, is zero or is not finite; otherwise the exponent that brings it into
-    ``(0.5, 1]``. Computed on the device, without a host synchronisation.
+    by, from its largest absolute entry ``top`` (>= 0 or NaN; any shape, elementwise): 0 when
+    ``top`` lies in ``[_LOW, _HIGH]``, is zero or is not finite; otherwise the exponent that
+    brings it into ``(0.5, 1]``. Computed on the device, without a host synchronisation.
 
     A power-of-two scale changes no mantissa, and the normalised result does not depend on a
     positive scale, so this only removes the overflow (or underflow) of the norm. Without it,
     one huge but finite gradient gave a norm of ``inf`` and a factor of zeros: finite, so no
     non-finite policy fired, while the average was silently zero.
     """
-    odd = ((top > _HIGH) | ((top < _LOW) & (top > 0))) & torch.isfinite(top)
+    # ``top < inf``: finite for a largest absolute entry, which is never negative (one op,
+    # where ``isfinite`` takes several).
+    odd = ((top > _HIGH) | ((top < _LOW) & (top > 0))) & (top < torch.inf)
     # The exponent is clamped so that the scale itself stays a normal fp32 number (a subnormal
     # largest entry would otherwise ask for 2**149, which is inf); the clamped result is still
     # far enough from both limits for the norm.
