@@ -98,9 +98,12 @@ class PowerSGD(Compressor):
     For each matrix ``M`` (a tensor reshaped to ``[rows, cols]``): ``P = M Q`` is all-reduced and
     orthogonalised, then ``Q = M^T P`` is all-reduced; the average is ``P Q^T / W``. ``Q`` is
     kept for the next step (warm start), so one iteration per step converges over steps.
-    Matrices of the same shape are processed together with batched matmuls, and all ``P``
-    factors (with the tensors sent dense) travel in one flat buffer, all ``Q`` factors in a
-    second one: two all-reduces per step, however many tensors.
+    The matrices of a call are grouped by shape, and each group is one batch: every product,
+    the orthogonalisation, the residuals and the warm starts' taming are a few ops per group
+    (the rescaling scales and the finiteness test a few per call), so a call's ops grow with
+    its number of distinct shapes, not of tensors. All ``P`` factors (with the tensors sent
+    dense) travel in one flat buffer, all ``Q`` factors in a second one: two all-reduces per
+    step, however many tensors. Warm starts stay keyed by parameter name (``[cols, r]`` each).
 
     Tensors with fewer than two dimensions, and matrices whose compression rate
     ``rows * cols / (matrix_rank * (rows + cols))`` is below ``min_compression_rate``, are sent dense.
