@@ -20,27 +20,34 @@ SHAPES = {
 }
 
 
-def _jobs(workers: int, gen: torch.Generator, flat: bool = False) -> list[Job]:
+#: Same-shape tensors next to one another: as views of one buffer, each group is a view.
+ADJACENT = {"a1": (16, 72), "a2": (16, 8, 9), "a3": (16, 72), "b": (5,), "c1": (24, 40),
+            "c2": (24, 40)}
+
+
+def _jobs(workers: int, gen: torch.Generator, flat: bool = False,
+          shapes: dict[str, tuple[int, ...]] = SHAPES) -> list[Job]:
     """One job per shape with random gradients; with ``flat``, views of one ``[L, total]``
     buffer in order (as a bucket lays them out)."""
-    sizes = [int(torch.Size(s).numel()) for s in SHAPES.values()]
+    sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
     buffer = torch.randn(workers, sum(sizes), generator=gen)
     jobs, start = [], 0
-    for (name, shape), n in zip(SHAPES.items(), sizes, strict=True):
+    for (name, shape), n in zip(shapes.items(), sizes, strict=True):
         part = buffer[:, start:start + n].reshape(workers, *shape)
         jobs.append(Job(name, part if flat else part.clone()))
         start += n
     return jobs
 
 
-def _run(reduce, comp: PowerSGD, workers: int, steps: int, flat: bool = False):  # noqa: ANN001, ANN202
+def _run(reduce, comp: PowerSGD, workers: int, steps: int, flat: bool = False,  # noqa: ANN001, ANN202
+         shapes: dict[str, tuple[int, ...]] = SHAPES):
     """``steps`` calls of ``reduce`` with warm starts carried over; every call's jobs and the
     state after each call."""
     gen = torch.Generator().manual_seed(7)
-    state = comp.init_state({n: torch.Size(s) for n, s in SHAPES.items()})
+    state = comp.init_state({n: torch.Size(s) for n, s in shapes.items()})
     out = []
     for step in range(steps):
-        jobs = _jobs(workers, gen, flat)
+        jobs = _jobs(workers, gen, flat, shapes)
         reduce(jobs, state, SimulatedGroup(workers), StepContext(step, tuple(range(workers)), workers))
         out.append((jobs, {n: q.clone() for n, q in state["q"].items()}))
     return out
@@ -87,6 +94,18 @@ def test_batched_equals_the_reference_for_other_options(comp: PowerSGD, flat: bo
     bucket-like buffer (the batch is then a view, not a copy). Still bit for bit."""
     got = _run(_batched(comp), comp, 2, 2, flat=flat)
     _assert_same(got, _run(_reference(comp), comp, 2, 2))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_batches_viewed_in_place_equal_the_reference(workers: int) -> None:
+    """Same-shape gradients next to one another in one buffer (a bucket's layout): each
+    group is a view of the buffer, not a copy, and the results are still bit for bit."""
+    comp = PowerSGD(matrix_rank=2)
+    jobs = _jobs(workers, torch.Generator().manual_seed(0), True, ADJACENT)
+    view = stack_matrices([j.tensor for j in jobs[:3]], 16, 72)
+    assert view.data_ptr() == jobs[0].tensor.data_ptr()
+    got = _run(_batched(comp), comp, workers, 2, flat=True, shapes=ADJACENT)
+    _assert_same(got, _run(_reference(comp), comp, workers, 2, shapes=ADJACENT))
 
 
 def test_warm_starts_are_reused_without_a_copy_and_stay_keyed_by_name() -> None:
