@@ -14,41 +14,20 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
-from gradzip.ops.lowrank import orthogonalize
+from gradzip.ops.lowrank import orthogonalize, orthogonalize_batches, stack_matrices
 from gradzip.ops.random import generator_for
 
 __all__ = ["PowerSGD"]
-
-
-# Matrices of at most this many entries are stacked for batched matmuls (see ``reduce``).
-_STACK_MAX = 1 << 16
-
-
-def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a[x, y] @ b[w]`` for every ``w`` of ``b[L, y, z]``: ``[L, x, z]``, one 2-D GEMM each."""
-    if b.shape[0] == 1:
-        return torch.mm(a, b[0]).unsqueeze(0)
-    return torch.stack([torch.mm(a, part) for part in b])
-
-
-def _stack_batch(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``[L, ...]`` tensors stacked along a new batch axis 1 (no copy for a single one)."""
-    return parts[0].unsqueeze(1) if len(parts) == 1 else torch.stack(parts, dim=1)
-
-
-def _stack_workers(parts: list[torch.Tensor]) -> torch.Tensor:
-    """Per-worker results stacked along a new worker axis 0 (no copy for a single worker)."""
-    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
 
 
 # A warm start whose largest entry exceeds this is scaled down by a power of two (see _tame).
 _Q_LIMIT = 2.0**32
 
 
-def _tame(q: torch.Tensor) -> torch.Tensor:
-    """``q`` scaled by a power of two so that its largest entry is at most 1 when it exceeds
-    :data:`_Q_LIMIT`; otherwise ``q`` times 1 (exact). Computed on ``q``'s device, without a
-    host synchronisation.
+def _tame_shifts(top: torch.Tensor) -> torch.Tensor:
+    """The power-of-two scale of each warm start whose largest absolute entry is ``top``
+    (elementwise): the one that brings it to at most 1 where it exceeds :data:`_Q_LIMIT` (and
+    is finite), else exactly 1. Computed on the device, without a host synchronisation.
 
     ``Q = M^T P`` carries the gradient's magnitude (only ``P`` is orthonormal), and the next
     step multiplies it by the next gradient: after one huge but finite gradient, every later
@@ -56,12 +35,55 @@ def _tame(q: torch.Tensor) -> torch.Tensor:
     ``Q`` matters (``P = orthogonalize(M Q)``), and a power-of-two scale is exact, so this
     changes nothing else; ordinary warm starts never reach the limit and stay bit-identical.
     """
+    huge = (top > _Q_LIMIT) & (top < torch.inf)  # top >= 0: finite in one op
+    return torch.exp2(-torch.ceil(torch.log2(torch.where(huge, top, 1.0))))
+
+
+def _tame(q: torch.Tensor) -> torch.Tensor:
+    """Each matrix of ``q`` (``[..., a, b]``) times its :func:`_tame_shifts` scale."""
     if q.numel() == 0:
         return q
-    top = q.abs().amax()
-    huge = (top > _Q_LIMIT) & torch.isfinite(top)
-    shift = torch.exp2(-torch.ceil(torch.log2(torch.where(huge, top, 1.0))))
-    return q * shift
+    return q * _tame_shifts(q.abs().amax(dim=(-2, -1), keepdim=True))
+
+
+def _tops(region: torch.Tensor, sizes: list[int], counts: list[int]) -> torch.Tensor:
+    """The largest absolute entry of each matrix of a 1-D ``region`` made of groups of
+    ``sizes[i]`` entries, each ``counts[i]`` equal-size matrices one after another:
+    ``[sum(counts)]``, in order (one ``abs`` for the region, one reduction per group)."""
+    parts = region.abs().split(sizes)
+    tops = [part.reshape(c, -1).amax(dim=1) for part, c in zip(parts, counts, strict=True)]
+    return tops[0] if len(tops) == 1 else torch.cat(tops)
+
+
+def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a[B, x, y] @ b[w]`` for every worker ``w`` of ``b[L, B, y, z]``: ``[L, B, x, z]``
+    (written into ``out`` when given).
+
+    One batched GEMM per local worker (one in a real process group), never a matmul
+    broadcast over the worker axis: that would copy ``a`` into a new layout, and the GEMM
+    would round differently with the number of workers a process holds (the simulator's
+    results must equal a process group's bit for bit).
+    """
+    if out is not None:
+        for w in range(b.shape[0]):
+            torch.matmul(a, b[w], out=out[w])
+        return out
+    if b.shape[0] == 1:
+        return torch.matmul(a, b[0]).unsqueeze(0)
+    return torch.stack([torch.matmul(a, part) for part in b])
+
+
+def _group_views(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Consecutive views ``[L, *shape]`` of a ``[L, total]`` buffer, one per shape."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return [part.view(flat.shape[0], *shape)
+            for part, shape in zip(flat.split(sizes, dim=1), shapes, strict=True)]
+
+
+def _mean(total: torch.Tensor, world: int) -> torch.Tensor:
+    """An all-reduced sum (a fresh tensor) divided by the world size, in place; with one
+    worker the division by 1 is exact and skipped."""
+    return total.div_(world) if world > 1 else total
 
 
 def _matrix_shape(shape: torch.Size) -> tuple[int, int]:
@@ -76,9 +98,12 @@ class PowerSGD(Compressor):
     For each matrix ``M`` (a tensor reshaped to ``[rows, cols]``): ``P = M Q`` is all-reduced and
     orthogonalised, then ``Q = M^T P`` is all-reduced; the average is ``P Q^T / W``. ``Q`` is
     kept for the next step (warm start), so one iteration per step converges over steps.
-    Matrices of the same shape are processed together with batched matmuls, and all ``P``
-    factors (with the tensors sent dense) travel in one flat buffer, all ``Q`` factors in a
-    second one: two all-reduces per step, however many tensors.
+    The matrices of a call are grouped by shape, and each group is one batch: every product,
+    the orthogonalisation, the residuals and the warm starts' taming are a few ops per group
+    (the rescaling scales and the finiteness test a few per call), so a call's ops grow with
+    its number of distinct shapes, not of tensors. All ``P`` factors (with the tensors sent
+    dense) travel in one flat buffer, all ``Q`` factors in a second one: two all-reduces per
+    step, however many tensors. Warm starts stay keyed by parameter name (``[cols, r]`` each).
 
     Tensors with fewer than two dimensions, and matrices whose compression rate
     ``rows * cols / (matrix_rank * (rows + cols))`` is below ``min_compression_rate``, are sent dense.
@@ -144,95 +169,112 @@ class PowerSGD(Compressor):
         }
 
     # -- the algorithm --------------------------------------------------------------------
+    def _groups(
+        self, jobs: Sequence[Job]
+    ) -> tuple[list[Job], list[tuple[int, int, int]], dict[tuple[int, int, int], list[Job]]]:
+        """The jobs sent dense, the group keys ``(rows, cols, rank)`` in the order every
+        worker uses, and the jobs of each group (in call order)."""
+        dense = []
+        groups: dict[tuple[int, int, int], list[Job]] = {}
+        for job in jobs:
+            r = self.matrix_rank_for(job.shape)
+            if r:
+                groups.setdefault((*_matrix_shape(job.shape), r), []).append(job)
+            else:
+                dense.append(job)
+        return dense, sorted(groups), groups  # sorted: identical order on every worker
+
+    def _warm_starts(self, jobs: list[Job], state: dict[str, Any], ctx: StepContext,
+                     device: torch.device) -> torch.Tensor:
+        """``Q^T`` of a group's matrices, ``[B, r, cols]``: the stored warm starts (without a
+        copy when they are still the slices of one tensor that ``reduce`` stored) or fresh
+        draws. Either way a transposed view of ``[B, cols, r]``, the layout of a checkpoint's
+        ``Q``, so that the products round the same after a resume."""
+        if self.warm_start:
+            stored = [state["q"][j.name] for j in jobs]
+            root = stored[0]._base
+            if root is not None and root.dim() == 3 and root.shape[0] == len(stored) and all(
+                q._base is root and q.data_ptr() == root[b].data_ptr()
+                and q.shape == root.shape[1:] and q.stride() == root.stride()[1:]
+                for b, q in enumerate(stored)
+            ):
+                return to_device(root.transpose(-1, -2), device)
+        else:
+            stored = [self._fresh_q(j.name, j.shape, ctx.step) for j in jobs]
+        batch = stored[0].unsqueeze(0) if len(stored) == 1 else torch.stack(stored)
+        return to_device(batch.transpose(-1, -2), device)
+
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
         workers, world = comm.local_workers, comm.world_size
-        dense = []
-        groups: dict[tuple[int, int, int], list[Job]] = {}
-        for job in jobs:
-            shape = job.shape
-            r = self.matrix_rank_for(shape)
-            if r:
-                groups.setdefault((*_matrix_shape(shape), r), []).append(job)
-            else:
-                dense.append(job)
-        keys = sorted(groups)  # identical order on every worker
-        # Views of the gradients; a strided one is copied once, so that the matmuls below see
-        # the same layout (hence round the same way) whatever the caller's storage.
-        mats = {
-            key: [j.tensor.reshape(workers, key[0], key[1]).contiguous() for j in groups[key]]
-            for key in keys
-        }
-        # Small matrices of one shape are stacked (one copy) for batched matmuls; large ones
-        # are multiplied one by one, which reads each gradient in place instead of copying it.
-        stacked = {
-            key: torch.stack(mats[key], dim=1)  # [L, B, rows, cols]
-            for key in keys
-            if len(mats[key]) > 1 and key[0] * key[1] <= _STACK_MAX
-        }
-
-        # Both products are computed transposed, P^T = Q^T M^T and Q^T = P^T M, and the factors
-        # travel transposed ([r, rows] and [r, cols] per matrix). It is the same arithmetic,
-        # but a GEMM whose *left* operand is the thin r-row factor streams M once at memory
-        # speed, while M Q with r columns runs several times slower on CPU BLAS; and the
-        # results are contiguous as they are sent. Per worker 2-D products (never a broadcast
-        # matmul, which folds back to M Q) keep each worker's result independent of how many
-        # workers the process holds.
-        def left(key: tuple[int, int, int], qt: torch.Tensor) -> torch.Tensor:
-            """``(M Q)^T`` for every matrix of the group: ``[L, B, r, rows]``."""
-            if key in stacked:
-                return torch.matmul(qt, stacked[key].transpose(-1, -2))
-            return _stack_batch(
-                [_each_worker(qt[b], m.transpose(-1, -2)) for b, m in enumerate(mats[key])]
-            )
-
-        def right(key: tuple[int, int, int], pt: torch.Tensor) -> torch.Tensor:
-            """``(M^T P)^T`` for every matrix of the group: ``[L, B, r, cols]``."""
-            if key in stacked:
-                return torch.matmul(pt, stacked[key])
-            return _stack_batch([_each_worker(pt[b], m) for b, m in enumerate(mats[key])])
-
-        qts = {}  # Q^T per group: [B, r, cols]
-        for key in keys:
-            if self.warm_start:
-                stored = [state["q"][j.name] for j in groups[key]]
-            else:
-                stored = [self._fresh_q(j.name, j.shape, ctx.step) for j in groups[key]]
-            device = mats[key][0].device
-            batch = stored[0].unsqueeze(0) if len(stored) == 1 else torch.stack(stored)
-            qts[key] = to_device(batch.transpose(-1, -2), device)
-        qt_local: dict[tuple[int, int, int], torch.Tensor] = {}
-        ps: dict[tuple[int, int, int], torch.Tensor] = {}
+        dense, keys, groups = self._groups(jobs)
+        # Each group of same-shape matrices as one [L, B, rows, cols] batch (a view where the
+        # gradients already lie one after another, else one copy): every product below is one
+        # batched GEMM per group, whatever the number of tensors.
+        mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
+        qts = {k: self._warm_starts(groups[k], state, ctx, mats[k].device) for k in keys}
+        counts = [len(groups[k]) for k in keys]
+        ps: dict[tuple[int, int, int], torch.Tensor] = {}  # [B, rows, r] per group
         for iteration in range(self.power_iterations):
             # Round 1: P = M Q, summed. Dense tensors ride along in the first round's buffer.
-            pt_parts = [left(k, qts[k]) for k in keys]  # [L, B, r, rows]
+            # Both products are computed transposed, P^T = Q^T M^T and Q^T = P^T M, and the
+            # factors travel transposed ([r, rows] and [r, cols] per matrix): the same
+            # arithmetic, but a GEMM whose *left* operand is the thin r-row factor streams M
+            # once at memory speed, while M Q with r columns runs several times slower on CPU
+            # BLAS; and the results are contiguous as they are sent.
+            pt_parts = [_each_worker(qts[k], mats[k].transpose(-1, -2)) for k in keys]
             riders = list(dense) if iteration == 0 else []
             flat = flatten_workers([j.tensor for j in riders] + pt_parts, workers)
-            total = comm.all_reduce(flat).div_(world)  # a fresh tensor: divide in place
+            if riders:
+                # What error feedback keeps of a tensor sent dense, ``tensor - tensor`` (zero,
+                # NaN where not finite), for all of them in one op, before the all-reduce
+                # (which may sum in place).
+                lead = flat[:, : sum(j.numel for j in riders)]
+                kept = _group_views(torch.sub(lead, lead), [tuple(j.shape) for j in riders])
+                for job, rest in zip(riders, kept, strict=True):
+                    job.keep(rest)
+            total = _mean(comm.all_reduce(flat), world)
             sizes = [j.numel for j in riders] + [p[0].numel() for p in pt_parts]
             pieces = split_flat(total, sizes)
             for job, piece in zip(riders, pieces[: len(riders)], strict=True):
                 job.averaged = piece.reshape(job.shape)
                 job.decoded = job.tensor
-            for k, piece in zip(keys, pieces[len(riders):], strict=True):
-                pt = piece.reshape(len(groups[k]), k[2], k[0])
-                ps[k] = orthogonalize(pt.transpose(-1, -2))  # [B, rows, r]
+            # P^T travels as [B, r, rows]; orthogonalised as [B, rows, r], all groups' rescaling
+            # exponents computed together (bit for bit what each group alone would use).
+            pts = [piece.reshape(len(groups[k]), k[2], k[0]).transpose(-1, -2)
+                   for k, piece in zip(keys, pieces[len(riders):], strict=True)]
+            if keys:
+                tops = _tops(total[sum(sizes[: len(riders)]):], sizes[len(riders):], counts)
+                ps = dict(zip(keys, orthogonalize_batches(pts, tops), strict=True))
             # Round 2: Q = M^T P, summed.
-            qt_local = {k: right(k, ps[k].transpose(-1, -2)) for k in keys}  # [L, B, r, cols]
+            # Each group's product is written straight into its place in the message.
+            flat_q = torch.empty(workers, sum(len(groups[k]) * k[2] * k[1] for k in keys),
+                                 dtype=total.dtype, device=total.device)
+            views = _group_views(flat_q, [(len(groups[k]), k[2], k[1]) for k in keys])
+            qt_local = {k: _each_worker(ps[k].transpose(-1, -2), mats[k], out=view)
+                        for k, view in zip(keys, views, strict=True)}
             if iteration == self.power_iterations - 1:
-                self._settle_residuals(keys, groups, ps, qt_local, workers)
-            flat_q = flatten_workers([qt_local[k] for k in keys], workers)
-            total_q = comm.all_reduce(flat_q).div_(world)
-            sizes = [qt_local[k][0].numel() for k in keys]
-            for k, piece in zip(keys, split_flat(total_q, sizes), strict=True):
+                self._settle_residuals(keys, groups, ps, qt_local, workers, mats, flat_q)
+            total_q = _mean(comm.all_reduce(flat_q), world)
+            sizes_q = [qt_local[k][0].numel() for k in keys]
+            for k, piece in zip(keys, split_flat(total_q, sizes_q), strict=True):
                 qts[k] = piece.reshape(len(groups[k]), k[2], k[1])
+        if not keys:
+            return
         new_q = dict(state["q"])
-        for k in keys:
+        # Warm starts are stored per name as contiguous [cols, r] slices of one tamed
+        # [B, cols, r] tensor per group (the layout of a checkpoint's), which the next step
+        # takes as it is; the taming scales of all groups are computed together.
+        shifts = _tame_shifts(_tops(total_q, sizes_q, counts)).split(counts)
+        for k, shift in zip(keys, shifts, strict=True):
             approx = torch.bmm(ps[k], qts[k])  # [B, rows, cols]
+            q = qts[k].transpose(-1, -2)
+            tamed = torch.mul(q, shift.reshape(-1, 1, 1),
+                              out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
             for b, job in enumerate(groups[k]):
                 job.averaged = approx[b].reshape(job.shape)
-                new_q[job.name] = _tame(qts[k][b].t().contiguous())  # stored as [cols, r]
+                new_q[job.name] = tamed[b]
         state["q"] = new_q
 
     @staticmethod
@@ -242,6 +284,8 @@ class PowerSGD(Compressor):
         ps: dict[tuple[int, int, int], torch.Tensor],
         qt_local: dict[tuple[int, int, int], torch.Tensor],
         workers: int,
+        mats: dict[tuple[int, int, int], torch.Tensor] | None = None,
+        flat_q: torch.Tensor | None = None,
     ) -> None:
         """Decode each worker's own message and its residual *before* the last all-reduce,
         and make a worker whose residual is not finite send NaN in its ``Q`` factor.
@@ -250,14 +294,89 @@ class PowerSGD(Compressor):
         that worker alone while the average stays finite; poisoning its ``Q`` makes the summed
         ``Q`` (hence the average, tested by the engine on every worker alike) non-finite, so
         every worker applies the non-finite policy instead of one keeping a poisoned residual.
+
+        Args:
+            keys: the groups, in order.
+            groups: the jobs of each group.
+            ps: ``P`` per group, ``[B, rows, r]``.
+            qt_local: each worker's ``Q^T`` per group, ``[L, B, r, cols]``; poisoned in place.
+            workers: ``L``.
+            mats: the groups' matrices ``[L, B, rows, cols]`` (stacked from the jobs if
+                ``None``).
+            flat_q: the ``[L, total]`` buffer that ``qt_local``'s tensors are consecutive views
+                of, if they are (then poisoned with one op).
         """
-        finite = torch.ones(workers, dtype=torch.bool, device=ps[keys[0]].device if keys else None)
-        for k in keys:
-            own = _stack_workers([torch.bmm(ps[k], qt_local[k][w]) for w in range(workers)])
-            for b, job in enumerate(groups[k]):
+        if not keys:
+            return
+        device = ps[keys[0]].device
+        # All residuals of the call in one buffer: one finiteness test for all of them.
+        shapes = [(len(groups[k]), k[0], k[1]) for k in keys]
+        flat = torch.empty(workers, sum(math.prod(shape) for shape in shapes),
+                           dtype=torch.float32, device=device)
+        for k, residual in zip(keys, _group_views(flat, shapes), strict=True):
+            jobs = groups[k]
+            m = mats[k] if mats is not None else stack_matrices([j.tensor for j in jobs], k[0], k[1])
+            own = _each_worker(ps[k], qt_local[k])  # [L, B, rows, cols]
+            # One subtraction per group: bit for bit each job's ``tensor - decoded``.
+            torch.sub(m, own, out=residual)
+            for b, job in enumerate(jobs):
                 job.decoded = own[:, b].reshape(job.tensor.shape)
-            finite &= finite_rows([j.leftover() for j in groups[k]], workers)
+                job.keep(residual[:, b].reshape(job.tensor.shape))
         # On the device, no host synchronisation: NaN where a worker's residual is not finite.
-        for k in keys:
-            mask = finite.reshape(workers, *([1] * (qt_local[k].dim() - 1)))
-            qt_local[k].copy_(torch.where(mask, qt_local[k], float("nan")))
+        bad = ~finite_rows([flat], workers)
+        for target in [flat_q] if flat_q is not None else [qt_local[k] for k in keys]:
+            target.masked_fill_(bad.reshape(workers, *([1] * (target.dim() - 1))), float("nan"))
+
+
+def _reduce_per_matrix(
+    comp: PowerSGD, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
+) -> None:
+    """:meth:`PowerSGD.reduce` written matrix by matrix and worker by worker, with 2-D
+    products only: the reference the batched implementation is tested against. Same
+    messages, same buffer layout, same state and residual contract; slower (many more ops).
+    """
+    workers, world = comm.local_workers, comm.world_size
+    dense, keys, groups = comp._groups(jobs)
+    ordered = [(k, job) for k in keys for job in groups[k]]
+    mats = {job.name: job.tensor.reshape(workers, k[0], k[1]).contiguous() for k, job in ordered}
+    qt = {}  # Q^T per matrix: [r, cols]
+    for _, job in ordered:
+        q = state["q"][job.name] if comp.warm_start else comp._fresh_q(job.name, job.shape, ctx.step)
+        qt[job.name] = to_device(q, mats[job.name].device).t()
+    p: dict[str, torch.Tensor] = {}
+    for iteration in range(comp.power_iterations):
+        pt_parts = [torch.stack([torch.mm(qt[j.name], m.t()) for m in mats[j.name]])
+                    for _, j in ordered]  # [L, r, rows] each
+        riders = list(dense) if iteration == 0 else []
+        total = comm.all_reduce(flatten_workers([j.tensor for j in riders] + pt_parts, workers))
+        total = total.div_(world)
+        pieces = split_flat(total, [j.numel for j in riders] + [t[0].numel() for t in pt_parts])
+        for job, piece in zip(riders, pieces[: len(riders)], strict=True):
+            job.averaged = piece.reshape(job.shape)
+            job.decoded = job.tensor
+        for (k, job), piece in zip(ordered, pieces[len(riders):], strict=True):
+            p[job.name] = orthogonalize(piece.reshape(k[2], k[0]).t())  # [rows, r]
+        qt_local = {j.name: torch.stack([torch.mm(p[j.name].t(), m) for m in mats[j.name]])
+                    for _, j in ordered}  # [L, r, cols] each
+        if iteration == comp.power_iterations - 1:
+            finite = None
+            for _, job in ordered:
+                own = torch.stack([torch.mm(p[job.name], q) for q in qt_local[job.name]])
+                job.decoded = own.reshape(job.tensor.shape)
+                job.keep(job.tensor - job.decoded)
+                ok = finite_rows([job.residual], workers)
+                finite = ok if finite is None else finite & ok
+            for _, job in ordered:
+                assert finite is not None
+                mask = finite.reshape(workers, 1, 1)
+                qt_local[job.name] = torch.where(mask, qt_local[job.name], float("nan"))
+        parts = [qt_local[j.name] for _, j in ordered]
+        total_q = comm.all_reduce(flatten_workers(parts, workers)).div_(world)
+        for (k, job), piece in zip(ordered, split_flat(total_q, [t[0].numel() for t in parts]),
+                                   strict=True):
+            qt[job.name] = piece.reshape(k[2], k[1])
+    new_q = dict(state["q"])
+    for _, job in ordered:
+        job.averaged = torch.mm(p[job.name], qt[job.name]).reshape(job.shape)
+        new_q[job.name] = _tame(qt[job.name].t().contiguous())
+    state["q"] = new_q
