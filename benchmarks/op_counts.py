@@ -11,14 +11,17 @@ on the CPU, so this script measures that cost without a GPU: it counts, with
 
 What is counted, per step:
 
-* **ops**: leaf ATen ops (an ``aten::`` event with no ``aten::`` child), except views,
-  allocations and metadata ops (:data:`NOT_COMPUTE`): each is a kernel a GPU would launch.
+* **ops**: leaf ATen ops (an ``aten::`` event with no ``aten::`` child other than views,
+  allocations and metadata ops), except those ops themselves (:data:`NOT_COMPUTE`): each is a
+  kernel a GPU would launch.
   "Extra ops" are those of the scheme's step minus those of the same step without DDP.
 * **host syncs**: ops that make the host wait for the device on CUDA
   (:data:`HOST_SYNC_OPS`: a scalar read such as ``.item()``/``bool()``, ``nonzero``...).
   A ``.tolist()`` or ``.cpu()`` of a CUDA tensor also syncs but shows no distinct op on
   the CPU. A device-side assertion (``torch._assert_async``, gradzip's decode-time range
   checks) counts as one op and no sync: on the CPU it reads its value at once, on CUDA not.
+  A multi-tensor op (``torch._foreach_*``) counts as one op: CUDA launches one kernel per
+  batch of tensors (a few at most for a bucket), where the CPU loops over per-tensor ops.
 * **collectives**: ``c10d::`` calls.
 
 Setup: one gloo process (world size 1), so nothing travels and the figures are the
@@ -70,6 +73,8 @@ NOT_COMPUTE = frozenset({
     "aten::_has_compatible_shallow_copy_type", "aten::is_nonzero", "aten::item",
     "aten::broadcast_tensors", "aten::view_as_real", "aten::view_as_complex", "aten::diagonal",
     "aten::movedim", "aten::swapaxes", "aten::unfold", "aten::chalf", "aten::real",
+    # A conjugation or negation "resolved" on a real tensor is a no-op (matmul records them).
+    "aten::resolve_conj", "aten::resolve_neg",
 })
 #: Leaf ops that make the host wait for the device when the tensor lives on CUDA.
 HOST_SYNC_OPS = frozenset({
@@ -129,19 +134,26 @@ class SplitMatrices(nn.Module):
         return torch.stack([torch.tanh(x @ w).sum(1) for w in self.weights], 1)
 
 
-def _inside_assert(ev: Any) -> bool:
-    """Whether ``ev`` is part of a device-side assertion (``torch._assert_async``): one kernel
-    on CUDA, which reads nothing on the host; only the CPU's immediate check reads the value."""
+def _one_kernel(name: str) -> bool:
+    """Ops that CUDA runs as one kernel (a few for very large inputs) while the CPU runs them
+    as child ops: a device-side assertion, and the multi-tensor ``_foreach_*`` ops (one
+    launch per batch of tensors on CUDA, a loop of per-tensor ops on the CPU)."""
+    return name == "aten::_assert_async" or name.startswith("aten::_foreach_")
+
+
+def _inside_one_kernel(ev: Any) -> bool:
+    """Whether ``ev`` is part of an op counted as one kernel (:func:`_one_kernel`)."""
     parent = ev.cpu_parent
     while parent is not None:
-        if parent.name == "aten::_assert_async":
+        if _one_kernel(parent.name):
             return True
         parent = parent.cpu_parent
     return False
 
 
 def leaf_counts(events: Any) -> Counter[str]:
-    """``op name -> count`` of the leaf ``aten::`` ops among profiler ``events``."""
+    """``op name -> count`` of the leaf ``aten::`` ops among profiler ``events`` (an op that
+    CUDA runs as one kernel counts once, its CPU children not)."""
     counts: Counter[str] = Counter()
     for ev in events:
         if not ev.name.startswith(("aten::", "c10d::")):
@@ -149,11 +161,14 @@ def leaf_counts(events: Any) -> Counter[str]:
         if ev.name.startswith("c10d::"):
             counts[ev.name] += 1
             continue
-        if ev.name != "aten::_assert_async" and any(
-            child.name.startswith("aten::") for child in ev.cpu_children
+        # A composite op is counted through its children; children that launch nothing
+        # (views, allocations, no-op resolutions) do not make their parent a composite.
+        if not _one_kernel(ev.name) and any(
+            child.name.startswith("aten::") and child.name not in NOT_COMPUTE
+            for child in ev.cpu_children
         ):
             continue
-        if _inside_assert(ev):
+        if _inside_one_kernel(ev):
             continue
         counts[ev.name] += 1
     return counts

@@ -60,3 +60,16 @@ def test_counts_a_real_step(oc, tmp_path):
     assert code == 0
     text = (tmp_path / "op_counts.md").read_text()
     assert "`gradzip:none`" in text and "`ddp`" in text
+
+
+def test_a_multi_tensor_op_counts_once(oc):
+    tensors = [torch.zeros(3), torch.zeros(4), torch.zeros(5)]
+
+    def work():
+        torch._foreach_add_(tensors, 1.0)  # one launch per batch on CUDA, a loop on the CPU
+        torch.matmul(torch.ones(2, 2), torch.ones(2, 2))  # records resolve_conj: a no-op
+    counts = oc.leaf_counts(_profile(work))
+    # the foreach op once; two fills (ones) and the product (mm, whose resolve_conj children
+    # launch nothing)
+    assert counts["aten::_foreach_add_"] == 1 and counts["aten::mm"] == 1, counts
+    assert oc.summarize(counts)["ops"] == 4, counts
