@@ -25,7 +25,7 @@ Usage::
 
     python benchmarks/outer.py --source /tmp/wt2/wikitext-2-partial --corpus /tmp/wt2/corpus \\
         --runs /tmp/outer-runs --seeds 0 1 2
-    python benchmarks/outer.py --corpus DIR --runs DIR --collect-only   # tables from the runs
+    python benchmarks/outer.py --corpus DIR --runs DIR --collect-only --archive runs.tar.gz
     python benchmarks/outer.py --corpus DIR --runs DIR --dry-run        # print the commands
 """
 
@@ -37,6 +37,7 @@ import math
 import os
 import subprocess
 import sys
+import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,32 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def archive(configs: tuple[Config, ...], seeds: list[int], runs: Path, dest: Path) -> int:
+    """Pack every finished run's ``summary.json`` and ``metrics.jsonl`` (no checkpoints).
+
+    Args:
+        configs: The configurations.
+        seeds: The seeds looked for.
+        runs: The run directories' parent.
+        dest: The ``.tar.gz`` to write.
+
+    Returns:
+        The number of runs packed.
+    """
+    packed = 0
+    with tarfile.open(dest, "w:gz") as tar:
+        for cfg in configs:
+            for seed in seeds:
+                folder = run_dir(runs, cfg, seed)
+                if not (folder / "summary.json").is_file():
+                    continue
+                for name in ("summary.json", "metrics.jsonl"):
+                    if (folder / name).is_file():
+                        tar.add(folder / name, arcname=f"{folder.name}/{name}")
+                packed += 1
+    return packed
+
+
 def _sets(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
@@ -306,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a gradzip train option for every run (e.g. epochs=1)")
     p.add_argument("--results", type=Path, default=HERE / "results" / "outer.json")
+    p.add_argument("--archive", type=Path, default=None,
+                   help="also pack the finished runs' summaries and metrics into this .tar.gz")
     p.add_argument("--collect-only", action="store_true", help="no runs, only the tables")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
@@ -328,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                        "corpus": str(args.corpus), "valid_words": args.valid_words}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    if args.archive is not None:
+        archive(configs, args.seeds, args.runs, args.archive)
     print(markdown(result))
     for v in result["verdicts"]:
         print(f"{'met' if v['met'] else 'MISSED'}: {v['target']} ({v['figure']})")

@@ -4,6 +4,7 @@ grid run end to end on a corpus the test writes, and its verdicts on fixed aggre
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -92,7 +93,10 @@ def test_tiny_grid_runs_resumes_and_collects(tmp_path: Path) -> None:
     argv = ["--corpus", str(corpus), "--runs", str(runs), "--seeds", "0", "--only", "none",
             "diloco30", "--results", str(results), "--set", "model=transformer:dim=8,layers=1,heads=1",
             "--set", "epochs=1", "--set", "batch_size=2", "--set", "bptt=4"]
-    outer.main(argv)
+    outer.main([*argv, "--archive", str(tmp_path / "runs.tar.gz")])
+    with tarfile.open(tmp_path / "runs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["diloco30-s0/metrics.jsonl", "diloco30-s0/summary.json",
+                                          "none-s0/metrics.jsonl", "none-s0/summary.json"]
     data = json.loads(results.read_text())
     rows = {r["config"]: r for r in data["runs"]}
     assert set(rows) == {"none", "diloco30"}
