@@ -61,15 +61,15 @@ class Config:
     options: dict[str, Any] = field(default_factory=dict)
 
 
-#: The grid, in run order within a seed.
+#: The grid, in run order within a seed (the configurations of the two targets first).
 CONFIGS: tuple[Config, ...] = (
     Config("none", "per-step none", {"compressor": "none"}),
     Config("diloco30", "DiLoCo fp32 H=30", {"outer-steps": 30}),
-    Config("diloco30-8bit", "DiLoCo 8-bit H=30",
-           {"outer-steps": 30, "compressor": "scatterq:bits=8"}),
     Config("sparseloco30", "SparseLoCo H=30",
            {"outer-steps": 30, "outer-optimizer": "ef-momentum",
             "compressor": "chunktopk:chunk=4096,k=64,bits=2,average=senders"}),
+    Config("diloco30-8bit", "DiLoCo 8-bit H=30",
+           {"outer-steps": 30, "compressor": "scatterq:bits=8"}),
     Config("topk1", "per-step Top-k 1%", {"compressor": "topk:ratio=0.01"}),
 )
 
