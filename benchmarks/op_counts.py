@@ -89,7 +89,7 @@ SCHEMES: dict[str, tuple[str, str]] = {
     "local": ("local", ""),
     "ddp": ("ddp", ""),
     "torch-fp16": ("torch", "fp16"),
-    "torch-powersgd:rank=4": ("torch", "powersgd"),
+    "torch-powersgd:rank=4": ("torch", "powersgd"),  # in one bucket (see _build)
     "gradzip:none": ("gradzip", "none"),
     "gradzip:fp16": ("gradzip", "fp16"),
     "gradzip:bf16": ("gradzip", "bf16"),
@@ -214,6 +214,11 @@ def _build(scheme: str, model: nn.Module, cap_mb: float,
     kind, arg = SCHEMES[scheme]
     if kind == "local":
         return model, lambda: 0
+    if SCHEMES[scheme] == ("torch", "powersgd"):
+        # One bucket: PyTorch's powerSGD_hook chains its all-reduces in future callbacks,
+        # which can deadlock on gloo with two or more buckets (it hung here on the split
+        # models); one bucket is also how its GPU figures are taken (gpu_step.py).
+        cap_mb = 1e6
     ddp = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
     if kind == "ddp":
         return ddp, lambda: _bucket_count(ddp)
