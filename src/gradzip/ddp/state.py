@@ -96,12 +96,6 @@ class GradzipHookState:
         self._private_group = False
         # Bucket index -> (identity of its parameters and buffer, the engine's layout of it).
         self._layouts: dict[int, tuple[Any, BucketLayout]] = {}
-        # Optimizer steps taken since this state was built (None: no optimizer known). Why:
-        # the engine's own step count advances with every reduction on every rank alike, so
-        # a rank that runs one backward more than the others (a retried batch) and one fewer
-        # later stays "in step" by that count while its replica drifts. Its count of
-        # optimizer steps per reduction differs from the others', and every call's header
-        # carries it, so such a rank is caught at its next reduction, on every rank.
         # Whether the engine is inside a step (from its first bucket's work to its last's),
         # guarded by a condition. Why: a checkpoint thread that reads the state while the
         # communication thread (or autograd) runs the next step's buckets would get one
@@ -111,6 +105,12 @@ class GradzipHookState:
         self._step_open = False
         self._hook_thread: int | None = None  # the thread DDP calls the hook on
         self._inline: bool | None = None  # overlap without the thread (NCCL; ddp.hook)
+        # Optimizer steps taken since this state was built (None: no optimizer known). Why:
+        # the engine's own step count advances with every reduction on every rank alike, so
+        # a rank that runs one backward more than the others (a retried batch) and one fewer
+        # later stays "in step" by that count while its replica drifts. Its count of
+        # optimizer steps per reduction differs from the others', and every call's header
+        # carries it, so such a rank is caught at its next reduction, on every rank.
         self._optimizer_steps: int | None = None
         if options.optimizer is not None:
             self._optimizer_steps = 0
@@ -180,7 +180,11 @@ class GradzipHookState:
         with self._step_cv:  # waits while a reader holds the state (see __init__)
             self._step_open = True
         try:
-            self._reduce_in_step(engine, layout, finish_step, step)
+            # DDP checked at construction that every rank holds the same parameters and
+            # hands every rank the same buckets in the same order (rebuilt buckets follow
+            # rank 0's order), so the payload's layout is identical on every rank: the header
+            # may ride in it (see gradzip.comm.header).
+            engine.reduce_bucket(layout, finish_step=finish_step, step=step)
         except BaseException:
             self._close_step()  # the engine abandoned the step, its state as before it
             raise
@@ -211,14 +215,6 @@ class GradzipHookState:
             if not own_step:
                 self._step_cv.wait_for(lambda: not self._step_open)
             yield
-
-    def _reduce_in_step(self, engine: Engine, layout: BucketLayout, finish_step: bool,
-                        step: int | None) -> None:
-        # DDP checked at construction that every rank holds the same parameters and hands
-        # every rank the same buckets in the same order (rebuilt buckets follow rank 0's
-        # order), so the payload's layout is identical on every rank: the header may ride in
-        # it (see gradzip.comm.header).
-        engine.reduce_bucket(layout, finish_step=finish_step, step=step)
 
     def _submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Queue one bucket's work on the communication thread (``overlap=True``)."""
