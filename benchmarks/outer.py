@@ -2,7 +2,7 @@
 
 Runs a small grid on a word-level corpus with the ``lm`` task's small transformer, 4 simulated
 workers and inner AdamW: per-step ``none`` (the reference), DiLoCo with fp32 pseudo-gradients
-(outer Nesterov, H = 30), the same with the 8-bit reduce-scatter/all-gather exchange
+(outer Nesterov, H = 30, and H = 100 for longer runs), the same with the 8-bit reduce-scatter/all-gather exchange
 (``scatterq:bits=8``), the SparseLoCo-style mode (chunked Top-k, 2-bit values, decayed error
 feedback in place of outer momentum, each coordinate averaged over its senders) and a per-step
 compressor at bytes similar to DiLoCo's (Top-k 1% with error feedback), each over several
@@ -26,6 +26,8 @@ Usage::
     python benchmarks/outer.py --source /tmp/wt2/wikitext-2-partial --corpus /tmp/wt2/corpus \\
         --runs /tmp/outer-runs --seeds 0 1 2
     python benchmarks/outer.py --corpus DIR --runs DIR --collect-only --archive runs.tar.gz
+    python benchmarks/outer.py --corpus DIR --runs DIR --set epochs=10 \\
+        --only none diloco30 sparseloco30 diloco100        # 900 steps: 30 and 9 syncs
     python benchmarks/outer.py --corpus DIR --runs DIR --dry-run        # print the commands
 """
 
@@ -71,6 +73,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("diloco30-8bit", "DiLoCo 8-bit H=30",
            {"outer-steps": 30, "compressor": "scatterq:bits=8"}),
     Config("topk1", "per-step Top-k 1%", {"compressor": "topk:ratio=0.01"}),
+    Config("diloco100", "DiLoCo fp32 H=100", {"outer-steps": 100}),
 )
 
 #: Options shared by every run (the model and inner optimizer of the DiLoCo replications,

@@ -187,3 +187,35 @@ def test_device_decisions_in_real_processes() -> None:
     assert first == second
     assert first[2] == [False, False, True, True]  # the second call of step 2 and after
     assert first[-1] == 1
+
+
+@pytest.mark.parametrize("policy", ["skip", "zero"])
+@pytest.mark.parametrize("spec", ["none", "topk:ratio=0.05", "powersgd:rank=2"])
+def test_a_host_call_after_a_non_finite_device_call_of_the_step_keeps_its_decision(
+    spec: str, policy: str
+) -> None:
+    # The step's first call decides on the device and is non-finite; its second call decides
+    # on the host. The device decision must count (skipped steps, and for "skip" the NaN of
+    # the later call), exactly as if the whole step had decided on the host.
+    outcomes = []
+    for mixed in (False, True):
+        engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2), nonfinite=policy,
+                                decide_on="device" if mixed else "host")
+        results = []
+        for step in range(4):
+            grads = make_grads(2, step)
+            if step == 2:
+                grads[NAMES[0]].view(2, -1)[1, 0] = float("nan")  # in the first call
+            for i, part in enumerate([NAMES[:2], NAMES[2:]]):
+                if mixed:
+                    engine.decide_on = "host" if (step == 2 and i == 1) else "device"
+                results.append(engine.reduce({n: grads[n] for n in part}, finish_step=i == 1))
+        outcomes.append((results, engine.state_dict()))
+    (host, host_state), (mixed_results, mixed_state) = outcomes
+    assert host_state["skipped_steps"] == mixed_state["skipped_steps"] == 1
+    for a, b in zip(host, mixed_results, strict=True):
+        assert all(_same(a[n], b[n]) for n in a)
+    for name, rest in host_state["residuals"].items():
+        assert torch.equal(rest, mixed_state["residuals"][name]), name
+    assert all(_same(a, b) for a, b in zip(_leaves(host_state["compressor_state"]),
+                                            _leaves(mixed_state["compressor_state"]), strict=True))

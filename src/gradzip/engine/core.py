@@ -178,7 +178,7 @@ class Engine(EngineBase):
         """The call itself: where its decision is read, then that path."""
         step, policy = self._step, self._policy
         on_device = decides_on_device(self, step, call)
-        if not on_device and step.poison_dev is not None:
+        if not on_device and step.decided_on_device:
             policy.settle(self, step)  # this call decides on the host: bring them over
         # Every rank knows it is poisoned together (the earlier call's count was agreed), so
         # every rank sends the separate header here, whatever ``same_layout`` says.
@@ -244,7 +244,7 @@ class Engine(EngineBase):
         if flat:
             on_device = decides_on_device(self, self._step, call)
             # A host decision after device ones must first settle them: the ordinary path.
-            flat = on_device or self._step.poison_dev is None
+            flat = on_device or not self._step.decided_on_device
         if not flat:
             # The ordinary call, on the names and worker-axis views checked and ordered once.
             averaged = self._run(call)

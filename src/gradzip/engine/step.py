@@ -91,6 +91,12 @@ class Step:
         """Whether a step is in progress (a call of it has started)."""
         return self.snapshot is not None
 
+    @property
+    def decided_on_device(self) -> bool:
+        """Whether an earlier call of the step kept a non-finite decision on the device (a
+        later call that decides on the host must first settle it)."""
+        return self.poison_dev is not None or self.handled_dev is not None
+
     def begin(self, saved: Saved) -> None:
         """Begin the step at ``saved`` (the state before its first call)."""
         assert self.snapshot is None, "a step is already in progress"
