@@ -210,3 +210,33 @@ def test_pack_fast_path_equals_the_torch_path(bits: int, n: int, rows: int, seed
         bits_module._NUMPY_PATH = saved
     assert fast.shape == (2, rows, packed_size(n, bits)) and fast.is_contiguous()
     assert torch.equal(fast, portable)
+
+
+def test_pack_is_a_view_of_tensors_that_already_lie_one_after_another() -> None:
+    from gradzip.ops.flat import pack, unpack
+    parts = [torch.randn(2, 3), torch.randn(4), torch.randn(1, 2, 2)]
+    flat = pack(parts)  # separate tensors: one concatenation
+    assert flat.shape == (14,) and all(flat.data_ptr() != p.data_ptr() for p in parts)
+    views = unpack(flat, [p.shape for p in parts])
+    assert all(torch.equal(v, p) and v.shape == p.shape for v, p in zip(views, parts, strict=True))
+    again = pack(views)  # the views lie one after another: no copy
+    assert again.data_ptr() == flat.data_ptr() and torch.equal(again, flat)
+    assert pack(views[1:]).data_ptr() == views[1].data_ptr()
+    gap = pack([views[0], views[2]])  # not adjacent: copied
+    assert gap.data_ptr() != flat.data_ptr()
+    assert torch.equal(gap, torch.cat([parts[0].reshape(-1), parts[2].reshape(-1)]))
+    with pytest.raises(AssertionError):
+        unpack(flat, [torch.Size([3])])
+
+
+def test_extremes_test_is_nan_exactly_where_an_entry_is_not_finite() -> None:
+    from gradzip.ops.finite import extremes_test, finite_rows
+    x = torch.tensor([3e38, -3.4e38, 1.0, -0.0])  # huge but finite: never an overflow
+    assert extremes_test(x).item() == 0.0
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[2] = bad
+        assert extremes_test(y).isnan().item()
+        assert finite_rows([y.reshape(1, -1)], 1).tolist() == [False]
+        assert finite_rows([y.reshape(2, -1)], 2).tolist() == [False, True]
+    assert finite_rows([x.reshape(1, -1)], 1).tolist() == [True]

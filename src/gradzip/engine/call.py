@@ -22,11 +22,12 @@ from gradzip.compressors.base import Job
 from gradzip.engine.base import EngineBase
 from gradzip.engine.step import Step
 from gradzip.feedback import compensate
+from gradzip.ops.flat import pack, unpack
 from gradzip.statecheck import first_nonfinite
 
 __all__ = [
     "Call", "build_jobs", "count_dense", "end_compressors_step", "exchange_header", "filled",
-    "header_rider", "out_of_step", "results", "set_code",
+    "header_rider", "masked", "out_of_step", "results", "set_code",
 ]
 
 
@@ -50,6 +51,12 @@ class Call:
     finish_step: bool
     user_step: int | None
     same_layout: bool
+    #: Set by the caller: the results may come back unmasked with the device form's mask
+    #: left in ``mask`` (a DDP bucket applies it to its whole buffer in one op).
+    defer_mask: bool = False
+    #: Where the device form left the results unmasked: ``(mask, fill)``, results are
+    #: ``fill`` where the 0-d ``mask`` holds.
+    mask: tuple[torch.Tensor, float] | None = None
 
 
 def set_code(engine: EngineBase, names: Sequence[str]) -> int:
@@ -102,19 +109,36 @@ def header_rider(
 def build_jobs(engine: EngineBase, call: Call) -> tuple[list[Job], list[Job]]:
     """The call's compressed jobs (compensated by their residuals where they keep one) and
     its dense ones (routed to one exact all-reduce)."""
-    jobs, dense = [], []
+    jobs: list[Job | None] = []
+    dense = []
+    # Gradients with a residual: compensated together by one multi-tensor add (one launch
+    # on a GPU for the call instead of one per tensor; elementwise the same as
+    # ``compensate``'s ``grad32 + residual``).
+    at: list[tuple[int, str, torch.Tensor]] = []
+    grads32, residuals = [], []
     for name, g in zip(call.names, call.grads, strict=True):
         if name in engine.dense_names:
             dense.append(Job(name, g.to(torch.float32)))
         elif name in engine._feedback:
-            # raw: the gradient before error feedback, for controllers that judge the
-            # training regime from it (Accordion); a reference, no copy.
-            jobs.append(Job(name, compensate(g, engine.residuals.get(name)), raw=g))
+            residual = engine.residuals.get(name)
+            if residual is None:
+                jobs.append(Job(name, compensate(g, None), raw=g))
+            else:
+                at.append((len(jobs), name, g))
+                grads32.append(g.to(torch.float32))
+                residuals.append(residual)
+                jobs.append(None)
         else:
             # No residual is ever kept from it, and compressors only read a job's tensor:
             # the gradient itself (in fp32) serves, no copy.
             jobs.append(Job(name, g.to(torch.float32), raw=g))
-    return jobs, dense
+    if at:
+        summed = torch._foreach_add(grads32, residuals)
+        for (i, name, g), compensated in zip(at, summed, strict=True):
+            # raw: the gradient before error feedback, for controllers that judge the
+            # training regime from it (Accordion); a reference, no copy.
+            jobs[i] = Job(name, compensated, raw=g)
+    return [j for j in jobs if j is not None], dense
 
 
 def count_dense(engine: EngineBase, numel: int) -> None:
@@ -133,6 +157,20 @@ def results(engine: EngineBase, call: Call, jobs: Sequence[Job]) -> dict[str, to
         assert job.averaged is not None, job.name
         out[job.name] = job.averaged.to(call.named_grads[job.name].dtype)
     return out
+
+
+def masked(
+    values: dict[str, torch.Tensor], mask: torch.Tensor, fill: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``values`` with every entry ``fill`` where the 0-d bool ``mask`` holds: one ``where``
+    over their concatenation (see :func:`~gradzip.ops.flat.pack`) where they share a dtype
+    and device, else one per tensor; elementwise the same either way."""
+    tensors = list(values.values())
+    if len(tensors) < 2 or any(t.dtype != tensors[0].dtype or t.device != tensors[0].device
+                               for t in tensors):
+        return {n: torch.where(mask, fill, t) for n, t in values.items()}
+    kept = torch.where(mask, fill, pack(tensors))
+    return dict(zip(values, unpack(kept, [t.shape for t in tensors]), strict=True))
 
 
 def filled(engine: EngineBase, call: Call, value: float) -> dict[str, torch.Tensor]:

@@ -246,10 +246,15 @@ class Engine(EngineBase):
             # A host decision after device ones must first settle them: the ordinary path.
             flat = on_device or not self._step.decided_on_device
         if not flat:
-            # The ordinary call, on the names and worker-axis views checked and ordered once.
+            # The ordinary call, on the names and worker-axis views checked and ordered once;
+            # the averages written back by one multi-tensor copy, and a device decision's
+            # mask applied to the whole bucket at once where the gradients tile it.
+            call.defer_mask = layout.whole
             averaged = self._run(call)
-            for name, grad in layout.named.items():
-                grad.copy_(averaged[name])
+            torch._foreach_copy_([layout.named[n] for n in averaged], list(averaged.values()))
+            if call.mask is not None:
+                mask, fill = call.mask
+                layout.buffer.masked_fill_(mask, fill)
             return
         path = reduce_flat_on_device if on_device else reduce_flat
         try:

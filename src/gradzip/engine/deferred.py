@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gradzip.ops.finite import finite_rows
+from gradzip.ops.finite import extremes_test, finite_rows
 
 __all__ = ["any_nonfinite", "changed_tensors", "finite_rows_at_once", "nonfinite_flag",
            "where_tree"]
@@ -41,15 +41,9 @@ def finite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> torch.
 
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     """0-d bool: whether any entry of ``x`` (not empty) is NaN or Inf, in one pass over ``x``
-    and four ops on two numbers (no host read).
-
-    NaN and Inf propagate into the minimum or the maximum (see
-    :func:`~gradzip.ops.finite.finite_rows`); ``v - v`` is 0 for a finite ``v`` and NaN for
-    NaN or an infinity, never an overflow, so the sum of the two differences is non-zero
-    exactly when an extreme is not finite.
-    """
-    low, high = torch.aminmax(x)
-    return low.sub(low).add_(high.sub(high)).ne(0)
+    and four ops on two numbers (no host read; see
+    :func:`~gradzip.ops.finite.extremes_test`)."""
+    return extremes_test(x).ne(0)
 
 
 def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -16,7 +16,7 @@ from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.comm.header import HEADER_BYTES, HeaderRider
 from gradzip.compressors.base import Job, dense_reduce
 from gradzip.engine.base import EngineBase
-from gradzip.engine.call import Call, count_dense, header_rider, results
+from gradzip.engine.call import Call, count_dense, header_rider, masked, results
 from gradzip.engine.deferred import any_nonfinite, changed_tensors, finite_rows_at_once
 from gradzip.engine.policy import NonfinitePolicy
 from gradzip.engine.step import Saved, Step, or_flag
@@ -107,10 +107,12 @@ def reduce_on_device(
     engine._measure(jobs)  # before end_step: a controller's levels are this call's
     if call.finish_step:
         finish_on_device(engine, step, policy, device)
-    # One 0-d fill for every tensor of the call (a Python number would make one per tensor).
-    filler = torch.full((), fill, dtype=torch.float32, device=device)
-    return {n: torch.where(mask, filler, avg)
-            for n, avg in results(engine, call, jobs + dense).items()}
+    out = results(engine, call, jobs + dense)
+    if call.defer_mask:
+        call.mask = (mask, fill)  # the caller masks (a DDP bucket: its buffer in one op)
+        return out
+    # One 0-d fill for the call (a Python number would make one per ``where``).
+    return masked(out, mask, torch.full((), fill, dtype=torch.float32, device=device))
 
 
 def finish_on_device(

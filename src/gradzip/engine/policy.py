@@ -28,6 +28,7 @@ from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, end_compressors_step, filled
 from gradzip.engine.deferred import where_tree
 from gradzip.engine.step import Saved, Step, or_flag
+from gradzip.ops.flat import pack, unpack
 
 __all__ = ["NonfinitePolicy"]
 
@@ -104,11 +105,14 @@ class NonfinitePolicy:
         and restores its own residuals and state at once.
         """
         zero = self.name == "zero"
-        if engine.error_feedback:
-            for job in jobs:
-                rest = job.leftover()
-                if zero:
-                    rest = torch.where(flag, before.residuals[job.name], rest)
+        if engine.error_feedback and jobs:
+            # The call's residuals as views of one flat buffer (see gradzip.ops.flat.pack):
+            # "zero" restores them by one ``where`` now, "skip" by one at the step's end.
+            rests = [job.leftover() for job in jobs]
+            flat = pack(rests)
+            if zero:
+                flat = torch.where(flag, pack([before.residuals[j.name] for j in jobs]), flat)
+            for job, rest in zip(jobs, unpack(flat, [r.shape for r in rests]), strict=True):
                 engine.residuals[job.name] = rest
         if zero:
             engine.compressor_state = where_tree(flag, before.states[0], engine.compressor_state)
@@ -138,11 +142,27 @@ class NonfinitePolicy:
                 engine._restore(snap)
         else:
             engine.compressor_state = where_tree(poison, snap.states[0], engine.compressor_state)
-            engine.residuals = {
-                n: r if r is snap.residuals[n] else torch.where(poison, snap.residuals[n], r)
-                for n, r in engine.residuals.items()
-            }
+            engine.residuals = _rolled_back(poison, snap.residuals, engine.residuals)
         return poison
+
+
+def _rolled_back(
+    flag: torch.Tensor, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``before``'s residuals where ``flag`` holds, else ``after``'s, bit for bit as a
+    ``where`` per tensor, in one ``where`` per buffer: residuals that changed in the step
+    are grouped by the storage they live in (a call's flat buffer, see
+    :meth:`NonfinitePolicy.on_device`) and each group is rolled back at once."""
+    out = dict(after)
+    groups: dict[int, list[str]] = {}
+    for name, rest in after.items():
+        if rest is not before[name]:
+            groups.setdefault(rest.untyped_storage().data_ptr(), []).append(name)
+    for names in groups.values():
+        now = [after[n] for n in names]
+        kept = torch.where(flag, pack([before[n] for n in names]), pack(now))
+        out.update(zip(names, unpack(kept, [r.shape for r in now]), strict=True))
+    return out
 
 
 def _raised(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flatten_workers", "reinterpret", "split_flat", "to_device"]
+__all__ = ["flatten_workers", "pack", "reinterpret", "split_flat", "to_device", "unpack"]
 
 
 def flatten_workers(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -27,6 +27,53 @@ def flatten_workers(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tens
     if not tensors:
         return torch.zeros(workers, 0)
     return torch.cat([t.reshape(workers, -1) for t in tensors], dim=1)
+
+
+def _consecutive(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether ``tensors`` lie one after another in one storage, each contiguous, all of one
+    dtype and device."""
+    first = tensors[0]
+    storage, cursor = first.untyped_storage().data_ptr(), first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device
+                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != cursor):
+            return False
+        cursor += t.numel()
+    return True
+
+
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 1-D tensor holding every entry of ``tensors``, one tensor after another.
+
+    Why: on a GPU every op is a kernel launch, so an elementwise step over a call's tens of
+    tensors (a rollback by ``where``, a mask) costs one launch over their concatenation
+    instead of one per tensor. Where the tensors already lie so in one storage (the views
+    :func:`unpack` made), the result is a view of it and no op runs; otherwise one
+    concatenation copies them.
+
+    Args:
+        tensors: at least one tensor, all of one dtype and device.
+
+    Returns:
+        A contiguous 1-D tensor of ``sum(t.numel())`` entries (a view, or a new tensor).
+    """
+    assert tensors, "nothing to pack"
+    if _consecutive(tensors):
+        first = tensors[0]
+        return first.as_strided((sum(t.numel() for t in tensors),), (1,), first.storage_offset())
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Views of the 1-D ``flat`` in ``shapes``, one after another (the inverse of
+    :func:`pack`; no op)."""
+    out, start = [], 0
+    for shape in shapes:
+        size = shape.numel()
+        out.append(flat[start : start + size].view(shape))
+        start += size
+    assert start == flat.numel(), (start, flat.numel())
+    return out
 
 
 def split_flat(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
