@@ -18,9 +18,9 @@ import torch
 
 from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.feedback import residual_after
-from gradzip.ops.flat import split_flat
+from gradzip.ops.flat import pack, split_flat, unpack
 
-__all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "sparse_pays"]
+__all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "leftovers", "sparse_pays"]
 
 
 @dataclass
@@ -91,6 +91,23 @@ class Job:
     @property
     def numel(self) -> int:
         return self.tensor[0].numel()
+
+
+def leftovers(jobs: Sequence[Job]) -> list[torch.Tensor]:
+    """Every job's :meth:`Job.leftover`, in order.
+
+    Those that ``reduce`` left with ``decoded`` only get their ``tensor - decoded`` from one
+    subtraction over the concatenations (see :func:`~gradzip.ops.flat.pack`: one launch on a
+    GPU for a call, not one per tensor; elementwise the same subtraction), recorded through
+    :meth:`Job.keep` as views of one buffer.
+    """
+    todo = [(j, j.decoded) for j in jobs if j.residual is None and j.decoded is not None]
+    if len(todo) > 1 and all(j.tensor.dtype == d.dtype == torch.float32 for j, d in todo):
+        whole = residual_after(pack([j.tensor for j, _ in todo]), pack([d for _, d in todo]))
+        for (job, _), rest in zip(todo, unpack(whole, [j.tensor.shape for j, _ in todo]),
+                                  strict=True):
+            job.keep(rest)
+    return [j.leftover() for j in jobs]
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from gradzip.compressors.base import Job, dense_reduce
+from gradzip.compressors.base import Job, dense_reduce, leftovers
 from gradzip.engine.base import EngineBase
 from gradzip.engine.call import (
     Call,
@@ -92,9 +92,9 @@ def reduce_on_host(
         tree = {"average": averaged, **state_tree}
     overflow = first_nonfinite(tree, "", engine._state_tree(before.states))
     if overflow is None:
-        for job in jobs:
-            if job.name in engine._feedback:
-                engine.residuals[job.name] = job.leftover()
+        fed = [job for job in jobs if job.name in engine._feedback]
+        for job, rest in zip(fed, leftovers(fed), strict=True):
+            engine.residuals[job.name] = rest
         engine._measure(jobs)  # before end_step: a controller's levels are this call's
         if call.finish_step:
             overflow = end_compressors_step(engine, before.states)

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from gradzip.compressors.base import Job
+from gradzip.compressors.base import Job, leftovers
 from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, end_compressors_step, filled
 from gradzip.engine.deferred import where_tree
@@ -108,7 +108,7 @@ class NonfinitePolicy:
         if engine.error_feedback and jobs:
             # The call's residuals as views of one flat buffer (see gradzip.ops.flat.pack):
             # "zero" restores them by one ``where`` now, "skip" by one at the step's end.
-            rests = [job.leftover() for job in jobs]
+            rests = leftovers(jobs)
             flat = pack(rests)
             if zero:
                 flat = torch.where(flag, pack([before.residuals[j.name] for j in jobs]), flat)
