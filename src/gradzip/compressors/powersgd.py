@@ -13,7 +13,7 @@ from gradzip._validate import check_bool, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.finite import finite_rows
-from gradzip.ops.flat import flatten_workers, split_flat, to_device
+from gradzip.ops.flat import flatten_workers, pack, split_flat, to_device
 from gradzip.ops.lowrank import orthogonalize, orthogonalize_batches, stack_matrices
 from gradzip.ops.random import generator_for
 
@@ -192,16 +192,10 @@ class PowerSGD(Compressor):
         ``Q``, so that the products round the same after a resume."""
         if self.warm_start:
             stored = [state["q"][j.name] for j in jobs]
-            root = stored[0]._base
-            if root is not None and root.dim() == 3 and root.shape[0] == len(stored) and all(
-                q._base is root and q.data_ptr() == root[b].data_ptr()
-                and q.shape == root.shape[1:] and q.stride() == root.stride()[1:]
-                for b, q in enumerate(stored)
-            ):
-                return to_device(root.transpose(-1, -2), device)
         else:
             stored = [self._fresh_q(j.name, j.shape, ctx.step) for j in jobs]
-        batch = stored[0].unsqueeze(0) if len(stored) == 1 else torch.stack(stored)
+        # pack: a view where they lie one after another (as reduce stores them), else a copy.
+        batch = pack(stored).view(len(stored), *stored[0].shape)
         return to_device(batch.transpose(-1, -2), device)
 
     def reduce(
@@ -264,14 +258,17 @@ class PowerSGD(Compressor):
             return
         new_q = dict(state["q"])
         # Warm starts are stored per name as contiguous [cols, r] slices of one tamed
-        # [B, cols, r] tensor per group (the layout of a checkpoint's), which the next step
-        # takes as it is; the taming scales of all groups are computed together.
+        # [B, cols, r] block per group (the layout of a checkpoint's), the groups one after
+        # another in one buffer for the call: the next step takes each group as it is, and a
+        # rollback of the state is one ``where`` for the call (see gradzip.engine.deferred).
+        # The taming scales of all groups are computed together.
         shifts = _tame_shifts(_tops(total_q, sizes_q, counts)).split(counts)
-        for k, shift in zip(keys, shifts, strict=True):
+        first = qts[keys[0]]
+        store = torch.empty(sum(sizes_q), dtype=first.dtype, device=first.device)
+        blocks = _group_views(store.unsqueeze(0), [(len(groups[k]), k[1], k[2]) for k in keys])
+        for k, shift, block in zip(keys, shifts, blocks, strict=True):
             approx = torch.bmm(ps[k], qts[k])  # [B, rows, cols]
-            q = qts[k].transpose(-1, -2)
-            tamed = torch.mul(q, shift.reshape(-1, 1, 1),
-                              out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+            tamed = torch.mul(qts[k].transpose(-1, -2), shift.reshape(-1, 1, 1), out=block[0])
             for b, job in enumerate(groups[k]):
                 job.averaged = approx[b].reshape(job.shape)
                 new_q[job.name] = tamed[b]

@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from gradzip.ops.finite import extremes_test, finite_rows
+from gradzip.ops.flat import pack, unpack
 
 __all__ = ["any_nonfinite", "changed_tensors", "finite_rows_at_once", "nonfinite_flag",
-           "where_tree"]
+           "where_many", "where_tree"]
 
 
 def finite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -86,13 +87,62 @@ def changed_tensors(tree: Any, before: Any) -> list[torch.Tensor] | None:
     return out if walk(tree, before) else None
 
 
+def where_many(
+    flag: torch.Tensor, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """``torch.where(flag, b, a)`` for each pair, elementwise the same, in one ``where`` per
+    buffer: the ``after`` tensors are grouped by the storage they live in (a call's flat
+    buffer of residuals or warm starts, see :func:`~gradzip.ops.flat.pack`), and each group
+    is decided at once (one launch on a GPU instead of one per tensor).
+
+    Args:
+        flag: 0-d bool.
+        before, after: pairs of tensors of equal shapes and dtypes.
+
+    Returns:
+        The chosen tensors, in order (views of one new buffer per group).
+    """
+    out: list[torch.Tensor | None] = [None] * len(after)
+    groups: dict[tuple[int, torch.dtype], list[int]] = {}
+    for i, a in enumerate(after):
+        groups.setdefault((a.untyped_storage().data_ptr(), a.dtype), []).append(i)
+    for members in groups.values():
+        now = [after[i] for i in members]
+        kept = torch.where(flag, pack([before[i] for i in members]), pack(now))
+        for i, view in zip(members, unpack(kept, [t.shape for t in now]), strict=True):
+            out[i] = view
+    return [t for t in out if t is not None]
+
+
 def where_tree(flag: torch.Tensor, before: Any, after: Any) -> Any:
     """``before`` where ``flag`` holds, else ``after``, leaf by leaf (trees that
-    :func:`changed_tensors` accepted; leaves that are the same object are shared)."""
-    if after is before:
+    :func:`changed_tensors` accepted; leaves that are the same object are shared; the changed
+    tensor leaves decided together by :func:`where_many`)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def collect(old: Any, new: Any) -> None:
+        if new is old:
+            return
+        if isinstance(new, dict):
+            for k, v in new.items():
+                collect(old[k], v)
+        elif isinstance(new, torch.Tensor):
+            pairs.append((old, new))
+
+    collect(before, after)
+    if not pairs:
         return after
-    if isinstance(after, dict):
-        return {k: where_tree(flag, before[k], v) for k, v in after.items()}
-    if isinstance(after, torch.Tensor):
-        return torch.where(flag, before, after)
-    return after
+    chosen = dict(zip((id(new) for _, new in pairs),
+                      where_many(flag, [old for old, _ in pairs], [new for _, new in pairs]),
+                      strict=True))
+
+    def build(old: Any, new: Any) -> Any:
+        if new is old:
+            return new
+        if isinstance(new, dict):
+            return {k: build(old[k], v) for k, v in new.items()}
+        if isinstance(new, torch.Tensor):
+            return chosen[id(new)]
+        return new
+
+    return build(before, after)

@@ -53,12 +53,10 @@ def relative_error(error_sq: float, input_sq: float) -> float:
 
 def _sums(jobs: Sequence[Job]) -> torch.Tensor:
     """``[2]`` float64 on the jobs' device: ``sum ||residual||^2`` and ``sum ||tensor||^2``."""
-    # Multi-tensor norms (one launch per list on CUDA, not one per tensor), laid out as the
-    # ``[jobs, 2]`` matrix of the per-tensor norms, so the float64 sums are as before.
-    left = torch._foreach_norm([j.leftover() for j in jobs])
-    whole = torch._foreach_norm([j.tensor for j in jobs])
-    norms = torch.stack([torch.stack(left), torch.stack(whole)], dim=1)
-    return norms.to(torch.float64).square().sum(0)
+    # One multi-tensor norm over the residuals and the inputs (one launch on CUDA, not one
+    # per tensor), stacked as ``[2, jobs]``, squared and summed in float64.
+    norms = torch._foreach_norm([j.leftover() for j in jobs] + [j.tensor for j in jobs])
+    return torch.stack(norms).to(torch.float64).square().view(2, -1).sum(1)
 
 
 class ErrorMeter:

@@ -26,7 +26,7 @@ import torch
 from gradzip.compressors.base import Job, leftovers
 from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, end_compressors_step, filled
-from gradzip.engine.deferred import where_tree
+from gradzip.engine.deferred import where_many, where_tree
 from gradzip.engine.step import Saved, Step, or_flag
 from gradzip.ops.flat import pack, unpack
 
@@ -149,20 +149,13 @@ class NonfinitePolicy:
 def _rolled_back(
     flag: torch.Tensor, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """``before``'s residuals where ``flag`` holds, else ``after``'s, bit for bit as a
-    ``where`` per tensor, in one ``where`` per buffer: residuals that changed in the step
-    are grouped by the storage they live in (a call's flat buffer, see
-    :meth:`NonfinitePolicy.on_device`) and each group is rolled back at once."""
-    out = dict(after)
-    groups: dict[int, list[str]] = {}
-    for name, rest in after.items():
-        if rest is not before[name]:
-            groups.setdefault(rest.untyped_storage().data_ptr(), []).append(name)
-    for names in groups.values():
-        now = [after[n] for n in names]
-        kept = torch.where(flag, pack([before[n] for n in names]), pack(now))
-        out.update(zip(names, unpack(kept, [r.shape for r in now]), strict=True))
-    return out
+    """``before``'s residuals where ``flag`` holds, else ``after``'s (those that changed in
+    the step decided together, see :func:`~gradzip.engine.deferred.where_many`)."""
+    changed = [n for n, rest in after.items() if rest is not before[n]]
+    if not changed:
+        return dict(after)
+    kept = where_many(flag, [before[n] for n in changed], [after[n] for n in changed])
+    return {**after, **dict(zip(changed, kept, strict=True))}
 
 
 def _raised(
