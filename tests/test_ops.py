@@ -241,3 +241,18 @@ def test_extremes_test_is_nan_exactly_where_an_entry_is_not_finite() -> None:
         assert finite_rows([y.reshape(1, -1)], 1).tolist() == [False]
         assert finite_rows([y.reshape(2, -1)], 2).tolist() == [True, False]
     assert finite_rows([x.reshape(1, -1)], 1).tolist() == [True]
+
+
+def test_per_matrix_absmax_equals_one_amax_per_matrix() -> None:
+    from gradzip.ops.segments import matrix_index, per_matrix_absmax
+    sizes, counts = [12, 10, 6], [3, 1, 2]
+    index = matrix_index(sizes, counts, torch.device("cpu"))
+    assert index.tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 10 + [4] * 3 + [5] * 3
+    x = torch.randn(28)
+    want = torch.cat([p.reshape(c, -1).abs().amax(1) for p, c in zip(x.split(sizes), counts, strict=True)])
+    assert torch.equal(per_matrix_absmax(x, index, 6), want)
+    x[13] = float("nan")
+    got = per_matrix_absmax(x, index, 6)
+    assert got[3].isnan() and torch.equal(got[[0, 1, 2, 4, 5]], want[[0, 1, 2, 4, 5]])
+    with pytest.raises(ValueError, match="multiple of its count"):
+        matrix_index([10], [3], torch.device("cpu"))

@@ -14,8 +14,9 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, pack, split_flat, to_device
-from gradzip.ops.lowrank import orthogonalize, orthogonalize_batches, stack_matrices
+from gradzip.ops.lowrank import orthogonalize, orthonormal, rescale_exponents, stack_matrices
 from gradzip.ops.random import generator_for
+from gradzip.ops.segments import matrix_index, per_matrix_absmax
 
 __all__ = ["PowerSGD"]
 
@@ -46,13 +47,15 @@ def _tame(q: torch.Tensor) -> torch.Tensor:
     return q * _tame_shifts(q.abs().amax(dim=(-2, -1), keepdim=True))
 
 
-def _tops(region: torch.Tensor, sizes: list[int], counts: list[int]) -> torch.Tensor:
+def _tops(
+    region: torch.Tensor, sizes: list[int], counts: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest absolute entry of each matrix of a 1-D ``region`` made of groups of
     ``sizes[i]`` entries, each ``counts[i]`` equal-size matrices one after another:
-    ``[sum(counts)]``, in order (one ``abs`` for the region, one reduction per group)."""
-    parts = region.abs().split(sizes)
-    tops = [part.reshape(c, -1).amax(dim=1) for part, c in zip(parts, counts, strict=True)]
-    return tops[0] if len(tops) == 1 else torch.cat(tops)
+    ``[sum(counts)]``, in order, and the region's entry-to-matrix index (see
+    :mod:`gradzip.ops.segments`: a few ops for the region whatever the number of groups)."""
+    index = matrix_index(sizes, counts, region.device)
+    return per_matrix_absmax(region, index, sum(counts)), index
 
 
 def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,11 +239,15 @@ class PowerSGD(Compressor):
                 job.decoded = job.tensor
             # P^T travels as [B, r, rows]; orthogonalised as [B, rows, r], all groups' rescaling
             # exponents computed together (bit for bit what each group alone would use).
-            pts = [piece.reshape(len(groups[k]), k[2], k[0]).transpose(-1, -2)
-                   for k, piece in zip(keys, pieces[len(riders):], strict=True)]
             if keys:
-                tops = _tops(total[sum(sizes[: len(riders)]):], sizes[len(riders):], counts)
-                ps = dict(zip(keys, orthogonalize_batches(pts, tops), strict=True))
+                # The rescaling of every matrix (see gradzip.ops.lowrank.orthogonalize) applied
+                # to the whole region of P^T factors at once: a power of two per matrix,
+                # gathered per entry, elementwise the same product as matrix by matrix.
+                region = total[sum(sizes[: len(riders)]):]
+                tops, index = _tops(region, sizes[len(riders):], counts)
+                scaled = region * torch.exp2(rescale_exponents(tops)).index_select(0, index)
+                ps = {k: orthonormal(piece.reshape(len(groups[k]), k[2], k[0]).transpose(-1, -2))
+                      for k, piece in zip(keys, scaled.split(sizes[len(riders):]), strict=True)}
             # Round 2: Q = M^T P, summed.
             # Each group's product is written straight into its place in the message.
             flat_q = torch.empty(workers, sum(len(groups[k]) * k[2] * k[1] for k in keys),
@@ -262,7 +269,7 @@ class PowerSGD(Compressor):
         # another in one buffer for the call: the next step takes each group as it is, and a
         # rollback of the state is one ``where`` for the call (see gradzip.engine.deferred).
         # The taming scales of all groups are computed together.
-        shifts = _tame_shifts(_tops(total_q, sizes_q, counts)).split(counts)
+        shifts = _tame_shifts(_tops(total_q, sizes_q, counts)[0]).split(counts)
         first = qts[keys[0]]
         store = torch.empty(sum(sizes_q), dtype=first.dtype, device=first.device)
         blocks = _group_views(store.unsqueeze(0), [(len(groups[k]), k[1], k[2]) for k in keys])

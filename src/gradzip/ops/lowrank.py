@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["orthogonalize", "orthogonalize_batches", "rescale_exponents", "stack_matrices"]
+__all__ = ["orthogonalize", "orthogonalize_batches", "orthonormal", "rescale_exponents",
+           "stack_matrices"]
 
 
 # Columns whose largest entry lies outside [_LOW, _HIGH] are rescaled by a power of two before
@@ -45,6 +46,13 @@ def _orthonormal(p: torch.Tensor) -> torch.Tensor:
         return torch.where(norm > 0, p / torch.where(norm > 0, norm, 1.0), unit)
     q, _ = torch.linalg.qr(p, mode="reduced")
     return q
+
+
+def orthonormal(p: torch.Tensor) -> torch.Tensor:
+    """:func:`orthogonalize` of a ``p`` already rescaled by its power of two (the last step
+    of :func:`orthogonalize_batches`, for callers that rescale many batches at once); an
+    empty ``p`` comes back as a copy."""
+    return _orthonormal(p) if p.numel() else p.clone()
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
