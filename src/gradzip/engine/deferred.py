@@ -107,6 +107,9 @@ def where_many(
     for i, a in enumerate(after):
         groups.setdefault((a.untyped_storage().data_ptr(), a.dtype), []).append(i)
     for members in groups.values():
+        # In storage order: the members of a buffer made at once (a call's residuals, a
+        # compressor's flat state) then tile it, and pack views it without a copy.
+        members.sort(key=lambda i: after[i].storage_offset())
         now = [after[i] for i in members]
         kept = torch.where(flag, pack([before[i] for i in members]), pack(now))
         for i, view in zip(members, unpack(kept, [t.shape for t in now]), strict=True):

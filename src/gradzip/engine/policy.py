@@ -106,13 +106,15 @@ class NonfinitePolicy:
         """
         zero = self.name == "zero"
         if engine.error_feedback and jobs:
-            # The call's residuals as views of one flat buffer (see gradzip.ops.flat.pack):
-            # "zero" restores them by one ``where`` now, "skip" by one at the step's end.
+            # The call's residuals in one buffer (the compressor's own where it made them so,
+            # else one copy, see gradzip.ops.flat.pack): "zero" restores them by one ``where``
+            # now, "skip" by one at the step's end (see where_many).
             rests = leftovers(jobs)
-            flat = pack(rests)
+            if len({r.untyped_storage().data_ptr() for r in rests}) > 1:
+                rests = unpack(pack(rests), [r.shape for r in rests])
             if zero:
-                flat = torch.where(flag, pack([before.residuals[j.name] for j in jobs]), flat)
-            for job, rest in zip(jobs, unpack(flat, [r.shape for r in rests]), strict=True):
+                rests = where_many(flag, [before.residuals[j.name] for j in jobs], rests)
+            for job, rest in zip(jobs, rests, strict=True):
                 engine.residuals[job.name] = rest
         if zero:
             engine.compressor_state = where_tree(flag, before.states[0], engine.compressor_state)
