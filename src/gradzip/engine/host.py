@@ -21,7 +21,7 @@ from gradzip.engine.call import (
     header_rider,
     results,
 )
-from gradzip.engine.deferred import any_nonfinite, finite_rows_at_once
+from gradzip.engine.deferred import finite_rows_at_once
 from gradzip.engine.policy import NonfinitePolicy
 from gradzip.engine.step import Saved, Step
 from gradzip.statecheck import first_nonfinite
@@ -83,13 +83,9 @@ def reduce_on_host(
     # aggregated quantities), so testing them locally takes the same decision everywhere.
     # Residuals are per worker: compressors guarantee they are finite whenever the
     # compensated gradient and the average are (see ``Compressor.reduce``).
-    # The averages in one pass (one host read); the state's changed tensors in another (none
-    # for a stateless compressor); only where a test fails is the path looked up, in the
-    # order of the whole tree (the averages first), so the message names the same tensor.
-    state_tree = engine._state_tree(engine._states())
-    tree, values = state_tree, [a for a in averaged.values() if a is not None]
-    if values and bool(any_nonfinite(values, values[0].device)):
-        tree = {"average": averaged, **state_tree}
+    # The averages and the state's changed tensors in one pass (one host read); only where
+    # the test fails is the path looked up, in the order of the tree (the averages first).
+    tree = {"average": averaged, **engine._state_tree(engine._states())}
     overflow = first_nonfinite(tree, "", engine._state_tree(before.states))
     if overflow is None:
         fed = [job for job in jobs if job.name in engine._feedback]

@@ -73,8 +73,14 @@ def bad_workers(tensors: Sequence[torch.Tensor], workers: int) -> list[bool]:
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every entry of every tensor is finite (one host read for all of them)."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return True
-    return bool(finite_rows([t.reshape(1, -1) for t in tensors], 1).all())
+    """Whether every entry of every tensor is finite (one host read for all of them; one
+    test over their concatenation, a few ops whatever the number of tensors)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_device.setdefault(t.device, []).append(t)
+    for group in by_device.values():  # one device but where state was moved off it
+        whole = group[0] if len(group) == 1 else torch.cat([t.reshape(-1) for t in group])
+        if not bool(extremes_test(whole).eq(0)):
+            return False
+    return True
