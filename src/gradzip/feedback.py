@@ -20,12 +20,18 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["compensate", "residual_after", "residual_unsent"]
+__all__ = ["as_fp32", "compensate", "residual_after", "residual_unsent"]
+
+
+def as_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32: itself when it is already (no dispatch at all: on a GPU even a no-op
+    ``.to`` costs host time per tensor), else a converted copy."""
+    return x if x.dtype == torch.float32 else x.to(torch.float32)
 
 
 def compensate(grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
     """``grad + residual`` in fp32 (a new tensor; neither input is modified)."""
-    grad32 = grad.to(torch.float32)
+    grad32 = as_fp32(grad)
     if residual is None:
         return grad32.clone() if grad32 is grad else grad32
     return grad32 + residual

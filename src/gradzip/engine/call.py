@@ -21,7 +21,7 @@ from gradzip.comm.header import HeaderRider, call_code, make_header, read_header
 from gradzip.compressors.base import Job
 from gradzip.engine.base import EngineBase
 from gradzip.engine.step import Step
-from gradzip.feedback import compensate
+from gradzip.feedback import as_fp32, compensate
 from gradzip.ops.flat import pack, unpack
 from gradzip.statecheck import first_nonfinite
 
@@ -118,20 +118,20 @@ def build_jobs(engine: EngineBase, call: Call) -> tuple[list[Job], list[Job]]:
     grads32, residuals = [], []
     for name, g in zip(call.names, call.grads, strict=True):
         if name in engine.dense_names:
-            dense.append(Job(name, g.to(torch.float32)))
+            dense.append(Job(name, as_fp32(g)))
         elif name in engine._feedback:
             residual = engine.residuals.get(name)
             if residual is None:
                 jobs.append(Job(name, compensate(g, None), raw=g))
             else:
                 at.append((len(jobs), name, g))
-                grads32.append(g.to(torch.float32))
+                grads32.append(as_fp32(g))
                 residuals.append(residual)
                 jobs.append(None)
         else:
             # No residual is ever kept from it, and compressors only read a job's tensor:
             # the gradient itself (in fp32) serves, no copy.
-            jobs.append(Job(name, g.to(torch.float32), raw=g))
+            jobs.append(Job(name, as_fp32(g), raw=g))
     if at:
         summed = torch._foreach_add(grads32, residuals)
         for (i, name, g), compensated in zip(at, summed, strict=True):
@@ -155,7 +155,9 @@ def results(engine: EngineBase, call: Call, jobs: Sequence[Job]) -> dict[str, to
     out = {}
     for job in sorted(jobs, key=lambda j: engine._order[j.name]):
         assert job.averaged is not None, job.name
-        out[job.name] = job.averaged.to(call.named_grads[job.name].dtype)
+        dtype = call.named_grads[job.name].dtype
+        average = job.averaged
+        out[job.name] = average if average.dtype == dtype else average.to(dtype)
     return out
 
 
