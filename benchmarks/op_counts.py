@@ -28,8 +28,10 @@ Setup: one gloo process (world size 1), so nothing travels and the figures are t
 scheme's own work; DDP with ``--buckets`` buckets (``bucket_cap_mb`` set from the model's
 size); gradzip's hook with ``overlap=False`` (the same work as the communication thread, run
 where the profiler sees it: it records only the thread that started it) and the decision
-path that CUDA tensors take forced on (``force_device_path``), so the counts are those of a
-CUDA run. PyTorch's ``powerSGD_hook`` runs part of its work in future callbacks; with one
+path that CUDA tensors take forced on (``force_device_path``), and the forms of ops that
+other devices take in place of the CPU's own (NumPy packing and selection, the compiled QSGD
+decoder, chunked loops: ``gradzip.ops.branches.device_forms``; NumPy's work would not show
+as ATen ops at all), so the counts are those of a CUDA run. PyTorch's ``powerSGD_hook`` runs part of its work in future callbacks; with one
 gloo rank those run inline here. Models: ResNet-18 (CIFAR variant, 62 parameter tensors) and,
 for the "grows with buckets, not tensors" check, a stack of matrices split into T or 4T
 tensors of the same total size.
@@ -41,6 +43,7 @@ Results go to ``op_counts.json`` and ``op_counts.md`` in ``--out`` (default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -57,6 +60,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import gradzip
+from gradzip.ops.branches import device_forms
 from gradzip.train.models import build_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -263,14 +267,15 @@ def count_scheme(scheme: str, model_fn: Callable[[], nn.Module], inputs: torch.T
         out.float().pow(2).mean().backward()
         opt.step()
 
-    for _ in range(warmup):
-        step()
     per_step = []
-    for _ in range(steps):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with device_forms() if force_device else contextlib.nullcontext():
+        for _ in range(warmup):
             step()
-        counts = leaf_counts(prof.events())
-        per_step.append((summarize(counts), counts))
+        for _ in range(steps):
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                step()
+            counts = leaf_counts(prof.events())
+            per_step.append((summarize(counts), counts))
     summaries = [s for s, _ in per_step]
     ops = [s["ops"] for s in summaries]
     merged: Counter[str] = Counter()

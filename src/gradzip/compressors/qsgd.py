@@ -15,6 +15,7 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops import jit
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
+from gradzip.ops.branches import cpu_form
 from gradzip.ops.checks import check_range
 from gradzip.ops.flat import reinterpret, to_device
 from gradzip.ops.random import generator_for
@@ -128,7 +129,7 @@ class QSGD(Compressor):
         steps = norms / self.levels  # [R, buckets]
         offsets = norms.sum(dim=0)  # [buckets]
         # On the CPU only: elsewhere the whole-tensor form below is fewer kernel launches.
-        if codes.device.type == "cpu" and (size >= _CHUNK or buckets == 1):
+        if cpu_form(codes.device) and (size >= _CHUNK or buckets == 1):
             total = torch.empty(numel, dtype=torch.float32, device=codes.device)
             for b in range(buckets):
                 for start in range(b * size, min(numel, (b + 1) * size), _CHUNK):
@@ -174,7 +175,7 @@ class QSGD(Compressor):
         counts = [self._layout(job.numel)[0] for job in jobs]
         offset = 4 * sum(counts)
         all_norms = list(torch.split(reinterpret(gathered[:, :offset], torch.float32), counts, dim=1))
-        if total and gathered.device.type == "cpu" and 2 <= self.bits <= 7 and _jit_usable():
+        if total and cpu_form(gathered.device) and 2 <= self.bits <= 7 and _jit_usable():
             self._average_compiled(jobs, all_norms, gathered[:, offset:], comm.world_size)
             return
         codes = unpack_bits(gathered[:, offset:], self.bits, total)
@@ -184,7 +185,7 @@ class QSGD(Compressor):
         for job in jobs:
             starts.append(starts[-1] + job.numel)
         for numel, members in groups.items():
-            if codes.device.type == "cpu":  # the CPU's chunked sum, tensor by tensor
+            if cpu_form(codes.device):  # the CPU's chunked sum, tensor by tensor
                 for i in members:
                     mine = codes[:, starts[i] : starts[i + 1]]
                     averaged = self._decode_sum(all_norms[i], mine, numel, comm.world_size)

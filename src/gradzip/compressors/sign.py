@@ -20,6 +20,7 @@ from gradzip.ops.bits import (
     packed_size,
     unpack_bits,
 )
+from gradzip.ops.branches import cpu_form
 from gradzip.ops.flat import reinterpret, to_device
 
 __all__ = ["Sign"]
@@ -101,7 +102,7 @@ class Sign(Compressor):
         gathered = comm.all_gather(torch.cat([head, pack_bits(bits, 1, checked=False)], dim=1))
         all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
         payload = gathered[:, head.shape[1] :]
-        if payload.device.type == "cpu" and MAX_KEY_WORKERS > 0:
+        if cpu_form(payload.device) and MAX_KEY_WORKERS > 0:
             _average_by_table(jobs, payload, all_scales, comm.world_size)
             return
         _average_together(jobs, unpack_bits(payload, 1, total), all_scales, owner, comm.world_size)

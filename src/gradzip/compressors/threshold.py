@@ -13,6 +13,7 @@ from gradzip._validate import check_bool, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
 from gradzip.compressors.sparse import gather_sparse, index_bytes
+from gradzip.ops.branches import cpu_form
 from gradzip.ops.flat import to_device
 from gradzip.ops.select import threshold_split, topk_abs
 
@@ -200,7 +201,7 @@ def _selects_per_call(device: torch.device) -> bool:
     """Whether the call's entries are selected with :func:`_select_call` (off the CPU, where a
     per-tensor search would make the host wait for every tensor; the CPU's one-pass scan is
     faster there)."""
-    return device.type != "cpu"
+    return not cpu_form(device)
 
 
 Selection = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]

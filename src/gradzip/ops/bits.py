@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from gradzip._validate import check_int
+from gradzip.ops.branches import cpu_form
 
 __all__ = [
     "MAX_KEY_WORKERS", "bit_keys", "code_width", "keys_per_byte", "pack_bits", "packed_size",
@@ -80,10 +81,10 @@ def pack_bits(codes: torch.Tensor, bits: int, *, checked: bool = True) -> torch.
     if bits == 8:  # a copy: ops never hand back (or alias) their input
         return codes.to(torch.uint8, memory_format=torch.contiguous_format, copy=True)
     codes = codes.to(torch.uint8)
-    if bits == 1 and codes.device.type == "cpu":
+    if bits == 1 and cpu_form(codes.device):
         # NumPy's packbits with little-endian bit order is exactly this layout for 0/1 codes.
         return torch.from_numpy(np.packbits(codes.numpy(), axis=-1, bitorder="little"))
-    if _NUMPY_PATH and codes.device.type == "cpu" and n > 0:
+    if _NUMPY_PATH and cpu_form(codes.device) and n > 0:
         packed = _pack_fields(codes.reshape(-1, n).numpy(), bits)
         return torch.from_numpy(packed).reshape(*lead, packed.shape[1])
     groups = -(-n // 8)
@@ -137,7 +138,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     packed = packed[..., :need].to(torch.uint8)
     if bits == 8:
         return packed.contiguous()
-    if _NUMPY_PATH and packed.device.type == "cpu" and count > 0:
+    if _NUMPY_PATH and cpu_form(packed.device) and count > 0:
         flat = packed.reshape(-1, need).numpy()
         codes_np = _unpack_ones(flat, count) if bits == 1 else _unpack_fields(flat, bits, count)
         # Contiguous (a copy of the codes, when count is not a multiple of 8): strided rows

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from gradzip.ops.branches import cpu_form
+
 __all__ = ["all_finite", "bad_workers", "extremes_test", "finite_rows"]
 
 
@@ -46,7 +48,7 @@ def finite_rows(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
         # One row (a real process group): one test of the whole tensor, five ops.
         return extremes_test(filled[0]).eq(0).reshape(1)
     ok = torch.ones(workers, dtype=torch.bool, device=device)
-    if device.type == "cpu":
+    if cpu_form(device):
         # On the CPU a reduction along ``dim=1`` takes a slow, unvectorised path (an order of
         # magnitude behind a whole-tensor reduction of the same row); reduce each row whole
         # and test every extreme at once.

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from gradzip.ops import jit
+from gradzip.ops.branches import cpu_form
 from gradzip.ops.flat import to_device
 from gradzip.ops.random import generator_for
 
@@ -122,7 +123,7 @@ def _scan(
     n = row.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=row.device), row[:0]
-    fast = row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64)
+    fast = cpu_form(row.device) and row.dtype in (torch.float32, torch.float64)
     if fast and cut > 0 and math.isfinite(cut):
         return _shrink_scan(row, cut, nan_too, rest)
     if fast:
@@ -248,7 +249,7 @@ def topk_abs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     # On a GPU, torch.topk's radix selection is fast at any size and never makes the host
     # wait, while the narrowing pass below needs the cut and the candidates' count on the host
     # (two syncs per chunk, one per call for the cuts): small rows and GPUs go straight to it.
-    if n < 65536 or k * 8 > n or x.device.type != "cpu":
+    if n < 65536 or k * 8 > n or not cpu_form(x.device):
         idx = torch.topk(x.abs(), k, dim=1, sorted=False).indices
         return torch.gather(x, 1, idx), idx
     return _topk_narrowed(x, k)
@@ -265,7 +266,7 @@ def _topk_narrowed(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
     # negligible probability when the sample is representative (about 1.3 k survive at 1%).
     expect = k * s / n
     keep = min(s, int(1.1 * expect + 4.0 * expect**0.5) + 1)
-    if sample.device.type == "cpu":  # NumPy's selection is several times faster here
+    if cpu_form(sample.device):  # NumPy's selection is several times faster here
         part = np.partition(sample.detach().numpy(), s - keep, axis=1)
         cuts = part[:, s - keep].tolist()
     else:
