@@ -21,7 +21,8 @@ Choices, documented in IMPLEMENTING.md:
   steady level); tensors that both levels send dense (level ``"dense"``) count in the
   overall ratio only.
 
-Cost: two norms per tensor per call, summed on the device where the data is; nothing is read
+Cost: two norms per tensor per call (one multi-tensor op), their squares summed once per step
+on the device where the data is; nothing is read
 on the host until :meth:`compression_error` (once per epoch in the training loop), so no call
 waits for the device. The sums are not part of ``state_dict()``: the training loop reads
 (and so resets) them before each checkpoint, and a resumed run records the same values.
@@ -51,12 +52,14 @@ def relative_error(error_sq: float, input_sq: float) -> float:
     return math.sqrt(error_sq / input_sq) if input_sq > 0 else 0.0
 
 
-def _sums(jobs: Sequence[Job]) -> torch.Tensor:
-    """``[2]`` float64 on the jobs' device: ``sum ||residual||^2`` and ``sum ||tensor||^2``."""
-    # One multi-tensor norm over the residuals and the inputs (one launch on CUDA, not one
-    # per tensor), stacked as ``[2, jobs]``, squared and summed in float64.
-    norms = torch._foreach_norm([j.leftover() for j in jobs] + [j.tensor for j in jobs])
-    return torch.stack(norms).to(torch.float64).square().view(2, -1).sum(1)
+#: A step's pending norms of one group: (residual norms, input norms), 0-d fp32 tensors.
+Pending = tuple[list[torch.Tensor], list[torch.Tensor]]
+
+
+def _sums(pending: Pending) -> torch.Tensor:
+    """``[2]`` float64: ``sum ||residual||^2`` and ``sum ||input||^2`` of a step's norms."""
+    left, whole = pending
+    return torch.stack(left + whole).to(torch.float64).square().view(2, -1).sum(1)
 
 
 class ErrorMeter:
@@ -73,18 +76,20 @@ class ErrorMeter:
     def __init__(self, feedback: frozenset[str], *, exact: bool) -> None:
         self.feedback = feedback
         self.exact = exact
-        #: Per group (all, gentle, aggressive): ``[2]`` sums of completed steps since the
-        #: last read (``None`` where nothing was added).
+        #: Per group (all, gentle, aggressive): ``[2]`` float64 sums of completed steps since
+        #: the last read (``None`` where nothing was added).
         self.totals: list[torch.Tensor | None] = [None, None, None]
 
     def add(
-        self, sums: list[torch.Tensor | None], jobs: Sequence[Job],
+        self, pending: list[Pending | None], jobs: Sequence[Job],
         levels: Callable[[], Mapping[str, str] | None],
     ) -> None:
-        """Add a call's jobs that keep a residual to the step's ``sums`` (in place).
+        """Add the norms of a call's jobs that keep a residual to the step's ``pending``
+        norms per group (in place; one multi-tensor norm per call, a launch on CUDA; the
+        squares are summed once, when the step commits).
 
         Args:
-            sums: the step's sums per group.
+            pending: the step's norms per group (all, gentle, aggressive).
             jobs: the call's compressed jobs, reduced.
             levels: the main compressor's ``tensor_levels`` of its state now (after
                 ``reduce``, before ``end_step``: the levels the jobs were reduced at).
@@ -92,27 +97,32 @@ class ErrorMeter:
         jobs = [j for j in jobs if j.name in self.feedback]
         if not jobs:
             return
-        groups: list[list[Job]] = [jobs, [], []]
+        norms = torch._foreach_norm([j.leftover() for j in jobs] + [j.tensor for j in jobs])
+        count = len(jobs)
+        members: list[list[int]] = [list(range(count)), [], []]
         found = levels()
         if found is not None:
-            for j in jobs:
+            for at, j in enumerate(jobs):
                 where = _GROUPS.get(found.get(j.name, ""))
                 if where is not None:
-                    groups[where].append(j)
-        for i, group in enumerate(groups):
-            if group:
-                part = _sums(group)
-                pending = sums[i]
-                sums[i] = part if pending is None else pending + part
+                    members[where].append(at)
+        for i, chosen in enumerate(members):
+            if chosen:
+                group = pending[i]
+                if group is None:
+                    group = pending[i] = ([], [])
+                group[0].extend(norms[at] for at in chosen)
+                group[1].extend(norms[count + at] for at in chosen)
 
-    def commit(self, sums: list[torch.Tensor | None], dropped: torch.Tensor | None = None) -> None:
-        """Move a step's sums to the totals (``dropped``: a 0-d bool tensor deciding on the
+    def commit(self, pending: list[Pending | None], dropped: torch.Tensor | None = None) -> None:
+        """Add a step's norms to the totals (``dropped``: a 0-d bool tensor deciding on the
         device that the non-finite policy handled the step, so it counts zero)."""
-        for i, part in enumerate(sums):
-            if part is None:
+        for i, norms in enumerate(pending):
+            if norms is None:
                 continue
+            part = _sums(norms)
             if dropped is not None:
-                part = torch.where(dropped, torch.zeros_like(part), part)
+                part = part.masked_fill(dropped, 0.0)
             total = self.totals[i]
             self.totals[i] = part if total is None else total + part
 

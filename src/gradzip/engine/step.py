@@ -69,8 +69,9 @@ class Step:
             :mod:`gradzip.engine.device`.
         desync_dev: on the device, whether a call's header found ranks out of step (read
             once, at the step's end).
-        error_sums: the compression-error meter's sums of this step, per group (all,
-            gentle, aggressive), committed with the step (see :mod:`gradzip.engine.error`).
+        error_sums: the compression-error meter's pending norms of this step, per group
+            (all, gentle, aggressive), summed when the step commits (see
+            :mod:`gradzip.engine.error`).
     """
 
     def __init__(self) -> None:
@@ -84,7 +85,7 @@ class Step:
         self.poison_dev: torch.Tensor | None = None
         self.handled_dev: torch.Tensor | None = None
         self.desync_dev: torch.Tensor | None = None
-        self.error_sums: list[torch.Tensor | None] = [None, None, None]
+        self.error_sums: list[Any] = [None, None, None]
 
     @property
     def begun(self) -> bool:
