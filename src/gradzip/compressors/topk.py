@@ -69,7 +69,8 @@ class TopK(Compressor):
         values: list[torch.Tensor] = [torch.empty(0)] * len(sparse)
         indices: list[torch.Tensor] = [torch.empty(0)] * len(sparse)
         for numel, members in groups.items():
-            rows = torch.cat([sparse[i].tensor.reshape(workers, numel) for i in members])
+            parts = [sparse[i].tensor.reshape(workers, numel) for i in members]
+            rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # one tensor: no copy
             val, idx = topk_abs(rows, self.k_for(numel))
             for g, i in enumerate(members):
                 values[i] = val[g * workers : (g + 1) * workers]
