@@ -54,6 +54,8 @@ __all__ = ["BucketLayout", "bucket_layout", "flat_applies", "reduce_flat",
 #: all-reduce of the concatenated (divided, cast) gradients; subclasses may reduce differently.
 _FLAT = {NoCompression: (torch.float32, False), FP16: (torch.float16, True),
          BF16: (torch.bfloat16, True)}
+#: Message dtypes numpy can build the header in directly.
+_NUMPY_DTYPES = {torch.float32: numpy.float32, torch.float16: numpy.float16}
 
 
 @dataclass(eq=False)
@@ -199,21 +201,27 @@ def flat_applies(engine: EngineBase, step: Step, layout: BucketLayout) -> bool:
     return True
 
 
-def _copy_in(layout: BucketLayout, world: int, prescale: bool) -> None:
+def _copy_in(layout: BucketLayout, world: int, prescale: bool,
+             header: torch.Tensor | None = None) -> None:
     """The gradients into the message, in the engine's order (divided and cast for a
-    low-precision message: computed in fp32, then cast, as the ordinary path does)."""
+    low-precision message: computed in fp32, then cast, as the ordinary path does); with
+    ``header`` (on the message's device, in its dtype), the header into its tail by the same
+    multi-tensor copy where there is one."""
     pairs = layout.pairs()
     sources, parts = [src for src, _ in pairs], [part for _, part in pairs]
-    if len(pairs) == 1:
-        if prescale:
-            torch.div(sources[0], world, out=parts[0])
-        else:
-            parts[0].copy_(sources[0])
+    tail = []
+    if header is not None:
+        assert layout.message is not None
+        tail = [(layout.message[layout.numel :], header)]
+    if len(pairs) == 1 and prescale:
+        torch.div(sources[0], world, out=parts[0])
+        for dst, src in tail:
+            dst.copy_(src)
         return
     # DDP orders a bucket by when its gradients became ready, the message follows the
     # engine's parameter order (see Engine.reduce), so a bucket is often many runs: one
-    # multi-tensor copy moves them all (one launch on CUDA, elementwise the same as a copy
-    # per run).
+    # multi-tensor copy moves them all, and the header with them (one launch on CUDA,
+    # elementwise the same as a copy per run).
     if prescale and layout.whole:
         # The whole bucket divided and cast in one op (into a bucket-ordered scratch of the
         # message's dtype), then the runs moved: the same rounding as run by run.
@@ -223,7 +231,7 @@ def _copy_in(layout: BucketLayout, world: int, prescale: bool) -> None:
         sources = [scaled[src.storage_offset() - base :][: src.numel()] for src in sources]
     elif prescale:
         sources = torch._foreach_div(sources, world)
-    torch._foreach_copy_(parts, sources)
+    torch._foreach_copy_(parts + [d for d, _ in tail], [*sources, *(h for _, h in tail)])
 
 
 def _copy_out(layout: BucketLayout) -> None:
@@ -323,12 +331,18 @@ def reduce_flat_on_device(
     # on the host form, as the ordinary device path does not zero it either), so the test
     # of the average below decides for every worker alike. The header's non-finite slot
     # stays 0; the policy acts the same whichever test finds it.
-    _copy_in(layout, world, prescale)
     code = code_of(engine, step, call, layout.set_code)
-    # Made by numpy, not torch.tensor: no op of its own, one copy into the message (the
-    # values are small integers, exact in every message dtype, see gradzip.comm.header).
-    header = torch.from_numpy(numpy.asarray(summed_row(code, layout.bits, False), numpy.float32))
-    message[n:].copy_(to_device(header, device))
+    # Made by numpy, not torch.tensor: no op of its own (the values are small integers,
+    # exact in every message dtype, see gradzip.comm.header); in the message's dtype where
+    # numpy has it, so it joins the gradients' multi-tensor copy.
+    row = numpy.asarray(summed_row(code, layout.bits, False), _NUMPY_DTYPES.get(message.dtype,
+                                                                               numpy.float32))
+    header = to_device(torch.from_numpy(row), device)
+    if header.dtype == message.dtype:
+        _copy_in(layout, world, prescale, header)
+    else:  # bfloat16: numpy has no such dtype, the header is cast by its own copy
+        _copy_in(layout, world, prescale)
+        message[n:].copy_(header)
     comm.all_reduce_(message)
     if world > 1:
         # Ranks out of step exchange messages of equal sizes here (the bucket's layout is
