@@ -54,8 +54,7 @@ __all__ = ["BucketLayout", "bucket_layout", "flat_applies", "reduce_flat",
 #: all-reduce of the concatenated (divided, cast) gradients; subclasses may reduce differently.
 _FLAT = {NoCompression: (torch.float32, False), FP16: (torch.float16, True),
          BF16: (torch.bfloat16, True)}
-#: Message dtypes numpy can build the header in directly.
-_NUMPY_DTYPES = {torch.float32: numpy.float32, torch.float16: numpy.float16}
+
 
 
 @dataclass(eq=False)
@@ -201,6 +200,18 @@ def flat_applies(engine: EngineBase, step: Step, layout: BucketLayout) -> bool:
     return True
 
 
+def _header_row(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """The header's small integers as a CPU tensor of the message's ``dtype``, made by numpy
+    (no op of its own). bfloat16, which numpy lacks, is the upper half of float32's bits:
+    exact for these integers (every header value fits in bfloat16's 8-bit significand, see
+    :func:`~gradzip.comm.header.rider_digit_bits`)."""
+    if dtype == torch.bfloat16:
+        bits = numpy.asarray(values, numpy.float32).view(numpy.uint32) >> 16
+        return torch.from_numpy(bits.astype(numpy.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(numpy.asarray(values, {torch.float16: numpy.float16}.get(
+        dtype, numpy.float32)))
+
+
 def _copy_in(layout: BucketLayout, world: int, prescale: bool,
              header: torch.Tensor | None = None) -> None:
     """The gradients into the message, in the engine's order (divided and cast for a
@@ -335,14 +346,8 @@ def reduce_flat_on_device(
     # Made by numpy, not torch.tensor: no op of its own (the values are small integers,
     # exact in every message dtype, see gradzip.comm.header); in the message's dtype where
     # numpy has it, so it joins the gradients' multi-tensor copy.
-    row = numpy.asarray(summed_row(code, layout.bits, False), _NUMPY_DTYPES.get(message.dtype,
-                                                                               numpy.float32))
-    header = to_device(torch.from_numpy(row), device)
-    if header.dtype == message.dtype:
-        _copy_in(layout, world, prescale, header)
-    else:  # bfloat16: numpy has no such dtype, the header is cast by its own copy
-        _copy_in(layout, world, prescale)
-        message[n:].copy_(header)
+    header = to_device(_header_row(summed_row(code, layout.bits, False), message.dtype), device)
+    _copy_in(layout, world, prescale, header)
     comm.all_reduce_(message)
     if world > 1:
         # Ranks out of step exchange messages of equal sizes here (the bucket's layout is
