@@ -29,6 +29,10 @@ SPECS = ("none", "fp16", "bf16")
 CAPS = {"one": 25.0, "several": TINY_BUCKET_MB}
 MODES = {"async": {}, "sync": {"overlap": False}}
 POLICIES = ("skip", "zero", "raise")
+#: Compressors of the ordinary path whose decisions may stay on the device: their buckets'
+#: averages go back by one multi-tensor copy and the policy's mask is applied to the whole
+#: bucket buffer at once.
+GENERIC_SPECS = ("topk:ratio=0.2", "powersgd:rank=1")
 #: Written into one parameter's gradient: a NaN on rank 1 only, and on every rank a finite
 #: value whose sum overflows fp32 (and which, divided by the world size, overflows fp16).
 INJECTED = {"nan": float("nan"), "huge": 3e38}
@@ -154,6 +158,13 @@ def flat_group(rank: int, world: int) -> dict[Any, Any]:
                     out[("faulty", spec, policy, what, cap_name)] = {
                         flat: run for flat, run in runs.items()
                     }
+    for spec in GENERIC_SPECS:
+        for policy in ("skip", "zero"):
+            out[("faulty-generic", spec, policy)] = {
+                flat: _faulty_run(rank, spec, CAPS["several"], policy, INJECTED["nan"], flat,
+                                  overlap=True)
+                for flat in ("device", False)
+            }
     out["desync"] = _out_of_step_on_device(rank)
     out["padded"] = _padded_buffer(rank, transposed=False)
     out["transposed"] = _padded_buffer(rank, transposed=True)
@@ -269,3 +280,22 @@ def test_views_that_are_not_contiguous_take_the_ordinary_path(
         for spec, got in rank_results["transposed"].items():
             assert got == {"whole": False, "flat": False, "same": True, "gap_untouched": True,
                            "stats": True}, spec
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["skip", "zero"])
+@pytest.mark.parametrize("spec", GENERIC_SPECS)
+def test_a_nonfinite_bucket_decided_on_the_device_by_the_ordinary_path(
+    results: list[dict[Any, Any]], spec: str, policy: str
+) -> None:
+    for rank_results in results:
+        device, host = (rank_results[("faulty-generic", spec, policy)][k] for k in ("device", False))
+        assert not device["flat"] and not host["flat"]
+        assert len(device["grads"]) == len(host["grads"]) == 4
+        assert _grads_equal(device["grads"], host["grads"])
+        assert device["stats"][-1]["skipped_steps"] == 1  # the step was handled
+        assert torch.equal(device["params"], host["params"])
+        assert device["errors"] == host["errors"] == []
+        for mine, ref in zip(device["stats"], host["stats"], strict=True):
+            assert {k: v for k, v in mine.items() if k not in DEVICE_COUNTS} == \
+                {k: v for k, v in ref.items() if k not in DEVICE_COUNTS}
