@@ -90,21 +90,28 @@ def pack_bits(codes: torch.Tensor, bits: int, *, checked: bool = True) -> torch.
     groups = -(-n // 8)
     if groups * 8 != n:
         codes = torch.nn.functional.pad(codes, (0, groups * 8 - n))
-    # [..., 8, groups]: position k of every group in one contiguous row.
-    rows = codes.reshape(*lead, groups, 8).transpose(-1, -2).contiguous()
+    # Every group of 8 codes as one word: each code shifted to its field, the fields summed
+    # (disjoint bits: the sum is their OR), a few whole-tensor ops whatever the width (one
+    # launch each on a GPU, where a loop over the 8 positions would take 16).
     word = _WORD[bits]
-    # A copy: for one group the transposed rows can share the caller's memory (and for one-bit
-    # codes the word type is the code type), which the accumulation below must not modify.
-    acc = rows[..., 0, :].to(word, copy=True)
-    for k in range(1, 8):
-        acc |= rows[..., k, :].to(word) << (k * bits)
+    fields = codes.reshape(*lead, groups, 8).to(word) << _shifts(8, bits, word, codes.device)
+    acc = fields.sum(-1, dtype=word)  # [..., groups]
     if bits == 1:
         packed = acc.unsqueeze(-1)  # the word is the byte
     else:
-        packed = torch.empty(*lead, groups, bits, dtype=torch.uint8, device=codes.device)
-        for j in range(bits):
-            packed[..., j] = ((acc >> (8 * j)) & 0xFF).to(torch.uint8)
+        packed = ((acc.unsqueeze(-1) >> _shifts(bits, 8, word, codes.device)) & 0xFF).to(torch.uint8)
     return packed.reshape(*lead, groups * bits)[..., : packed_size(n, bits)].contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _shifts_on(count: int, step: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    return (torch.arange(count, dtype=torch.int64) * step).to(dtype).to(device)
+
+
+def _shifts(count: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[0, step, 2 step, ...]`` (``count`` of them) in ``dtype`` on ``device``, cached (a
+    shift by a tensor of the word's type keeps the word's type)."""
+    return _shifts_on(count, step, dtype, str(device))
 
 
 def _check_codes(codes: torch.Tensor, bits: int) -> None:
@@ -148,16 +155,16 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if groups * bits != need:
         packed = torch.nn.functional.pad(packed, (0, groups * bits - need))
     word = _WORD[bits]
-    # [..., bits, groups]: byte j of every group in one contiguous row.
-    rows = packed.reshape(*lead, groups, bits).transpose(-1, -2).contiguous()
-    acc = rows[..., 0, :].to(word)
-    for j in range(1, bits):
-        acc |= rows[..., j, :].to(word) << (8 * j)
+    # Each group's bytes as one word (shifted and summed, as in pack_bits), then every code
+    # cut out of it at once.
+    if bits == 1:
+        acc = packed.reshape(*lead, groups)  # the byte is the word
+    else:
+        by_byte = packed.reshape(*lead, groups, bits).to(word)
+        acc = (by_byte << _shifts(bits, 8, word, packed.device)).sum(-1, dtype=word)
     mask = (1 << bits) - 1
-    codes = torch.empty(*lead, 8, groups, dtype=torch.uint8, device=packed.device)
-    for k in range(8):
-        codes[..., k, :] = ((acc >> (k * bits)) & mask).to(torch.uint8)
-    return codes.transpose(-1, -2).reshape(*lead, groups * 8)[..., :count]
+    codes = ((acc.unsqueeze(-1) >> _shifts(8, bits, word, packed.device)) & mask).to(torch.uint8)
+    return codes.reshape(*lead, groups * 8)[..., :count]
 
 
 # The NumPy paths read memory as little-endian words; elsewhere the torch path above is used.
