@@ -12,6 +12,7 @@ on every rank in real gloo processes (at the end of the step).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -147,8 +148,8 @@ def _mine(rank: int, world: int, step: int) -> dict[str, torch.Tensor]:
     return {n: g[rank] for n, g in make_grads(world, step).items()}
 
 
-def _device_path_out_of_step(rank: int, world: int) -> dict[str, Any]:
-    engine = gradzip.Engine(SHAPES, "powersgd:rank=2", decide_on="device")
+def _device_path_out_of_step(rank: int, world: int, spec: str) -> dict[str, Any]:
+    engine = gradzip.Engine(SHAPES, spec, decide_on="device")
     outcome = "no error"
     try:
         for step in range(4):
@@ -163,8 +164,8 @@ def _device_path_out_of_step(rank: int, world: int) -> dict[str, Any]:
     return {"message": outcome, "step": engine.state_dict()["step"]}
 
 
-def _device_path_nonfinite(rank: int, world: int) -> list[Any]:
-    engine = gradzip.Engine(SHAPES, "powersgd:rank=2", decide_on="device")
+def _device_path_nonfinite(rank: int, world: int, spec: str) -> list[Any]:
+    engine = gradzip.Engine(SHAPES, spec, decide_on="device")
     seen = []
     for step in range(4):
         grads = _mine(rank, world, step)
@@ -178,12 +179,19 @@ def _device_path_nonfinite(rank: int, world: int) -> list[Any]:
 
 
 @pytest.mark.slow
-def test_device_decisions_in_real_processes() -> None:
-    for result in run_processes(_device_path_out_of_step, 2, timeout=120):
+# PowerSGD's header rides in an all-reduce; Top-k's and Sign's in an all-gather.
+@pytest.mark.parametrize("spec", ["powersgd:rank=2",
+                                  pytest.param("topk:ratio=0.05", marks=pytest.mark.slow),
+                                  pytest.param("sign", marks=pytest.mark.slow)])
+def test_device_decisions_in_real_processes(spec: str) -> None:
+    for result in run_processes(functools.partial(_device_path_out_of_step, spec=spec), 2,
+                                timeout=120):
         # Found at the end of the step (one host read a step), on every rank.
         assert result["message"].startswith("ranks are out of step"), result
+        assert "Found at the step's end" in result["message"]  # no host read per call
         assert result["step"] == 1
-    first, second = run_processes(_device_path_nonfinite, 2, timeout=120)
+    first, second = run_processes(functools.partial(_device_path_nonfinite, spec=spec), 2,
+                                  timeout=120)
     assert first == second
     assert first[2] == [False, False, True, True]  # the second call of step 2 and after
     assert first[-1] == 1

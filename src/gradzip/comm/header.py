@@ -294,10 +294,19 @@ class HeaderRider(Collective):
         extra = (len(digits) + 1) * x.element_size()
         if payload is None:
             payload = [flat.shape[1] * x.element_size()] * self.local_workers
-        gathered = self.comm.all_gather(
-            torch.cat([flat, self._rows(digits, x)], dim=1), [p + extra for p in payload]
-        )
+        rows = self._rows(digits, x)
+        gathered = self.comm.all_gather(torch.cat([flat, rows], dim=1),
+                                        [p + extra for p in payload])
         n = flat.shape[1]
+        if self.flags is not None and self._listed is None:
+            # Flags built on the device (the device path): checked there too, as in
+            # _sum_riding, so the call makes no host read. Every digit is exact in the
+            # message's dtype (rider_digit_bits), so comparing the gathered rows with this
+            # rank's own is exact; ranks out of step are found at the step's end.
+            head = gathered[:, n:]
+            self.disagree = ~(head[:, :-1] == rows[:1, :-1]).all()
+            self.bad_flag = (head[:, -1] > 0).any()
+            return gathered[:, :n].reshape(self.world_size, *x.shape[1:])
         seen = [[int(v) for v in row] for row in gathered[:, n:].tolist()]
         self.bad = any(row[-1] > 0 for row in seen)
         if any(row[:-1] != digits for row in seen):
