@@ -304,7 +304,7 @@ class HeaderRider(Collective):
             # message's dtype (rider_digit_bits), so comparing the gathered rows with this
             # rank's own is exact; ranks out of step are found at the step's end.
             head = gathered[:, n:]
-            self.disagree = ~(head[:, :-1] == rows[:1, :-1]).all()
+            self.disagree = (head[:, :-1] != rows[:1, :-1]).any()
             self.bad_flag = (head[:, -1] > 0).any()
             return gathered[:, :n].reshape(self.world_size, *x.shape[1:])
         seen = [[int(v) for v in row] for row in gathered[:, n:].tolist()]
