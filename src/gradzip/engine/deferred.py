@@ -22,7 +22,7 @@ from gradzip.ops.finite import extremes_test, finite_rows
 from gradzip.ops.flat import pack, unpack
 
 __all__ = ["any_nonfinite", "changed_tensors", "finite_rows_at_once", "nonfinite_flag",
-           "where_many", "where_tree"]
+           "nonfinite_rows_at_once", "where_many", "where_tree"]
 
 
 def finite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -38,6 +38,16 @@ def finite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> torch.
     if len(filled) <= 1:
         return finite_rows(tensors, workers)
     return finite_rows([torch.cat([t.reshape(workers, -1) for t in filled], dim=1)], workers)
+
+
+def nonfinite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
+    """``[L]`` bool: the negation of :func:`finite_rows_at_once` (whether worker ``w``'s part
+    of any tensor holds NaN or Inf), one op fewer where there is one row."""
+    filled = [t for t in tensors if t.numel()]
+    if workers == 1 and filled:
+        whole = filled[0] if len(filled) == 1 else torch.cat([t.reshape(-1) for t in filled])
+        return nonfinite_flag(whole).reshape(1)
+    return ~finite_rows_at_once(tensors, workers)
 
 
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:

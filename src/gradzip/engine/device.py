@@ -17,7 +17,7 @@ from gradzip.comm.header import HEADER_BYTES, HeaderRider
 from gradzip.compressors.base import Job, dense_reduce
 from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, count_dense, header_rider, masked, results
-from gradzip.engine.deferred import any_nonfinite, changed_tensors, finite_rows_at_once
+from gradzip.engine.deferred import any_nonfinite, changed_tensors, nonfinite_rows_at_once
 from gradzip.engine.policy import NonfinitePolicy
 from gradzip.engine.step import Saved, Step, or_flag
 
@@ -73,11 +73,11 @@ def reduce_on_device(
     workers, world = comm_in.local_workers, comm_in.world_size
     tensors = [j.tensor for j in jobs + dense]
     device = tensors[0].device
-    ok = finite_rows_at_once(tensors, workers)
+    bad_rows = nonfinite_rows_at_once(tensors, workers)
     comm = comm_in
     rider: HeaderRider | None = None
     if call.same_layout:
-        rider = header_rider(engine, step, call, ~ok)
+        rider = header_rider(engine, step, call, bad_rows)
         comm = rider
     else:
         # Every worker is in this process (``decides_on_device``), so they make the same
@@ -93,7 +93,7 @@ def reduce_on_device(
         if rider.disagree is not None and not (comm_in.simulated or world == 1):
             step.desync_dev = or_flag(step.desync_dev, rider.disagree)
     else:
-        bad = ~ok.all()
+        bad = bad_rows.any()
     count_dense(engine, sum(j.numel for j in jobs + dense))
     averaged = [job.averaged for job in jobs + dense]
     changed = changed_tensors(engine.compressor_state, before.states[0])
