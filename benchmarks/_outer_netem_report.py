@@ -181,16 +181,32 @@ def write_outputs(out: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Recompute the rows and tables of a results file (e.g. for another target)."""
+    """Recompute the rows and tables of a results file for other targets: the first becomes
+    the document's target, the others are kept under ``other_targets``; ``--write`` rewrites
+    the file and its ``.md`` (one table per target), else the tables are printed."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) not in (1, 2):
-        print("usage: python -m benchmarks._outer_netem_report RESULTS.json [TARGET]",
-              file=sys.stderr)
+    write = "--write" in args
+    args = [a for a in args if a != "--write"]
+    if not args:
+        print("usage: python -m benchmarks._outer_netem_report RESULTS.json [TARGET ...] "
+              "[--write]", file=sys.stderr)
         return 2
     path = Path(args[0])
     doc = json.loads(path.read_text(encoding="utf-8"))
-    target = float(args[1]) if len(args) == 2 else doc["meta"]["target_perplexity"]
-    print(markdown(build(doc["meta"], doc["runs"], target)))
+    targets = [float(a) for a in args[1:]] or [doc["meta"]["target_perplexity"]]
+    if any(not t > 1 for t in targets):
+        print(f"targets must be > 1 (perplexities), got {targets}", file=sys.stderr)
+        return 2
+    docs = [build(doc["meta"], doc["runs"], t) for t in targets]
+    text = "\n\n".join(markdown(d) for d in docs)
+    if not write:
+        print(text)
+        return 0
+    first = docs[0]
+    first["other_targets"] = {f"{d['meta']['target_perplexity']:g}": {
+        "rows": d["rows"], "speedups": d["speedups"]} for d in docs[1:]}
+    path.write_text(json.dumps(first, indent=1) + "\n", encoding="utf-8")
+    path.with_suffix(".md").write_text(text + "\n", encoding="utf-8")
     return 0
 
 

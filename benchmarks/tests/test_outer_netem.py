@@ -168,6 +168,13 @@ def test_report_recomputes_from_a_results_file(tmp_path: Path, capsys):
     assert out.with_suffix(".md").read_text().startswith("Target: validation perplexity <= 650")
     assert report.main([str(out), "500"]) == 0
     assert "not reached" in capsys.readouterr().out
+    assert report.main([str(out), "1"]) == 2
+    # Rewritten for two targets: the first is the document's, the other kept beside it.
+    assert report.main([str(out), "500", "650", "--write"]) == 0
+    again = json.loads(out.read_text())
+    assert again["meta"]["target_perplexity"] == 500 and again["rows"][0]["seconds_to_target"] is None
+    assert again["other_targets"]["650"]["rows"][0]["seconds_to_target"] == 20.0
+    assert out.with_suffix(".md").read_text().count("Target: validation perplexity") == 2
 
 
 def test_hops_per_synchronisation():
