@@ -66,7 +66,7 @@ class TrainLoop:
         # Where training stands after the last completed epoch (all of it plain data, so a
         # checkpoint can hold it and a resumed run continue exactly).
         self.done: dict[str, Any] = {
-            "epoch": 0, "step": 0, "lr": cfg.lr, "seconds": 0.0, "history": [],
+            "epoch": 0, "step": 0, "lr": cfg.lr, "seconds": 0.0, "eval_total": 0.0, "history": [],
             "prev": {"wire_bytes": 0, "payload_bytes": 0, "dense_payload_bytes": 0},
             "density_mark": [0, 0], "marks": {},
         }
@@ -160,6 +160,14 @@ class TrainLoop:
         self.model.train()
         return sums  # type: ignore[return-value]
 
+    def _eval_record(self, epoch: float, step: int, lr: float) -> dict[str, Any]:
+        """An ``eval`` record between epochs (``eval_every``): the test metrics of the model
+        now and the cumulative byte counters. Every process calls it (collectives)."""
+        assert self.stepper is not None
+        metrics = self.task.metrics(self.stepper.all_sum(self._evaluate().double()))
+        return {"kind": "eval", "epoch": epoch, "step": step, "lr": lr, **metrics,
+                **self._bytes(), "rounds": self.stepper.stats["steps"]}
+
     def _control_fields(self, marks: dict[str, Any]) -> dict[str, Any]:
         """Accordion and batch-size fields of an epoch record; updates ``marks`` in place."""
         rec: dict[str, Any] = {}
@@ -252,7 +260,7 @@ class TrainLoop:
                                  f"{' '.join(str(exc).split())}") from None
         if self.batch_controller is not None:
             self.batch_controller.load_state_dict(to_device(state["batch_controller"], self.device))
-        loop = dict(state["loop"])
+        loop = {"eval_total": 0.0, **state["loop"]}  # checkpoints from before eval_every
         want = {*self.done, "decisions", "decision_count"}
         if set(loop) != want:
             raise ValueError(f"the checkpoint's `loop` must have keys {sorted(want)}, "
@@ -325,6 +333,16 @@ class TrainLoop:
                     writer.write({"kind": "step", "epoch": epoch + i / spe, "step": step,
                                   "lr": lr, "loss": step_loss / len(stepper.local_ranks),
                                   "wire_bytes": max(stepper.stats["wire_bytes"])})
+                if cfg.eval_every and step % cfg.eval_every == 0 and i < spe:
+                    # Out of the training clock: what time-to-target measurements subtract.
+                    eval_start = time.perf_counter()
+                    rec = self._eval_record(epoch + i / spe, step, lr)
+                    now = time.perf_counter()
+                    done["eval_total"] += now - eval_start
+                    rec.update(eval_seconds=now - eval_start, seconds=now - started,
+                               train_seconds=now - started - done["eval_total"])
+                    if writer is not None:
+                        writer.write(rec)
                 bar.update(micro)
             bar.update(spe - i)
             eval_start = time.perf_counter()
@@ -358,6 +376,8 @@ class TrainLoop:
             now = time.perf_counter()
             rec["eval_seconds"] = now - eval_start
             rec["epoch_seconds"], rec["seconds"] = now - epoch_start, now - started
+            done["eval_total"] += now - eval_start
+            rec["train_seconds"] = now - started - done["eval_total"]
             history.append(rec)
             done.update(epoch=epoch + 1, step=step, lr=lr, seconds=now - started, prev=counts,
                         density_mark=list(mark))

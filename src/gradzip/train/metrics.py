@@ -1,7 +1,9 @@
 """Run records: ``metrics.jsonl`` (one JSON object per line) and ``summary.json``.
 
-``metrics.jsonl`` holds one record per epoch (``"kind": "epoch"``) and, with ``log_every``,
-one per N optimizer steps (``"kind": "step"``). Byte counters are cumulative and per worker:
+``metrics.jsonl`` holds one record per epoch (``"kind": "epoch"``), with ``log_every`` one per
+N optimizer steps (``"kind": "step"``) and with ``eval_every`` an evaluation every N optimizer
+steps (``"kind": "eval"``: test metrics, byte counters, ``train_seconds``: the run's seconds
+so far less its evaluations). Byte counters are cumulative and per worker:
 the maximum over workers of what each worker sent (``wire``) or said (``payload``), so
 "bytes sent per worker" is the cost of the busiest worker.
 """

@@ -1,0 +1,262 @@
+"""Outer-step training against per-step averaging over an emulated slow link: time to a target
+validation perplexity.
+
+Builds the lab of ``benchmarks/_netlab.py`` (one network namespace per worker, a bridge, every
+link capped in both directions with ``tc`` tbf; that module says what it touches and how it
+cleans up) and runs ``gradzip train --launcher procs`` in each namespace as a torchrun-style
+worker (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``... : gloo over the shaped
+links), once per (bandwidth, method). The task and options are ``benchmarks/outer.py``'s
+(the small transformer on a WikiText-2 corpus, inner AdamW); the methods are per-step
+``none`` and Top-k 1% with error feedback, DiLoCo fp32 and 8-bit at H = 30 and the
+SparseLoCo mode.
+
+The runner evaluates every ``--eval-every`` steps for per-step methods and every H steps
+(at the synchronisations, where every worker holds the same parameters) for outer modes; its
+records carry ``train_seconds``, the seconds of training so far with evaluations left out.
+Time to target is the ``train_seconds`` of the first evaluation at or below ``--target``.
+With ``--stop-at-target`` a run is stopped once rank 0 has written that evaluation.
+
+Needs root; ``--dry-run`` prints the commands as any user. Example (BENCHMARKS.md, section 5)::
+
+    python -m benchmarks.outer_netem --source /tmp/wt2/wikitext-2-partial \\
+        --corpus /tmp/onetem/corpus --runs /tmp/onetem/runs --bandwidth-mbit 40 150 \\
+        --target 650 --stop-at-target --out benchmarks/results/outer_netem.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from . import _netlab as netlab
+from . import _netlab_launch as launch
+from . import outer
+from ._outer_netem_report import markdown, summarize, write_outputs
+
+HERE = Path(__file__).resolve().parent
+log = logging.getLogger("outer_netem")
+
+#: Method key -> (label, ``gradzip train`` options, H: 0 for per-step methods).
+METHODS: dict[str, tuple[str, dict[str, Any], int]] = {
+    c.key: (c.label, c.options, int(c.options.get("outer-steps", 0)))
+    for c in outer.CONFIGS if c.key != "diloco100"
+}
+METHODS["powersgd4"] = ("per-step PowerSGD r4", {"compressor": "powersgd:rank=4"}, 0)
+DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
+
+
+def train_argv(args: argparse.Namespace, method: str, out: Path) -> list[str]:
+    """The ``gradzip train`` command of one worker (every rank runs the same).
+
+    Args:
+        args: the launcher's options (``workers``, ``epochs``, ``eval_every``, ``corpus``,
+            ``seed``).
+        method: a key of :data:`METHODS`.
+        out: the run directory (rank 0 writes ``metrics.jsonl`` there).
+
+    Returns:
+        The argument list, starting with the Python interpreter.
+    """
+    _, options, h = METHODS[method]
+    # Checkpoints are off: in a process group saving one is a collective, and its traffic
+    # and time would count as training. An outer mode is evaluated at its synchronisations.
+    overrides = {"launcher": "procs", "workers": args.workers, "epochs": args.epochs,
+                 "checkpoint-every": 0, "eval-every": h or args.eval_every}
+    cfg = outer.Config(method, METHODS[method][0], options)
+    return outer.command(cfg, args.seed, args.corpus, out, overrides)
+
+
+def target_reached(metrics: Path, target: float) -> bool:
+    """Whether ``metrics`` (a run's ``metrics.jsonl``) holds an evaluation at or below
+    ``target`` perplexity (a partly written last line is ignored)."""
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec.get("kind") in ("eval", "epoch") and rec.get("perplexity", float("inf")) <= target:
+            return True
+    return False
+
+
+def wait_or_stop(procs: Sequence[Any], timeout: float, stop: Callable[[], bool]) -> str | None:
+    """Wait for every process; kill them all once ``stop()`` is true, on the first failure or
+    at the deadline.
+
+    Returns:
+        ``None`` when all exited 0, ``"stopped"`` when ``stop()`` ended them, else what went
+        wrong.
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                return f"worker {bad[0][0]} exited with code {bad[0][1]}"
+            if all(c == 0 for c in codes):
+                return None
+            if stop():
+                return "stopped"
+            if time.monotonic() > deadline:
+                return f"timed out after {timeout:g} s"
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            netlab.kill_group(p, grace=1.0)
+
+
+def kernel_tx(lab: netlab.Lab) -> list[int]:
+    """Each worker link's kernel count of bytes sent so far."""
+    return [int(netlab.run_command(netlab.netns_exec(
+        ns, ["cat", f"/sys/class/net/{netlab.WORKER_IFNAME}/statistics/tx_bytes"])))
+        for ns in lab.names]
+
+
+def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str, port: int,
+            tmp: Path) -> dict[str, Any]:
+    """Train one method over the current shaping; the run's evaluation records and counters."""
+    tag = f"{method}-{rate:g}mbit"
+    out = args.runs / tag
+    if out.exists():
+        raise netlab.LabError(f"`--runs` must not hold {tag} already, got {str(args.runs)!r}")
+    argv = train_argv(args, method, out)
+    before, load_before = kernel_tx(lab), os.getloadavg()
+    started = time.perf_counter()
+    procs = [netlab.spawn(netlab.netns_exec(ns, argv), _env(lab, port, rank),
+                          tmp / f"{tag}-rank{rank}.log") for rank, ns in enumerate(lab.names)]
+    stop = (lambda: target_reached(out / "metrics.jsonl", args.target)) \
+        if args.stop_at_target else (lambda: False)
+    problem = wait_or_stop(procs, args.run_timeout, stop)
+    wall = time.perf_counter() - started
+    record: dict[str, Any] = {
+        "method": method, "label": METHODS[method][0], "bandwidth_mbit": rate,
+        "outer_steps": METHODS[method][2], "command": argv, "wall_seconds": wall,
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "kernel_tx_bytes": [a - b for a, b in zip(kernel_tx(lab), before, strict=True)],
+        "stopped_at_target": problem == "stopped",
+    }
+    if problem not in (None, "stopped"):
+        tails = launch.rank_log_tails(tmp, tag, lab.workers)
+        log.error("%s: %s\n%s", tag, problem, launch.format_tails(tails))
+        return {**record, "error": problem, "log_tails": tails}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    keep = ("kind", "step", "epoch", "perplexity", "train_seconds", "seconds", "eval_seconds",
+            "wire_bytes", "rounds", "train_loss")
+    record["evaluations"] = [{k: r[k] for k in keep if k in r} for r in rows
+                             if r.get("kind") in ("eval", "epoch")]
+    return record
+
+
+def _env(lab: netlab.Lab, port: int, rank: int) -> dict[str, str]:
+    # One worker per namespace, as one process per host under torchrun.
+    env = launch.worker_env(lab.addresses[0], port, rank, lab.workers)
+    env.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    return env
+
+
+def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
+    """Every (bandwidth, method) run; writes the JSON and the Markdown table."""
+    if args.source is not None:
+        outer.build_corpus(args.source, args.corpus, args.valid_words)
+    args.runs.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "base": outer.BASE, "machine": netlab.machine_info(), "goodput": {},
+        "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                  time.gmtime())}
+    runs, port = [], 29600
+    for rate in args.bandwidth_mbit:
+        lab.shape(rate, 0.0)
+        meta["goodput"][f"{rate:g}"] = netlab.measure_goodput(lab, rate, tmp)
+        for method in args.methods:
+            port += 1
+            record = run_one(lab, args, rate, method, port, tmp)
+            runs.append(record)
+            row = summarize(record, args.target)
+            log.info("%g Mbit/s %-14s %s", rate, method, row.get("error") or (
+                f"{row['seconds_per_step']:.3f} s/step, target at {row['seconds_to_target']} s "
+                f"(step {row['steps_to_target']}), {record['wall_seconds']:.0f} s wall, "
+                f"load {record['loadavg_after'][0]:.1f}"))
+    meta["loadavg_end"] = os.getloadavg()
+    doc = write_outputs(args.out, meta, runs, args.target)
+    print(markdown(doc))
+    return 1 if any("error" in r for r in runs) else 0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The launcher's options (those of the lab, the runs and the target)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    launch.add_lab_arguments(p, workers=4, run_timeout=1800.0,
+                             out=HERE / "results" / "outer_netem.json")
+    p.add_argument("--bandwidth-mbit", type=float, nargs="+", default=[40.0, 150.0])
+    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
+                   help=f"among {', '.join(METHODS)}")
+    p.add_argument("--corpus", type=Path, default=Path("/tmp/onetem/corpus"),
+                   help="directory with a *train* and a *valid* text file")
+    p.add_argument("--source", type=Path, default=None,
+                   help="WikiText-2 directory to build --corpus from (benchmarks/outer.py)")
+    p.add_argument("--valid-words", type=int, default=50_000)
+    p.add_argument("--runs", type=Path, default=Path("/tmp/onetem/runs"),
+                   help="parent of the run directories (each must not exist yet)")
+    p.add_argument("--epochs", type=int, default=int(outer.BASE["epochs"]))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=10,
+                   help="steps between evaluations of per-step methods (outer modes: H)")
+    p.add_argument("--target", type=float, default=650.0, help="validation perplexity")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="stop a run once it has reached the target")
+    return launch.parse_checked(p, argv, validate)
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
+    out = launch.validate_lab(args)
+    if args.delay_ms:
+        out.append(f"`--delay-ms` must be 0 (bandwidth only here), got {args.delay_ms:g}")
+    if any(not 0 < b <= 100_000 for b in args.bandwidth_mbit):
+        out.append(f"`--bandwidth-mbit` values must be in (0, 100000], got {args.bandwidth_mbit}")
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        out.append(f"`--methods` entries must be among {', '.join(METHODS)}, got {unknown}")
+    if len(set(args.methods)) != len(args.methods):
+        out.append(f"`--methods` must not repeat, got {args.methods}")
+    if not args.target > 1:
+        out.append(f"`--target` must be > 1 (a perplexity), got {args.target:g}")
+    out += launch.bound_problems(args, at_least_one=("epochs", "eval_every", "valid_words"))
+    if args.seed < 0:
+        out.append(f"`--seed` must be >= 0, got {args.seed}")
+    return out
+
+
+def dry_run(args: argparse.Namespace) -> list[list[str]]:
+    """Every command a real run would issue, in order (workers shown for rank 0 only)."""
+    with launch.recorded_lab(args.workers, args.subnet) as (lab, cmds):
+        for rate in args.bandwidth_mbit:
+            lab.shape(rate, 0.0)
+            for method in args.methods:
+                out = args.runs / f"{method}-{rate:g}mbit"
+                cmds.append(netlab.netns_exec(lab.names[0], train_argv(args, method, out)))
+    return cmds
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark (or its dry run) on a lab that is deleted whatever happens."""
+    return launch.main_with_lab(parse_args(argv), prog="outer_netem.py",
+                                tmp_prefix="gz-outer-netem-", dry_run=dry_run, body=benchmark)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
