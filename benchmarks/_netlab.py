@@ -325,11 +325,16 @@ def netns_exec(ns: str, argv: Sequence[str]) -> list[str]:
     return ["ip", "netns", "exec", ns, *argv]
 
 
-def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> str | None:
-    """Wait for every process; on the first failure or at the deadline kill the rest.
+def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float, *,
+             stop: Callable[[], bool] | None = None, poll: float = 0.05,
+             grace: float = 3.0) -> str | None:
+    """Wait for every process; kill the rest on the first failure, at the deadline, or (with
+    ``stop``) once ``stop()`` is true, checked every ``poll`` seconds; ``grace``: seconds
+    each is given to end after SIGTERM (see :func:`kill_group`).
 
     Returns:
-        ``None`` when all exited 0, else a description of what went wrong.
+        ``None`` when all exited 0, ``"stopped"`` when ``stop()`` ended them, else a
+        description of what went wrong.
     """
     deadline = time.monotonic() + timeout
     try:
@@ -340,12 +345,14 @@ def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> str | No
                 return f"worker {bad[0][0]} exited with code {bad[0][1]}"
             if all(c == 0 for c in codes):
                 return None
+            if stop is not None and stop():
+                return "stopped"
             if time.monotonic() > deadline:
                 return f"timed out after {timeout:g} s"
-            time.sleep(0.05)
+            time.sleep(poll)
     finally:
         for p in procs:
-            kill_group(p)
+            kill_group(p, grace=grace)
 
 
 LIVE: list[subprocess.Popen[Any]] = []  # killed by the cleanup whatever happens

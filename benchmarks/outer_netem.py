@@ -31,7 +31,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,33 +90,6 @@ def target_reached(metrics: Path, target: float) -> bool:
     return False
 
 
-def wait_or_stop(procs: Sequence[Any], timeout: float, stop: Callable[[], bool]) -> str | None:
-    """Wait for every process; kill them all once ``stop()`` is true, on the first failure or
-    at the deadline.
-
-    Returns:
-        ``None`` when all exited 0, ``"stopped"`` when ``stop()`` ended them, else what went
-        wrong.
-    """
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                return f"worker {bad[0][0]} exited with code {bad[0][1]}"
-            if all(c == 0 for c in codes):
-                return None
-            if stop():
-                return "stopped"
-            if time.monotonic() > deadline:
-                return f"timed out after {timeout:g} s"
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            netlab.kill_group(p, grace=1.0)
-
-
 def kernel_tx(lab: netlab.Lab) -> list[int]:
     """Each worker link's kernel count of bytes sent so far."""
     return [int(netlab.run_command(netlab.netns_exec(
@@ -138,7 +111,7 @@ def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str,
                           tmp / f"{tag}-rank{rank}.log") for rank, ns in enumerate(lab.names)]
     stop = (lambda: target_reached(out / "metrics.jsonl", args.target)) \
         if args.stop_at_target else (lambda: False)
-    problem = wait_or_stop(procs, args.run_timeout, stop)
+    problem = netlab.wait_all(procs, args.run_timeout, stop=stop, poll=0.2, grace=1.0)
     wall = time.perf_counter() - started
     record: dict[str, Any] = {
         "method": method, "label": METHODS[method][0], "bandwidth_mbit": rate,

@@ -97,12 +97,12 @@ def test_runs_are_stopped_once_the_target_file_says_so(tmp_path):
     # The child marks the point and then never ends by itself: only the stop ends it.
     child = _child(f"import pathlib, time; pathlib.Path({str(flag)!r}).write_text('x'); "
                    "time.sleep(3600)")
-    assert outer_netem.wait_or_stop([child], 600, flag.exists) == "stopped"
+    assert netlab.wait_all([child], 600, stop=flag.exists) == "stopped"
     assert child.poll() is not None
     failing = _child("raise SystemExit(3)")
-    assert outer_netem.wait_or_stop([failing], 600, lambda: False) == \
+    assert netlab.wait_all([failing], 600, stop=lambda: False) == \
         "worker 0 exited with code 3"
-    assert outer_netem.wait_or_stop([_child("pass")], 600, lambda: False) is None
+    assert netlab.wait_all([_child("pass")], 600, stop=lambda: False) is None
 
 
 def _record(method: str, rate: float, h: int, evals: list[tuple[int, float, float]],
