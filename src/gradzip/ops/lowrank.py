@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["orthogonalize", "orthogonalize_batches", "orthonormal", "rescale_exponents",
-           "stack_matrices"]
+__all__ = ["orthogonalize", "orthonormal", "rescale_exponents", "stack_matrices"]
 
 
 # Columns whose largest entry lies outside [_LOW, _HIGH] are rescaled by a power of two before
@@ -49,9 +48,9 @@ def _orthonormal(p: torch.Tensor) -> torch.Tensor:
 
 
 def orthonormal(p: torch.Tensor) -> torch.Tensor:
-    """:func:`orthogonalize` of a ``p`` already rescaled by its power of two (the last step
-    of :func:`orthogonalize_batches`, for callers that rescale many batches at once); an
-    empty ``p`` comes back as a copy."""
+    """:func:`orthogonalize` of a ``p`` already rescaled by its power of two
+    (:func:`rescale_exponents`; for callers that rescale many matrices at once, as PowerSGD
+    does over a call's whole message); an empty ``p`` comes back as a copy."""
     return _orthonormal(p) if p.numel() else p.clone()
 
 
@@ -75,32 +74,6 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
         return p.clone()
     top = p.abs().amax(dim=(-2, -1), keepdim=True)
     return _orthonormal(p * torch.exp2(rescale_exponents(top)))
-
-
-def orthogonalize_batches(ps: Sequence[torch.Tensor], tops: torch.Tensor) -> list[torch.Tensor]:
-    """:func:`orthogonalize` of each batch ``ps[i]`` (``[B_i, n_i, r_i]``), bit for bit, with
-    the rescaling's exponents computed for all matrices of all batches in one pass: a few ops
-    per call instead of a dozen per batch.
-
-    Args:
-        ps: non-empty batches of matrices.
-        tops: ``[sum(B_i)]``, the largest absolute entry of each matrix, in order.
-
-    Returns:
-        The orthonormal factors, one ``[B_i, n_i, r_i]`` tensor per batch.
-
-    Raises:
-        ValueError: if ``tops`` does not hold one entry per matrix.
-    """
-    counts = [int(p.shape[0]) for p in ps]
-    if tops.shape != (sum(counts),):
-        raise ValueError(f"`tops` must have shape ({sum(counts)},), one entry per matrix, "
-                         f"got {tuple(tops.shape)}")
-    if not ps:
-        return []
-    scales = torch.exp2(rescale_exponents(tops)).split(counts)
-    return [_orthonormal(p * s.reshape(-1, 1, 1)) if p.numel() else p.clone()
-            for p, s in zip(ps, scales, strict=True)]
 
 
 def stack_matrices(tensors: Sequence[torch.Tensor], rows: int, cols: int) -> torch.Tensor:
