@@ -95,7 +95,8 @@ class EngineBase:
     @property
     def decide_on(self) -> str:
         """Where calls read their non-finite decisions: ``"auto"``, ``"host"`` or
-        ``"device"`` (see :class:`~gradzip.Engine`)."""
+        ``"device"`` (see :class:`~gradzip.Engine`). Part of the ranks' configuration check
+        before the first step; set it on every rank alike."""
         return self._decide_on
 
     @decide_on.setter
@@ -198,6 +199,10 @@ class EngineBase:
             "parameters": ";".join(f"{n}:{tuple(s)}" for n, s in sorted(self.shapes.items())),
             "rules": "; ".join(self._rule_specs()),
             "min_numel": str(self.options.min_numel),
+            # Ranks that read their non-finite decisions in different places send different
+            # messages after a non-finite call (the host path only the header, the device
+            # path its payload): they would abort or hang at the first NaN step.
+            "decide_on": self.decide_on,
         }
 
     def _rule_specs(self) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -9,24 +10,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradzip._validate import check_real
+from gradzip._validate import check_int, check_real
 from gradzip.comm import Collective, default_collective
 from gradzip.comm.header import verify_configuration
 from gradzip.compressors.base import Compressor
 from gradzip.engine import Engine
 from gradzip.outer.fragments import FragmentPlan, split_fragments
+from gradzip.outer.group import exchange_collective
 from gradzip.outer.optim import OuterOptimizer
+from gradzip.outer.setup import check_models, check_optimizers, schedule_in_syncs
+from gradzip.outer.setup import engine_options as engine_options_of
+from gradzip.outer.state import FORMAT_VERSION, load_state, save_state
 
 __all__ = ["FORMAT_VERSION", "Outer"]
 
-FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
 
 # OuterOptimizer's fields -> this constructor's parameters (for error messages).
 _PARAM_NAMES = {"kind": "outer_optimizer", "lr": "outer_lr", "momentum": "outer_momentum",
                 "decay": "error_decay"}
-
-# Engine options that concern gradients of a loss, not pseudo-gradients.
-_GRADIENT_ONLY = ("optimizer", "grad_scaler")
 
 
 class Outer:
@@ -45,10 +47,14 @@ class Outer:
             :class:`~gradzip.SimulatedGroup` of ``N`` workers, a sequence of ``N`` modules.
             Every worker must start from the same parameters (the simulated models are
             checked; in a process group seed them alike).
-        compressor: any compressor spec, :class:`~gradzip.Compressor` or controller.
+        compressor: any compressor spec, :class:`~gradzip.Compressor` or controller. A
+            :class:`~gradzip.Schedule`'s ranges count inner steps, as in per-step training:
+            a range holds the synchronisations sent after one of its steps (refused when it
+            holds none).
         inner_steps: ``H``, inner steps between two synchronisations of a fragment, >= 1.
         outer_optimizer: ``"nesterov"`` (default: lr 0.7, momentum 0.9), ``"sgd"`` (lr 1.0,
-            no momentum), ``"ef-momentum"`` (lr 1.0, residual decay 0.95, no momentum), or an
+            no momentum), ``"ef-momentum"`` (lr 1.0, residual decay 0.95, no momentum, error
+            feedback on: refused with ``error_feedback=False``), or an
             :class:`OuterOptimizer`.
         outer_lr: replaces the outer optimizer's ``lr``.
         outer_momentum: replaces the outer optimizer's ``momentum``.
@@ -59,15 +65,22 @@ class Outer:
         alpha: mixing factor in [0, 1]: a worker's tensor becomes
             ``anchor + alpha * (local - anchor)`` (0: the anchor).
         collective: a :class:`~gradzip.SimulatedGroup` or a process group collective
-            (default: the world group).
+            (default: the world group). In a process group every rank constructs its
+            ``Outer`` at the same point: the ranks' configurations are compared there.
         offload: keep the anchor and the outer optimizer's state on the CPU.
         overlap: with ``delay > 0``, run each exchange on a background thread while the next
             ``delay`` inner steps run (the results are the same bits as without it; an error
             of the exchange, e.g. ``nonfinite="raise"``, surfaces at the step that applies it).
+            In a process group the exchange talks on its own copy of the group, so the inner
+            loop may issue collectives of its own (a loss all-reduce, a barrier).
         inner_optimizers: the inner optimizers (one per model), optional: their state is
-            then part of :meth:`state_dict`.
-        **engine_options: options of the :class:`~gradzip.Engine` (``error_feedback``,
-            ``nonfinite``, ``rules``, ...), except the gradient-only ``optimizer`` and
+            then part of :meth:`state_dict`, and a skipped synchronisation clears it (see
+            :meth:`step`).
+        max_skipped_syncs: ``K`` >= 1 (default 3): after ``K`` skipped synchronisations in a
+            row, :meth:`step` raises ``FloatingPointError`` on every worker.
+        **engine_options: options of the :class:`~gradzip.Engine`: ``options`` (an
+            :class:`~gradzip.EngineOptions`), its fields as keywords (they replace the
+            record's), and ``decide_on``; never the gradient-only ``optimizer`` and
             ``grad_scaler``.
 
     Raises:
@@ -97,6 +110,7 @@ class Outer:
         offload: bool = False,
         overlap: bool = False,
         inner_optimizers: Sequence[torch.optim.Optimizer] | None = None,
+        max_skipped_syncs: int = 3,
         **engine_options: Any,
     ) -> None:
         self.plan = FragmentPlan(inner_steps, fragments, delay)
@@ -113,35 +127,43 @@ class Outer:
         for flag, value in (("offload", offload), ("overlap", overlap)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{flag}` must be a bool, got {type(value).__name__}")
+        self.max_skipped_syncs = check_int("max_skipped_syncs", max_skipped_syncs, minimum=1)
         self.overlap = overlap and self.plan.delay > 0
-        for key in _GRADIENT_ONLY:
-            if key in engine_options:
-                raise ValueError(f"`{key}` applies to gradients, not pseudo-gradients: the outer "
-                                 f"loop does not take it, got {key}={engine_options[key]!r}")
-        if self.optimizer.kind == "ef-momentum":
-            if engine_options.get("error_feedback") is False:
-                raise ValueError("`error_feedback` must be on for the ef-momentum outer optimizer "
-                                 "(its residual is the momentum), got False")
-            engine_options["error_feedback"] = True
+        options, decide_on = engine_options_of(self.optimizer.kind, engine_options)
         if collective is not None and not isinstance(collective, Collective):
             raise TypeError(f"`collective` must be a gradzip Collective, got {type(collective).__name__}")
         self.comm = collective if collective is not None else default_collective()
-        self.models = self._check_models(models)
+        self.models = check_models(models, self.comm.local_workers)
         self.params = self._parameters()
         self.names = list(self.params)
         self.fragments = split_fragments(self.names, self.plan.fragments)
-        self.inner_optimizers = self._check_optimizers(inner_optimizers)
+        self.inner_optimizers = check_optimizers(inner_optimizers, len(self.models))
         self.offload = offload
         first = {n: ps[0] for n, ps in self.params.items()}
         self.device = next(iter(first.values())).device
         home = torch.device("cpu") if offload else self.device
         self.anchor: dict[str, torch.Tensor] = {n: p.detach().to(home, copy=True) for n, p in first.items()}
         self.outer_state: dict[str, torch.Tensor] = {}
-        self.engine = Engine({n: p.shape for n, p in first.items()}, compressor,
-                             collective=self.comm, **engine_options)
+        built = schedule_in_syncs(compressor, self.plan)
+        self.handshake_bytes = 0
+        if not (self.comm.simulated or self.comm.world_size == 1):
+            # Checked here, before anything else is exchanged: ranks that differ in
+            # ``overlap`` would otherwise disagree on whether the next collective is the copy
+            # of the group below, and hang there.
+            self.handshake_bytes += verify_configuration(
+                self.comm, {**self.checkpoint_config(), "overlap": str(self.overlap),
+                            "max_skipped_syncs": str(self.max_skipped_syncs),
+                            "decide_on": decide_on})
+        # With ``overlap`` the exchange runs on a background thread, on its own copy of the
+        # process group (see gradzip.outer.group): never on the group the user's loop uses.
+        exchange = exchange_collective(self.comm) if self.overlap else self.comm
+        self.engine = Engine({n: p.shape for n, p in first.items()}, built,
+                             collective=exchange, options=options, decide_on=decide_on)
         self.inner_step = 0
         self.syncs = 0
         self.skipped_syncs = 0
+        #: Skipped synchronisations since the last applied one (see :meth:`step`).
+        self.consecutive_skips = 0
         # The exchange in flight: (fragment, inner step at which to apply, averages or None
         # when the engine's non-finite policy handled the exchange).
         self.pending: tuple[int, int, dict[str, torch.Tensor] | None] | None = None
@@ -149,19 +171,8 @@ class Outer:
         # ``pending``'s averages when settled), and the one-thread pool that runs it.
         self._in_flight: Future[dict[str, torch.Tensor] | None] | None = None
         self._pool: ThreadPoolExecutor | None = None
-        self._verified = self.comm.simulated or self.comm.world_size == 1
-        self.handshake_bytes = 0
 
     # -- construction checks -----------------------------------------------------------------
-    def _check_models(self, models: nn.Module | Sequence[nn.Module]) -> list[nn.Module]:
-        workers = self.comm.local_workers
-        listed = [models] if isinstance(models, nn.Module) else models
-        if not isinstance(listed, Sequence) or not all(isinstance(m, nn.Module) for m in listed):
-            raise TypeError(f"`models` must be a module or a sequence of modules, got {type(models).__name__}")
-        if len(listed) != workers:
-            raise ValueError(f"`models` must hold one module per local worker ({workers}), got {len(listed)}")
-        return list(listed)
-
     def _parameters(self) -> dict[str, list[torch.Tensor]]:
         """``name -> [each local worker's parameter]``; every worker's model must have the
         same trainable tensors and, in a simulated group, the same values."""
@@ -179,32 +190,28 @@ class Outer:
                                      f"differing between model 0 and model {w}")
         return {n: [params[n] for params in per_model] for n in first}
 
-    def _check_optimizers(
-        self, optimizers: Sequence[torch.optim.Optimizer] | None
-    ) -> list[torch.optim.Optimizer]:
-        if optimizers is None:
-            return []
-        if isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
-        if len(optimizers) != len(self.models) or not all(
-            isinstance(o, torch.optim.Optimizer) for o in optimizers
-        ):
-            raise ValueError(f"`inner_optimizers` must hold one optimizer per model ({len(self.models)}), "
-                             f"got {len(optimizers)}")
-        return list(optimizers)
-
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> bool:
         """Count one inner step; synchronise when the schedule says so.
 
         Call it after every inner optimizer step, on every worker.
 
+        A synchronisation whose pseudo-gradient is non-finite on some worker (NaN or Inf,
+        with the engine's default ``nonfinite="skip"`` or ``"zero"``) is skipped: the anchor
+        and the outer state stay, every worker's parameters return to the anchor (all
+        fragments' tensors, exactly), and every inner optimizer given as
+        ``inner_optimizers`` has its state cleared (as freshly built), on every worker alike,
+        so training goes on from the last synchronised point. ``stats["skipped_syncs"]``
+        counts them.
+
         Returns:
             Whether an exchange's result was applied to the parameters at this step.
 
         Raises:
             FloatingPointError: a non-finite pseudo-gradient with ``nonfinite="raise"`` (on
-                every worker); nothing changed, the step was not counted.
+                every worker); nothing changed, the step was not counted. Or
+                ``max_skipped_syncs`` synchronisations in a row were skipped (on every
+                worker; the step was counted, every worker holds the anchor).
             RuntimeError, ValueError: workers out of step or configured differently.
         """
         step = self.inner_step + 1
@@ -233,6 +240,14 @@ class Outer:
                 self.pending = None
                 applied = True
         self.inner_step = step
+        if self.consecutive_skips >= self.max_skipped_syncs:
+            # Decided from the engine's aggregated non-finite decision: every worker raises
+            # here alike, at the same step.
+            raise FloatingPointError(
+                f"{self.consecutive_skips} synchronisations in a row were skipped (a NaN or "
+                f"Inf pseudo-gradient on some worker each time; `max_skipped_syncs` is "
+                f"{self.max_skipped_syncs}): the workers cannot train together; every worker "
+                f"holds the last synchronised parameters")
         return applied
 
     def _stacked(self, name: str) -> torch.Tensor:
@@ -258,9 +273,6 @@ class Outer:
 
     def _deltas(self, fragment: int) -> dict[str, torch.Tensor]:
         """One fragment's pseudo-gradient, what the engine is handed."""
-        if not self._verified:
-            self.handshake_bytes += verify_configuration(self.comm, self._fingerprint())
-            self._verified = True
         decay = float(self.optimizer.decay)  # type: ignore[arg-type]
         deltas = {}
         for name in self.fragments[fragment]:
@@ -288,12 +300,15 @@ class Outer:
     @torch.no_grad()
     def _apply(self, fragment: int, _due: int, averaged: dict[str, torch.Tensor] | None) -> None:
         """The outer step on one fragment, then every worker's tensors from the new anchor.
-        Without averages (a handled non-finite exchange) the anchor stays and workers return
-        to it."""
+        Without averages (a handled non-finite exchange) see :meth:`_recover`."""
+        if averaged is None:
+            self.consecutive_skips += 1
+            self._recover()
+            return
+        self.consecutive_skips = 0
         for name in self.fragments[fragment]:
-            if averaged is not None:
-                self.anchor[name] = self.optimizer.apply(
-                    name, self.anchor[name], averaged[name], self.outer_state)
+            self.anchor[name] = self.optimizer.apply(
+                name, self.anchor[name], averaged[name], self.outer_state)
             synced = self.anchor[name].to(self.device)
             for param in self.params[name]:
                 if self.alpha == 0.0:
@@ -301,8 +316,36 @@ class Outer:
                 else:
                     param.copy_(synced.lerp(param, self.alpha))
 
+    @torch.no_grad()
+    def _recover(self) -> None:
+        """After a skipped synchronisation: every worker back to the anchor, whole, and its
+        inner optimizer's state cleared.
+
+        Some worker's parameters turned non-finite, and with them, possibly, its inner
+        optimizer's state (momentum, Adam's moments) and, through the next forward pass, the
+        tensors of every other fragment. Returning only the skipped fragment would leave that
+        poison in place and every later synchronisation would be skipped too. So every
+        tensor of every fragment returns to its anchor (exactly: ``alpha`` does not mix in a
+        non-finite local value), and every inner optimizer starts afresh, on every worker
+        alike (the decision is the engine's, aggregated over workers), so the workers stay
+        identical and the simulator and process groups give the same bits. Progress since
+        each fragment's last synchronisation is lost.
+        """
+        for name in self.names:
+            synced = self.anchor[name].to(self.device)
+            for param in self.params[name]:
+                param.copy_(synced)
+        if not self.inner_optimizers:
+            log.warning("a synchronisation was skipped (a non-finite pseudo-gradient) and the "
+                        "outer loop holds no inner optimizers to reset: pass "
+                        "`inner_optimizers` so that a poisoned optimizer state is cleared")
+        for opt in self.inner_optimizers:
+            opt.state.clear()
+
     # -- agreement, observability, checkpoints -------------------------------------------------
-    def _fingerprint(self) -> dict[str, str]:
+    def checkpoint_config(self) -> dict[str, str]:
+        """The configuration a checkpoint records and a load must match (also part of what
+        ranks compare before the first exchange)."""
         plan = self.plan
         return {
             "outer_optimizer": self.optimizer.describe(),
@@ -321,60 +364,25 @@ class Outer:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: the anchor, the outer optimizer's state, the
-        engine's state (residuals: per rank, so one file per rank), the exchange in flight, and
-        the inner optimizers' state where they were given. The models' parameters are the
-        user's to save. Waits for an exchange in flight."""
+        engine's state (residuals: per rank, so one file per rank), the exchange in flight, the
+        counters, and the inner optimizers' state where they were given. The models'
+        parameters are the user's to save. Waits for an exchange in flight."""
         self._settle()
-        pending = None
-        if self.pending is not None:
-            fragment, due, averaged = self.pending
-            pending = {"fragment": fragment, "due": due,
-                       "averaged": None if averaged is None else {n: t.clone() for n, t in averaged.items()}}
-        return {
-            "format_version": FORMAT_VERSION,
-            "config": self._fingerprint(),
-            "inner_step": self.inner_step,
-            "syncs": self.syncs,
-            "skipped_syncs": self.skipped_syncs,
-            "anchor": {n: t.clone() for n, t in self.anchor.items()},
-            "outer_state": {n: t.clone() for n, t in self.outer_state.items()},
-            "pending": pending,
-            "engine": self.engine.state_dict(),
-            "inner_optimizers": [o.state_dict() for o in self.inner_optimizers],
-        }
+        return save_state(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` output (checked whole before anything changes).
+        """Restore :meth:`state_dict` output: all of it or nothing.
+
+        Every part is checked before anything changes, with the engine's checks for its
+        own (:meth:`Engine.load_state_dict`): names, shapes, dtypes, counters consistent with
+        the schedule, the exchange in flight, the inner optimizers' states, and finite values
+        everywhere. When this raises, the outer loop, its engine and the inner optimizers
+        are as they were.
 
         Raises:
-            ValueError: another format, configuration or parameter set, or non-finite values.
+            TypeError: ``state`` is not a mapping.
+            ValueError: another format, configuration or parameter set, inconsistent
+                counters, or non-finite values (the first problem is named).
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"`state` must be a mapping, got {type(state).__name__}")
-        if state.get("format_version") != FORMAT_VERSION:
-            raise ValueError(f"`state` must have format_version {FORMAT_VERSION}, got {state.get('format_version')!r}")
-        if dict(state["config"]) != self._fingerprint():
-            raise ValueError(f"`state` must come from the same outer configuration, got {dict(state['config'])}")
-        anchor = dict(state["anchor"])
-        if set(anchor) != set(self.names) or any(anchor[n].shape != self.anchor[n].shape for n in self.names):
-            raise ValueError("`state` must hold the anchor of the same parameters (names and shapes)")
-        tensors = [*anchor.values(), *dict(state["outer_state"]).values()]
-        if any(not bool(torch.isfinite(t).all()) for t in tensors):
-            raise ValueError("`state` must hold finite anchor and outer state, got NaN or Inf")
-        optimizers = list(state["inner_optimizers"])
-        if len(optimizers) != len(self.inner_optimizers):
-            raise ValueError(f"`state` must hold {len(self.inner_optimizers)} inner optimizer states, "
-                             f"got {len(optimizers)}")
         self._settle()
-        self.engine.load_state_dict(state["engine"])
-        for opt, opt_state in zip(self.inner_optimizers, optimizers, strict=True):
-            opt.load_state_dict(opt_state)
-        home = torch.device("cpu") if self.offload else self.device
-        self.anchor = {n: anchor[n].to(home, copy=True) for n in self.names}
-        self.outer_state = OuterOptimizer.state_to(state["outer_state"], home)
-        self.inner_step, self.syncs = int(state["inner_step"]), int(state["syncs"])
-        self.skipped_syncs = int(state["skipped_syncs"])
-        pending = state["pending"]
-        self.pending = None if pending is None else (
-            int(pending["fragment"]), int(pending["due"]),
-            None if pending["averaged"] is None else {n: t.clone() for n, t in pending["averaged"].items()})
+        load_state(self, state)

@@ -26,7 +26,7 @@ class OuterFields:
                               "H optimizer steps (0: off, every step's gradient is averaged)",
                               group=OUTER, metavar="H", check=int_at_least(0))
     outer_optimizer: str = option("nesterov", "nesterov (lr 0.7, momentum 0.9), sgd (lr 1) or "
-                                  "ef-momentum (decayed error feedback, lr 1)", group=OUTER,
+                                  "ef-momentum (decayed error feedback, always on, lr 1)", group=OUTER,
                                   choices=OUTER_KINDS)
     outer_lr: float | None = option(None, "outer learning rate (default: the outer optimizer's)",
                                     group=OUTER, check=real_in(low=0, low_open=True))
@@ -43,9 +43,9 @@ class OuterFields:
 
         Raises:
             ValueError: streaming options without ``outer_steps``, the batch-size controller
-                with it, ``outer_steps`` not a
-                multiple of ``fragments``, ``outer_delay`` not below ``outer_steps / fragments``,
-                or an outer momentum the outer optimizer cannot take.
+                with it, ``outer_steps`` not a multiple of ``fragments``, ``outer_delay`` not
+                below ``outer_steps / fragments``, an outer momentum the outer optimizer
+                cannot take, or error feedback off under ``ef-momentum``.
         """
         h, p, tau = self.outer_steps, self.fragments, self.outer_delay
         if not h:
@@ -61,6 +61,10 @@ class OuterFields:
             raise ValueError(f"`outer_steps` must be a multiple of `fragments` ({p}), got {h}")
         if tau >= h // p:
             raise ValueError(f"`outer_delay` must be below outer_steps / fragments ({h // p}), got {tau}")
+        feedback = getattr(self, "error_feedback", None)  # a RunConfig field
+        if self.outer_optimizer == "ef-momentum" and feedback is False:
+            raise ValueError("`error_feedback` must be on for the ef-momentum `outer_optimizer` "
+                             "(its residual is the momentum), got error_feedback=False")
         try:
             OuterOptimizer.build(self.outer_optimizer, lr=self.outer_lr, momentum=self.outer_momentum)
         except ValueError as err:
