@@ -1,9 +1,10 @@
 """Compression time: measured once per device by a micro-benchmark, cached in a JSON file.
 
-:func:`measure_compress_seconds` times one engine step of a compressor on random tensors of the
-model's shapes for one worker (a group of one: compression, decoding and the engine's own work,
-no link), the fastest of a few repeats after a warm-up (the fastest: other processes on the
-machine only ever add time). :class:`TimingCache` keeps the results in a small
+:func:`measure_compress_seconds` times what a DDP hook's engine does with one bucket holding
+the whole model, for one worker (a group of one: compression, decoding and the engine's own
+work; no link): the CPU time of the measuring thread with torch on one thread, the fastest of a
+few repeats after a warm-up. CPU time rather than the wall clock, so that other processes on a
+shared machine do not inflate it. :class:`TimingCache` keeps the results in a small
 JSON file, keyed by the spec, the shapes, the device and the torch version, so a later plan on
 the same machine does not measure again. The file is ``$GRADZIP_PLAN_TIMINGS`` if set, else
 ``plan-timings.json`` under ``$XDG_CACHE_HOME/gradzip`` (``~/.cache/gradzip``).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 
 from gradzip._validate import check_int
-from gradzip.comm.simulated import SimulatedGroup
+from gradzip.comm.simulated import SingleWorker
 from gradzip.engine import Engine
 
 __all__ = ["ENV_VAR", "TimingCache", "default_cache_path", "measure_compress_seconds",
@@ -60,19 +62,31 @@ def measure_compress_seconds(spec: str, shapes: Mapping[str, tuple[int, ...]], *
         seed: seed of the random gradients.
 
     Returns:
-        Seconds of one worker's step.
+        CPU seconds of one worker's step.
     """
     repeats = check_int("repeats", repeats, minimum=1)
     params = {name: torch.zeros(shape) for name, shape in shapes.items()}
-    engine = Engine(params, spec, collective=SimulatedGroup(1))
+    engine = Engine(params, spec, collective=SingleWorker())
     gen = torch.Generator().manual_seed(seed)
-    grads = {name: torch.randn((1, *shape), generator=gen) for name, shape in shapes.items()}
+    buffer = torch.randn(sum(math.prod(s) for s in shapes.values()), generator=gen)
+    named, offset = {}, 0
+    for name, shape in shapes.items():
+        named[name] = buffer[offset:offset + math.prod(shape)].view(shape)
+        offset += math.prod(shape)
+    layout = engine.bucket_layout(named, buffer)
+    source = buffer.clone()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        engine.reduce(grads, same_layout=True)
-        if i:  # the first step allocates and compiles
-            times.append(time.perf_counter() - start)
+    try:
+        for i in range(repeats + 1):
+            buffer.copy_(source)
+            start = time.thread_time()
+            engine.reduce_bucket(layout, finish_step=True)
+            if i:  # the first step allocates and compiles
+                times.append(time.thread_time() - start)
+    finally:
+        torch.set_num_threads(threads)
     return min(times)
 
 
