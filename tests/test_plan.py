@@ -221,6 +221,17 @@ def test_the_command_takes_a_count_or_a_model_not_both(capsys) -> None:  # type:
     assert "not allowed with argument" in capsys.readouterr().err
 
 
+def test_the_command_plans_a_runner_model(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    shapes = model_shapes("digitsnet", 10)
+    timings = _timings_file(tmp_path, shapes, 0.001)
+    code, out, err = _cli(capsys, "--model", "digitsnet", "--workers", "2", "--bandwidth-mbit",
+                          "100", "--step-ms", "5", "--timings", str(timings), "--json")
+    data = json.loads(out)
+    assert code == 0 and err == ""  # every time cached: nothing measured
+    assert data["params"] == sum(torch.Size(s).numel() for s in shapes.values())
+    assert {p["compress_ms_per_exchange"] for p in data["predictions"]} == {1.0}
+
+
 def test_a_runner_model_gives_its_shapes() -> None:
     shapes = model_shapes("transformer:dim=16,layers=1,heads=2", 50)
     assert sum(torch.Size(s).numel() for s in shapes.values()) > 50 * 16

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import Any
 
-from gradzip.plan.candidates import QUALITIES
+from gradzip.plan.candidates import QUALITIES, default_candidates
 from gradzip.plan.model import Setting
 from gradzip.plan.planner import Plan, parse_count, plan
-from gradzip.plan.timing import ENV_VAR, TimingCache
+from gradzip.plan.timing import ENV_VAR, TimingCache, timing_key
+from gradzip.plan.traffic import count_layout
 
 __all__ = ["EPILOG", "add_parser", "model_shapes", "run"]
 
@@ -106,9 +108,15 @@ def build_plan(args: argparse.Namespace) -> Plan:
     setting = Setting(workers=args.workers, bandwidth_mbit=args.bandwidth_mbit,
                       rtt_ms=args.rtt_ms, step_ms=args.step_ms, buckets=buckets,
                       overlap=not args.sync)
-    return plan(setting, shapes=shapes, params=count, qualities=_qualities(args.quality),
-                margin=args.margin, timings=TimingCache(args.timings),
-                measure=not args.no_measure)
+    qualities = _qualities(args.quality)
+    cache = TimingCache(args.timings)
+    layout = shapes if shapes is not None else count_layout(count)  # type: ignore[arg-type]
+    missing = {c.spec for c in default_candidates() if cache.get(timing_key(c.spec, layout)) is None}
+    if missing and not args.no_measure:
+        print(f"gradzip plan: measuring the compression time of {len(missing)} compressor(s) "
+              f"on this machine, once (cached in {cache.path})", file=sys.stderr, flush=True)
+    return plan(setting, shapes=shapes, params=count, qualities=qualities, margin=args.margin,
+                timings=cache, measure=not args.no_measure)
 
 
 def table(result: Plan) -> str:
