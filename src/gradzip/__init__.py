@@ -1,6 +1,9 @@
 """gradzip: compressed gradient communication for data-parallel PyTorch training."""
 
-from gradzip import ddp  # the DDP hook adapter: gradzip.ddp.register
+from gradzip import (
+    ddp,  # the DDP hook adapter: gradzip.ddp.register
+    plan,  # the cost model: gradzip.plan.plan / predict / choose
+)
 from gradzip.comm import Collective, ProcessGroupCollective, SimulatedGroup
 from gradzip.compressors import (
     BF16,
@@ -56,4 +59,5 @@ __all__ = [
     "critical_regime",
     "ddp",
     "describe_compressors",
+    "plan",
 ]

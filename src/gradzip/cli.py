@@ -1,4 +1,4 @@
-"""The ``gradzip`` command: ``demo``, ``train``, ``compare``, ``list``, ``bench``.
+"""The ``gradzip`` command: ``demo``, ``train``, ``compare``, ``list``, ``plan``, ``bench``.
 
 Configuration errors (bad spec strings, out-of-range values, missing files) print one line on
 stderr and exit with status 2. Set ``GRADZIP_DEBUG=1`` to see the traceback instead.
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gradzip._cli_parser import OneLineParser
+from gradzip.plan import command as plan_command
 from gradzip.train.config import RunConfig, run_options
 from gradzip.train.fields import Option
 
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gradzip", formatter_class=_FMT,
         description="Compressed-gradient data-parallel training: run, compare, inspect.",
         epilog="examples:\n  gradzip demo\n  gradzip list\n  gradzip train --help\n"
-               "  gradzip compare digits-quick\n  gradzip bench --help",
+               "  gradzip compare digits-quick\n  gradzip plan --help\n  gradzip bench --help",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     parser.add_argument("--version", action="version", version=f"gradzip {_version()}")
@@ -196,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "models and compare presets.",
                          epilog=LIST_EPILOG, formatter_class=_FMT)
     lst.add_argument("--json", action="store_true", help="print JSON")
+    plan_command.add_parser(sub)
     sub.add_parser("bench", help="communication benchmarks (gradzip bench --help)", add_help=False)
     return parser
 
@@ -368,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                         format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"train": cmd_train, "compare": cmd_compare, "demo": cmd_demo, "list": cmd_list}
+    handlers = {"train": cmd_train, "compare": cmd_compare, "demo": cmd_demo, "list": cmd_list,
+                "plan": plan_command.run}
     try:
         return handlers[args.command](args)
     except (ValueError, TypeError) as exc:

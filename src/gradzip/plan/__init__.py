@@ -1,0 +1,34 @@
+"""The cost model: which way of communicating is fastest for a model, a link and a machine.
+
+:func:`predict` gives, for every candidate (per-step compressors and outer-step training),
+the wire bytes and collective calls per step, the link time (alpha-beta), the compression
+time and the step time; :func:`choose` picks one under a quality guard; :func:`plan` does
+both. ``gradzip plan`` is the same on the command line.
+"""
+
+from gradzip.plan.candidates import QUALITIES, Candidate, default_candidates
+from gradzip.plan.model import Prediction, Setting, comm_seconds, predict_candidate
+from gradzip.plan.planner import Plan, choose, parse_count, plan, predict
+from gradzip.plan.timing import TimingCache, measure_compress_seconds
+from gradzip.plan.traffic import Call, Traffic, count_layout, measure_traffic
+
+__all__ = [
+    "QUALITIES",
+    "Call",
+    "Candidate",
+    "Plan",
+    "Prediction",
+    "Setting",
+    "TimingCache",
+    "Traffic",
+    "choose",
+    "comm_seconds",
+    "count_layout",
+    "default_candidates",
+    "measure_compress_seconds",
+    "measure_traffic",
+    "parse_count",
+    "plan",
+    "predict",
+    "predict_candidate",
+]
