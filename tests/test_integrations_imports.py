@@ -30,6 +30,7 @@ def test_missing_framework_raises_one_line_import_error() -> None:
                             capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.splitlines() == [
         f"ImportError gradzip.integrations.{module} needs the `{package}` package: "
-        "pip install 'gradzip[integrations]'"
+        f"pip install {package} (or the `integrations` extra: pip install -e '.[integrations]' "
+        "in gradzip's source tree)"
         for module, package in MODULES.items()
     ]
