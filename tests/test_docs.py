@@ -102,6 +102,13 @@ def test_runnable_blocks_run_as_written(name: str, code: str, tmp_path: Path,
     exec(compile(code, name, "exec"), namespace)  # a name the block does not define fails here
 
 
+def test_the_ddp_page_has_no_paragraph_in_a_table_cell() -> None:
+    page = (ROOT / "docs" / "concepts" / "ddp.md").read_text()
+    cells = [cell.strip() for line in page.splitlines() if line.startswith("|")
+             for cell in line.strip("|").split(" | ")]
+    assert [c[:60] for c in cells if len(c) > 250] == []
+
+
 def _public_names(module: str) -> list[str]:
     """A module's ``__all__``, read from its source (importing the frameworks takes seconds)."""
     path = ROOT / "src" / "gradzip" / "integrations" / f"{module}.py"

@@ -317,7 +317,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         for t in TASKS.values()
     ]
     accordion = {
-        "usage": "--compressor STEADY --accordion CRITICAL (same kind, or none); "
+        "usage": "--compressor AGGRESSIVE --accordion GENTLE (same kind, or none); "
                  "--accordion-batch SMALL,LARGE for the batch-size variant",
         "options": {"eta": RunConfig.eta, "interval_epochs": "the task's default"},
         "example": "--compressor powersgd:rank=1 --accordion powersgd:rank=4",
