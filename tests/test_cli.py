@@ -83,6 +83,7 @@ def test_bad_configuration_is_one_line_and_exit_2(
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow  # starts a process
 def test_module_entry_point_errors_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gradzip", "train", "--compressor", "topk:ratio=2", "--out",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import gradzip.integrations
 
 MODULES = {"lightning": "lightning", "accelerate": "accelerate", "transformers": "transformers"}
@@ -24,6 +26,7 @@ for module, package in {modules!r}.items():
 """
 
 
+@pytest.mark.slow  # starts a process
 def test_missing_framework_raises_one_line_import_error() -> None:
     assert gradzip.integrations.__all__ == []  # the package itself imports no framework
     result = subprocess.run([sys.executable, "-c", PROBE.format(modules=MODULES)],
