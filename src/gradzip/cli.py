@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import sys
 import textwrap
 import time
@@ -221,13 +222,38 @@ def _parse_override(text: str) -> tuple[str, Any]:
     return key, (None if value.lower() in ("none", "null") else parse_value(value))
 
 
+def _announce(line: str) -> None:
+    """Print what a run does before it trains (where it resumes from, its header)."""
+    print(f"gradzip train: {line}", flush=True)
+
+
+def _interrupted_train(argv: list[str], args: argparse.Namespace) -> str:
+    """What an interrupted ``gradzip train`` left in its directory, and the exact command
+    that continues it."""
+    from gradzip.train.rundir import read_manifest
+
+    out = args.out
+    if args.overwrite:
+        return (f"the results in {out} are unchanged (a start over replaces them only once "
+                "finished); run the same command again to start over")
+    again = [a for a in argv if a != "--resume"] + ["--resume"]
+    command = "gradzip " + shlex.join(again)
+    try:
+        manifest = read_manifest(out)
+    except (ValueError, OSError):
+        manifest = None
+    if manifest is None:
+        return f"no checkpoint in {out} yet; resume (from the beginning) with: {command}"
+    return f"{out} holds the checkpoint of epoch {manifest.epoch}; resume with: {command}"
+
+
 # -- commands ---------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
     from gradzip.train.runner import run
 
     cfg = RunConfig.from_dict({name: getattr(args, name) for name in _cli_fields()})
     summary = run(cfg, progress=_progress(args.quiet), resume=args.resume,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, announce=_announce)
     if summary is None:  # pragma: no cover - a torchrun rank other than 0 could return None
         return 0
     if os.environ.get("RANK", "0") != "0":
@@ -387,7 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gradzip {args.command}: failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"gradzip {args.command}: interrupted", file=sys.stderr)
+        hint = ""
+        if args.command == "train" and os.environ.get("RANK", "0") == "0":
+            hint = f"; {_interrupted_train(args_list, args)}"
+        print(f"gradzip {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 
 
