@@ -4,7 +4,7 @@ A run directory (``--out``) holds ``run.json``, ``metrics.jsonl``, ``summary.jso
 ``checkpoint/`` (a manifest and one file per process), ``tensorboard/`` and, while a run
 starts over, ``.gradzip-overwrite/``. :class:`RunDirectory` owns all of it for one run:
 
-1. :meth:`RunDirectory.open` locks the directory (when it exists) before anything else,
+1. :meth:`RunDirectory.open` locks the directory (when a run ever locked it) before anything else,
    then plans: start afresh, resume from the checkpoint, start over, or nothing left to do.
 2. :meth:`RunDirectory.load_rank` hands each process its part of the checkpoint.
 3. :meth:`RunDirectory.claim` (the writer, once every check has passed) holds the lock; a
@@ -45,6 +45,7 @@ from gradzip.train.metrics import MetricsWriter, read_metrics
 from gradzip.train.overwrite import prepare_staging, promote
 from gradzip.train.resume import Checkpointer, Plan, agree, plan_out_dir
 from gradzip.train.rundir import (
+    LOCK_FILE,
     OutDirLock,
     load_rank_file,
     lock_out_dir,
@@ -79,15 +80,17 @@ class RunDirectory:
     def open(cls, cfg: Any, *, resume: bool, overwrite: bool) -> RunDirectory:
         """Lock ``cfg.out`` (when it exists) and plan the run there.
 
-        A directory that does not exist yet is not created (a refused run leaves nothing);
-        :meth:`claim` locks it when the run first writes.
+        A directory no run has locked yet (no lock file) is left as it is, so a refused run
+        leaves nothing behind; :meth:`claim` locks it when the run first writes. A run that
+        holds a directory always has its lock file there, so that one is never planned
+        unlocked.
 
         Raises:
             ValueError: ``cfg.out`` in use by another run, or refused by the plan (see
                 :func:`~gradzip.train.resume.plan_out_dir`).
         """
-        out = Path(cfg.out).expanduser()
-        lock = lock_out_dir(cfg.out) if out.is_dir() else None
+        held = (Path(cfg.out).expanduser() / LOCK_FILE).is_file()
+        lock = lock_out_dir(cfg.out) if held else None
         try:
             plan = plan_out_dir(cfg, resume, overwrite)
         except BaseException:
