@@ -278,6 +278,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"final {metric} {shown}; sent per worker {format_bytes(summary['bytes_sent_per_worker'])}"
           f" ({comp:.1f}x less than dense); {summary['wall_seconds']:.1f} s"
           if comp else f"final {metric} {shown}; {summary['wall_seconds']:.1f} s")
+    dense_step = summary.get("dense_step_bytes_per_worker")
+    if dense_step and summary["steps"] and summary["bytes_sent_per_worker"]:
+        per_step = summary["bytes_sent_per_worker"] / summary["steps"]
+        print(f"outer-step training (H={cfg.outer_steps}): per optimizer step "
+              f"{format_bytes(per_step)} sent per worker vs {format_bytes(dense_step)} for "
+              f"per-step dense averaging ({dense_step / per_step:.1f}x less)")
     print(f"wrote {os.path.join(cfg.out, 'metrics.jsonl')} and "
           f"{os.path.join(cfg.out, 'summary.json')}"
           + (f"; tensorboard --logdir {os.path.join(cfg.out, 'tensorboard')}"

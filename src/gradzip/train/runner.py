@@ -118,6 +118,8 @@ def _run_local(cfg: RunConfig, rank: int, processes: int, progress: bool, starte
         summary = summarize(cfg, task.metric, history, stats,
                             time.perf_counter() - started, train_seconds)
         summary.update(loop.summary_fields())
+        if cfg.outer_steps:
+            summary["dense_step_bytes_per_worker"] = dense_step_bytes(cfg, loop.model)
         directory.finish(loop.stepper, writer, summary, loop.extra_files())
         return summary
     finally:
@@ -149,21 +151,28 @@ def _check_outer_steps(cfg: RunConfig, steps_per_epoch: int) -> None:
                          f"step {first}")
 
 
+def dense_step_bytes(cfg: RunConfig, model: torch.nn.Module) -> int:
+    """Bytes one worker sends per optimizer step when every step's gradient is averaged
+    densely (a ring all-reduce of every trained parameter in fp32): what outer-step
+    training is compared with."""
+    numel = sum(t.numel() for t in model.parameters() if t.requires_grad)
+    return allreduce_wire_bytes(4 * numel, cfg.workers)
+
+
 def outer_header(cfg: RunConfig, model: torch.nn.Module) -> str | None:
     """The line announcing an outer-step run: H, and its predicted bytes per optimizer step
     against per-step dense averaging (None for a run averaging every step)."""
     if not cfg.outer_steps:
         return None
     h, p = cfg.outer_steps, cfg.fragments
-    numel = sum(t.numel() for t in model.parameters() if t.requires_grad)
-    # Per-step averaging all-reduces every gradient in fp32 at every step; outer training
-    # exchanges each parameter's change once every H steps (a fragment every H/P steps).
-    dense = allreduce_wire_bytes(4 * numel, cfg.workers)
+    # Outer training exchanges each parameter's change once every H steps (a fragment every
+    # H/P steps): before compression, 1/H of what per-step averaging sends.
+    dense = dense_step_bytes(cfg, model)
     shape = f"H={h}" + (f", {p} fragments" if p > 1 else "") + (
         f", delay {cfg.outer_delay}" if cfg.outer_delay else "")
-    sends = "a dense exchange" if cfg.compressor == "none" else f"{cfg.compressor}, at most dense"
-    return (f"outer-step training ({shape}): the workers synchronise every {h} optimizer steps; "
-            f"per worker and optimizer step about {format_bytes(dense / h)} ({sends}) vs "
+    then = "" if cfg.compressor == "none" else f" before {cfg.compressor} compresses it"
+    return (f"outer-step training ({shape}): the workers synchronise every {h} optimizer steps, "
+            f"about {format_bytes(dense / h)} per worker and optimizer step{then} vs "
             f"{format_bytes(dense)} for per-step dense averaging ({h}x less)")
 
 
