@@ -74,6 +74,7 @@ class RunDirectory:
     def __init__(self, cfg: Any, plan: Plan, lock: OutDirLock | None = None,
                  owner: bool = True) -> None:
         self.cfg, self.plan, self._lock, self._owner = cfg, plan, lock, owner
+        self._writer: MetricsWriter | None = None
 
     # -- 1. open: lock, then plan ---------------------------------------------------------
     @classmethod
@@ -162,6 +163,26 @@ class RunDirectory:
                              "(another run wrote there); run the command again")
         self._lock = lock
 
+    def agree_to_start(self, stepper: Any, rank: int, error: str | None) -> None:
+        """Every process loaded its part of the checkpoint (``error``: why this one could
+        not) and rank 0 holds the lock, or no process goes on.
+
+        Args:
+            stepper: the loop's stepper (its collectives span every process).
+            rank: this process's rank.
+            error: this process's failure so far, or None.
+
+        Raises:
+            ValueError: on every process, when any failed (this one's message, or a note
+                that another failed).
+        """
+        if rank == 0 and error is None:
+            try:
+                self.claim()
+            except ValueError as exc:
+                error = str(exc)
+        agree(stepper, error, "load its part of the checkpoint or lock --out")
+
     # -- 4. start: the first write --------------------------------------------------------
     def start(self) -> MetricsWriter:
         """Take the directory over (rank 0, holding the lock) and return its record writer.
@@ -194,6 +215,7 @@ class RunDirectory:
             for record in read_metrics(out, kind=None):  # the records kept, replayed
                 sink.write(record)
             writer.sinks.append(sink)
+        self._writer = writer
         return writer
 
     # -- 5. checkpoints -------------------------------------------------------------------
@@ -226,7 +248,11 @@ class RunDirectory:
             promote(self.cfg.out)
 
     def close(self) -> None:
-        """Drop the lock (idempotent)."""
+        """Close the records (a run ended early keeps what it wrote) and drop the lock
+        (idempotent)."""
+        if self._writer is not None:
+            writer, self._writer = self._writer, None
+            writer.close()
         if self._lock is not None:
             lock, self._lock = self._lock, None
             lock.release()

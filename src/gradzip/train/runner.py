@@ -36,7 +36,7 @@ from gradzip.ops.random import stable_hash
 from gradzip.train.config import RunConfig, build_compressor, resolve_config, under_torchrun
 from gradzip.train.loop import TrainLoop
 from gradzip.train.metrics import format_bytes, versions
-from gradzip.train.resume import Plan, agree
+from gradzip.train.resume import Plan
 from gradzip.train.run_directory import RunDirectory
 from gradzip.train.tasks import get_task
 
@@ -103,28 +103,18 @@ def _run_local(cfg: RunConfig, rank: int, processes: int, progress: bool, starte
             loop.load_state_dict(state)
     except ValueError as exc:
         error = f"--resume: {exc}"
-    if rank == 0 and error is None:
-        try:
-            directory.claim()
-        except ValueError as exc:
-            error = str(exc)
-    # Every process loaded its part and rank 0 holds the lock, or none goes on.
-    agree(loop.stepper, error, "load its part of the checkpoint or lock --out")
+    directory.agree_to_start(loop.stepper, rank, error)
     _announce(announce, directory, cfg, loop.model)
     writer = directory.start() if rank == 0 else None
-    try:
-        history, stats, train_seconds = loop.run(
-            writer, directory.checkpointer(rank, processes, writer))
-        summary = summarize(cfg, task.metric, history, stats,
-                            time.perf_counter() - started, train_seconds)
-        summary.update(loop.summary_fields())
-        if cfg.outer_steps:
-            summary["dense_step_bytes_per_worker"] = dense_step_bytes(cfg, loop.model)
-        directory.finish(loop.stepper, writer, summary, loop.extra_files())
-        return summary
-    finally:
-        if writer is not None:
-            writer.close()
+    history, stats, train_seconds = loop.run(
+        writer, directory.checkpointer(rank, processes, writer))
+    summary = summarize(cfg, task.metric, history, stats,
+                        time.perf_counter() - started, train_seconds)
+    summary.update(loop.summary_fields())
+    if cfg.outer_steps:
+        summary["dense_step_bytes_per_worker"] = dense_step_bytes(cfg, loop.model)
+    directory.finish(loop.stepper, writer, summary, loop.extra_files())
+    return summary
 
 
 def _check_rules(cfg: RunConfig, model: torch.nn.Module) -> None:
@@ -209,7 +199,8 @@ def _proc_main(rank: int, world: int, cfg_dict: dict[str, Any], progress: bool,
     torch.set_num_threads(cfg_dict.get("threads") or max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(stable_hash(cfg_dict["seed"], "process", rank))
     cfg = RunConfig.from_dict(cfg_dict)
-    return _run_local(cfg, rank, world, progress, started, RunDirectory.joined(cfg, plan))
+    with RunDirectory.joined(cfg, plan) as directory:
+        return _run_local(cfg, rank, world, progress, started, directory)
 
 
 def _torchrun_directory(cfg: RunConfig, resume: bool, overwrite: bool) -> RunDirectory:
