@@ -116,6 +116,7 @@ class Row:
     refused: str | None = None  # the refusal's fragment (a regular expression); None: resumes
     options: dict[str, Any] = field(default_factory=dict)
     held: bool = False  # another run holds the directory's lock
+    mode: str = "resume"  # what the run is asked: resume, overwrite or fresh (neither)
 
 
 TABLE = [
@@ -124,6 +125,12 @@ TABLE = [
     Row("held", "one", missing_rank_file, r"`out` '.*' is in use by another gradzip run "
         rf"\(pid {os.getpid()}\); wait for it to end", held=True),
     Row("held-finished", "two", nothing, r"is in use by another gradzip run", held=True),
+    Row("held-start-over", "two", nothing, r"is in use by another gradzip run", held=True,
+        mode="overwrite"),
+    Row("finished-no-flag", "two", nothing, "holds a finished run of this configuration; "
+        "--resume continues it, --overwrite starts it over", mode="fresh"),
+    Row("interrupted-no-flag", "one", nothing, "holds a run interrupted after epoch 1",
+        options={"epochs": 1}, mode="fresh"),
     Row("earlier-epochs-file", "two", earlier_epochs_file,
         r"rank-0.pt holds epoch 1 \(step \d+\), but its manifest records epoch 2",
         options={"epochs": 3}),
@@ -150,7 +157,7 @@ def test_the_failure_table(row: Row, made: dict[str, Path], tmp_path: Path) -> N
         lock = lock_out_dir(out) if row.held else None
         try:
             with pytest.raises(ValueError, match=row.refused) as info:
-                run(config, resume=True)
+                run(config, resume=row.mode == "resume", overwrite=row.mode == "overwrite")
         finally:
             if lock is not None:
                 lock.release()
