@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import os
-import shlex
 import sys
 import textwrap
 import time
@@ -222,72 +221,20 @@ def _parse_override(text: str) -> tuple[str, Any]:
     return key, (None if value.lower() in ("none", "null") else parse_value(value))
 
 
-def _announce(line: str) -> None:
-    """Print what a run does before it trains (where it resumes from, its header)."""
-    print(f"gradzip train: {line}", flush=True)
-
-
-def _interrupted_train(argv: list[str], args: argparse.Namespace) -> str:
-    """What an interrupted ``gradzip train`` left in its directory, and the exact command
-    that continues it."""
-    from gradzip.train.rundir import read_manifest
-
-    out = args.out
-    if args.overwrite:
-        return (f"the results in {out} are unchanged (a start over replaces them only once "
-                "finished); run the same command again to start over")
-    again = [a for a in argv if a != "--resume"] + ["--resume"]
-    command = "gradzip " + shlex.join(again)
-    try:
-        manifest = read_manifest(out)
-    except (ValueError, OSError):
-        manifest = None
-    if manifest is None:
-        return f"no checkpoint in {out} yet; resume (from the beginning) with: {command}"
-    return f"{out} holds the checkpoint of epoch {manifest.epoch}; resume with: {command}"
-
-
 # -- commands ---------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
+    from gradzip._cli_train import announce, result_lines
     from gradzip.train.runner import run
 
     cfg = RunConfig.from_dict({name: getattr(args, name) for name in _cli_fields()})
     summary = run(cfg, progress=_progress(args.quiet), resume=args.resume,
-                  overwrite=args.overwrite, announce=_announce)
+                  overwrite=args.overwrite, announce=announce)
     if summary is None:  # pragma: no cover - a torchrun rank other than 0 could return None
         return 0
     if os.environ.get("RANK", "0") != "0":
         return 0
-    metric = summary["metric"]
-    value = summary[f"final_{metric}"]
-    if value is None:
-        shown = "-"
-    else:
-        shown = f"{100 * value:.2f}%" if metric == "accuracy" else f"{value:.2f}"
-    from gradzip.train.metrics import format_bytes
-
-    comp = summary["compression"]
-    print(f"{summary['task']}: {summary['workers']} workers ({summary['launcher']}), "
-          f"{summary['compressor']}"
-          + (f" <-> {summary['accordion']} (Accordion)" if summary["accordion"] else "")
-          + (f" <-> {cfg.gentle or 'none'} (schedule)"
-             if cfg.level_schedule or cfg.warmup_steps else "")
-          + (", global batch {} <-> {} (Accordion)".format(*summary["accordion_batch"])
-             if summary.get("accordion_batch") else "")
-          + f", {summary['epochs']} epochs, {summary['steps']} steps")
-    print(f"final {metric} {shown}; sent per worker {format_bytes(summary['bytes_sent_per_worker'])}"
-          f" ({comp:.1f}x less than dense); {summary['wall_seconds']:.1f} s"
-          if comp else f"final {metric} {shown}; {summary['wall_seconds']:.1f} s")
-    dense_step = summary.get("dense_step_bytes_per_worker")
-    if dense_step and summary["steps"] and summary["bytes_sent_per_worker"]:
-        per_step = summary["bytes_sent_per_worker"] / summary["steps"]
-        print(f"outer-step training (H={cfg.outer_steps}): per optimizer step "
-              f"{format_bytes(per_step)} sent per worker vs {format_bytes(dense_step)} for "
-              f"per-step dense averaging ({dense_step / per_step:.1f}x less)")
-    print(f"wrote {os.path.join(cfg.out, 'metrics.jsonl')} and "
-          f"{os.path.join(cfg.out, 'summary.json')}"
-          + (f"; tensorboard --logdir {os.path.join(cfg.out, 'tensorboard')}"
-             if cfg.tensorboard else ""))
+    for line in result_lines(summary, cfg):
+        print(line)
     return 0
 
 
@@ -421,7 +368,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         hint = ""
         if args.command == "train" and os.environ.get("RANK", "0") == "0":
-            hint = f"; {_interrupted_train(args_list, args)}"
+            from gradzip._cli_train import interrupted_hint
+
+            hint = f"; {interrupted_hint(args_list, args.out, args.overwrite)}"
         print(f"gradzip {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 

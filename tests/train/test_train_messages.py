@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from gradzip._cli_train import interrupted_hint
 from gradzip.cli import main
 from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.train.config import resolve_config
@@ -31,6 +32,7 @@ _PAUSED_RUN = """
 import sys
 from pathlib import Path
 
+from gradzip._cli_train import interrupted_hint
 from gradzip.cli import main
 from gradzip.train.resume import Checkpointer
 
@@ -82,14 +84,12 @@ def test_ctrl_c_says_the_exact_command_that_resumes(tmp_path: Path) -> None:
 
 
 def test_ctrl_c_of_a_start_over_says_the_old_results_stay(tmp_path: Path) -> None:
-    from gradzip.cli import _interrupted_train, build_parser
-
     argv = [*TRAIN, "--out", str(tmp_path), "--overwrite"]
-    hint = _interrupted_train(argv, build_parser().parse_args(argv))
+    hint = interrupted_hint(argv, str(tmp_path), overwrite=True)
     assert hint == (f"the results in {tmp_path} are unchanged (a start over replaces them only "
                     "once finished); run the same command again to start over")
     argv = [*TRAIN, "--out", str(tmp_path / "new")]
-    hint = _interrupted_train(argv, build_parser().parse_args(argv))
+    hint = interrupted_hint(argv, str(tmp_path / "new"), overwrite=False)
     assert hint == (f"no checkpoint in {tmp_path / 'new'} yet; resume (from the beginning) "
                     f"with: gradzip {shlex.join([*argv, '--resume'])}")
 
