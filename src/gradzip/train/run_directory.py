@@ -79,7 +79,7 @@ class RunDirectory:
     # -- 1. open: lock, then plan ---------------------------------------------------------
     @classmethod
     def open(cls, cfg: Any, *, resume: bool, overwrite: bool) -> RunDirectory:
-        """Lock ``cfg.out`` (when it exists) and plan the run there.
+        """Lock ``cfg.out`` (where a run ever locked it) and plan the run there.
 
         A directory no run has locked yet (no lock file) is left as it is, so a refused run
         leaves nothing behind; :meth:`claim` locks it when the run first writes. A run that
@@ -90,7 +90,7 @@ class RunDirectory:
             ValueError: ``cfg.out`` in use by another run, or refused by the plan (see
                 :func:`~gradzip.train.resume.plan_out_dir`).
         """
-        held = (Path(cfg.out).expanduser() / LOCK_FILE).is_file()
+        held = (Path(cfg.out) / LOCK_FILE).is_file()
         lock = lock_out_dir(cfg.out) if held else None
         try:
             plan = plan_out_dir(cfg, resume, overwrite)
@@ -127,9 +127,7 @@ class RunDirectory:
                     f"(its checkpoint, step {plan.manifest.step})")
         if plan.staging is not None:
             return f"starting {out} over (its old results stay until this run finishes)"
-        if plan.resume:
-            return f"{out} holds no checkpoint: starting from the beginning"
-        return None
+        return None  # a fresh start (a --resume without a checkpoint is warned of in the plan)
 
     # -- 2. the checkpoint ----------------------------------------------------------------
     def load_rank(self, rank: int) -> dict[str, Any] | None:
