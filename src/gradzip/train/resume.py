@@ -188,7 +188,9 @@ def _kept_records(out: str, manifest: Manifest) -> str:
     kept = data[:length]
     if len(kept) != length or (length and not kept.endswith(b"\n")):
         raise ValueError(f"`out` {str(path)!r} must begin with the {length} bytes of records the "
-                         f"checkpoint covers, got {len(data)} bytes; it cannot be resumed")
+                         f"checkpoint covers, got {len(data)} bytes; restore it, remove it "
+                         "(its epoch records are then rebuilt from the checkpoint) or start "
+                         "over with --overwrite")
     for number, line in enumerate(kept.split(b"\n")[:-1], 1):
         try:
             record = json.loads(line)
@@ -196,7 +198,9 @@ def _kept_records(out: str, manifest: Manifest) -> str:
             record = None
         if not isinstance(record, dict):
             raise ValueError(f"`out` {str(path)!r} line {number} must be a JSON record, got "
-                             f"{line[:40]!r}; it cannot be resumed")
+                             f"{line[:40]!r}; restore the file, remove it (its epoch records "
+                             "are then rebuilt from the checkpoint) or start over with "
+                             "--overwrite")
     return kept.decode("utf-8")
 
 
