@@ -137,7 +137,7 @@ TABLE = [
     Row("missing-rank-file", "one", missing_rank_file, r"checkpoint is missing .*rank-0.pt"),
     Row("other-format-manifest", "one", other_format_manifest, "checkpoint of another format"),
     Row("torn-records", "one", torn_records, r"must begin with the \d+ bytes of records .*; "
-        r"restore it, remove it \(its epoch records are then rebuilt from the checkpoint\)"),
+        r"it cannot be resumed as it is: restore it, remove it \(its epoch records are then rebuilt from the checkpoint\)"),
     Row("garbled-record", "one", garbled_record, r"line 1 must be a JSON record, got b'\[1, 2\]"),
     Row("other-configuration", "one", nothing, "holds a run of another configuration",
         options={"seed": 5}),

@@ -188,9 +188,9 @@ def _kept_records(out: str, manifest: Manifest) -> str:
     kept = data[:length]
     if len(kept) != length or (length and not kept.endswith(b"\n")):
         raise ValueError(f"`out` {str(path)!r} must begin with the {length} bytes of records the "
-                         f"checkpoint covers, got {len(data)} bytes; restore it, remove it "
-                         "(its epoch records are then rebuilt from the checkpoint) or start "
-                         "over with --overwrite")
+                         f"checkpoint covers, got {len(data)} bytes; it cannot be resumed as it "
+                         "is: restore it, remove it (its epoch records are then rebuilt from "
+                         "the checkpoint) or start over with --overwrite")
     for number, line in enumerate(kept.split(b"\n")[:-1], 1):
         try:
             record = json.loads(line)
