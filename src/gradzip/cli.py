@@ -235,39 +235,18 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 # -- commands ---------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
+    from gradzip._cli_train import announce, result_lines
     from gradzip.train.runner import run
 
     cfg = RunConfig.from_dict({name: getattr(args, name) for name in _cli_fields()})
     summary = run(cfg, progress=_progress(args.quiet), resume=args.resume,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, announce=announce)
     if summary is None:  # pragma: no cover - a torchrun rank other than 0 could return None
         return 0
     if os.environ.get("RANK", "0") != "0":
         return 0
-    metric = summary["metric"]
-    value = summary[f"final_{metric}"]
-    if value is None:
-        shown = "-"
-    else:
-        shown = f"{100 * value:.2f}%" if metric == "accuracy" else f"{value:.2f}"
-    from gradzip.train.metrics import format_bytes
-
-    comp = summary["compression"]
-    print(f"{summary['task']}: {summary['workers']} workers ({summary['launcher']}), "
-          f"{summary['compressor']}"
-          + (f" <-> {summary['accordion']} (Accordion)" if summary["accordion"] else "")
-          + (f" <-> {cfg.gentle or 'none'} (schedule)"
-             if cfg.level_schedule or cfg.warmup_steps else "")
-          + (", global batch {} <-> {} (Accordion)".format(*summary["accordion_batch"])
-             if summary.get("accordion_batch") else "")
-          + f", {summary['epochs']} epochs, {summary['steps']} steps")
-    print(f"final {metric} {shown}; sent per worker {format_bytes(summary['bytes_sent_per_worker'])}"
-          f" ({comp:.1f}x less than dense); {summary['wall_seconds']:.1f} s"
-          if comp else f"final {metric} {shown}; {summary['wall_seconds']:.1f} s")
-    print(f"wrote {os.path.join(cfg.out, 'metrics.jsonl')} and "
-          f"{os.path.join(cfg.out, 'summary.json')}"
-          + (f"; tensorboard --logdir {os.path.join(cfg.out, 'tensorboard')}"
-             if cfg.tensorboard else ""))
+    for line in result_lines(summary, cfg):
+        print(line)
     return 0
 
 
@@ -391,7 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gradzip {args.command}: failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"gradzip {args.command}: interrupted", file=sys.stderr)
+        hint = ""
+        if args.command == "train" and os.environ.get("RANK", "0") == "0":
+            from gradzip._cli_train import interrupted_hint
+
+            hint = f"; {interrupted_hint(args_list, args.out, args.overwrite)}"
+        print(f"gradzip {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 
 
