@@ -6,7 +6,9 @@ See :mod:`gradzip.fsdp` for the design; :func:`register` installs it on a model.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -231,6 +233,47 @@ class FSDPHookState:
         self.engine.load_state_dict(tree_to(state["engine"], self.device))
         self._calls = 0
         self._partial.clear()
+
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Write :meth:`state_dict` to this rank's file in ``folder`` (e.g. the folder a
+        ``torch.distributed.checkpoint`` save just wrote), CPU tensors, atomically.
+
+        Args:
+            folder: an existing folder, shared by the ranks or local to each.
+
+        Returns:
+            The file written: ``folder / "gradzip-fsdp-rank{rank:05d}.pt"`` (the global rank).
+
+        Raises:
+            TypeError: ``folder`` is not a path.
+            FileNotFoundError: ``folder`` does not exist.
+        """
+        path = self._file(folder)
+        if not path.parent.is_dir():
+            raise FileNotFoundError(f"`folder` must be an existing folder, got {str(path.parent)!r}")
+        partial = path.with_suffix(".pt.partial")
+        torch.save(tree_to(self.state_dict(), torch.device("cpu")), partial)
+        os.replace(partial, path)
+        return path
+
+    def load(self, folder: str | os.PathLike[str]) -> None:
+        """Read this rank's file written by :meth:`save` and :meth:`load_state_dict` it.
+
+        Raises:
+            TypeError: ``folder`` is not a path.
+            FileNotFoundError: this rank's file is missing.
+            ValueError: what :meth:`load_state_dict` refuses.
+        """
+        path = self._file(folder)
+        if not path.is_file():
+            raise FileNotFoundError(f"no gradzip FSDP state for this rank: {str(path)!r}")
+        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+    @staticmethod
+    def _file(folder: str | os.PathLike[str]) -> Path:
+        if not isinstance(folder, (str, os.PathLike)):
+            raise TypeError(f"`folder` must be a path, got {type(folder).__name__}")
+        return Path(folder) / f"gradzip-fsdp-rank{dist.get_rank():05d}.pt"
 
     def remove(self) -> None:
         """Take the hooks off the model (FSDP2's own reduction applies again; no replica
