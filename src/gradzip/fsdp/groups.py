@@ -143,6 +143,17 @@ def _same_ranks(a: DeviceMesh, b: DeviceMesh) -> bool:
 
 
 def fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
+    """:func:`_fsdp_groups`, with FSDP2 internals that this torch lacks reported as such."""
+    try:
+        return _fsdp_groups(model, shard_mesh)
+    except AttributeError as exc:
+        raise RuntimeError(
+            f"gradzip.fsdp reads FSDP2's parameter groups (tested on torch 2.13); this torch "
+            f"({torch.__version__}) differs: {exc}"
+        ) from exc
+
+
+def _fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
     """Every FSDP2 parameter group of ``model`` with its trainable parameters' shard slots.
 
     Args:
@@ -154,6 +165,7 @@ def fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
 
     Raises:
         TypeError: ``model`` is not ``fully_shard``-ed.
+        RuntimeError: this torch's FSDP2 lacks an attribute read here.
         ValueError: a module sharded on another mesh (the 2-D mesh itself included: native
             HSDP runs its own all-reduce first), one with several parameter groups, or one
             that already has an all-reduce hook.
