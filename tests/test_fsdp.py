@@ -312,3 +312,24 @@ def test_unsupported_models_and_meshes_are_refused_with_one_line() -> None:
     for message, start in zip(messages, expected, strict=True):
         assert message.startswith(start), message
         assert "\n" not in message
+
+
+# -- the layout, without processes -------------------------------------------------------------
+def test_a_group_layout_views_each_shard_at_its_slot_and_refuses_another_size() -> None:
+    from gradzip.fsdp import GroupLayout, ShardSlot
+
+    # A 3 x 2 weight on the last of 2 shards: 1 row of a padded 2; a 3-element bias: 1 of 2;
+    # an empty shard (more shards than rows) takes its padded slot and is left out.
+    slots = (ShardSlot("w", torch.Size((1, 2)), 0), ShardSlot("b", torch.Size((1,)), 4),
+             ShardSlot("e", torch.Size((0, 2)), 6))
+    layout = GroupLayout("block", None, None, slots, 8)
+    flat = torch.arange(8.0)
+    views = layout.views(flat)
+    assert list(views) == ["w", "b"]
+    assert torch.equal(views["w"], torch.tensor([[0.0, 1.0]]))
+    assert torch.equal(views["b"], torch.tensor([4.0]))
+    views["b"].fill_(-1.0)  # views: written in place, as FSDP2 needs
+    assert flat[4] == -1.0
+    assert layout.exchanged
+    with pytest.raises(ValueError, match=r"FSDP module 'block' must be a 1-D tensor of 8 elements"):
+        layout.views(torch.zeros(9))
