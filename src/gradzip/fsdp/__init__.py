@@ -25,7 +25,8 @@ Usage::
     state = gradzip.fsdp.register(model, "powersgd:rank=4", mesh=mesh)
 """
 
+from gradzip.fsdp.dcp import DCPEntry
 from gradzip.fsdp.groups import GroupLayout, ShardSlot
 from gradzip.fsdp.state import FSDPHookState, register
 
-__all__ = ["FSDPHookState", "GroupLayout", "ShardSlot", "register"]
+__all__ = ["DCPEntry", "FSDPHookState", "GroupLayout", "ShardSlot", "register"]
