@@ -124,7 +124,8 @@ def _parity_worker(rank: int, world: int, replicas: int, spec: str) -> dict[str,
     for s in range(STEPS):
         _step(model, opt, s, rank)
     return {"calls": calls, "shapes": dict(state.shapes), "groups": len(state.groups),
-            "shard_rank": state.shard_rank, "replica_rank": state.replica_rank}
+            "shard_rank": state.shard_rank, "replica_rank": state.replica_rank,
+            "stats": state.stats}
 
 
 @pytest.mark.slow
@@ -147,10 +148,16 @@ def test_results_equal_the_simulator_fed_the_same_shards(replicas: int, shards: 
                 at = step * groups + k
                 before = {n: torch.stack([m["calls"][at][0][n] for m in members])
                           for n in members[0]["calls"][at][0]}
-                out = engine.reduce(before, finish_step=k == groups - 1)  # one average
+                # same_layout: the header rides in the payload, as in the hook's calls.
+                out = engine.reduce(before, finish_step=k == groups - 1, same_layout=True)
                 for j, member in enumerate(members):
                     for name, value in member["calls"][at][1].items():
-                        assert torch.equal(out[name], value), (step, name, j)
+                        assert torch.equal(out[name], value), (step, name, j)  # one average
+        # The bytes across the replica dimension, as the simulator counts them.
+        for j, member in enumerate(members):
+            for key in ("payload_bytes", "wire_bytes", "dense_payload_bytes", "steps"):
+                want = engine.stats[key]
+                assert member["stats"][key] == (want[j] if isinstance(want, list) else want), key
 
 
 # -- residual memory -------------------------------------------------------------------------
