@@ -66,7 +66,7 @@ def _batch(step: int, rank: int, out: int = 3) -> tuple[torch.Tensor, torch.Tens
 def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int,
           nan: bool = False) -> dict[str, torch.Tensor]:
     """One training step; returns this rank's local gradient shards."""
-    x, y = _batch(step, rank)
+    x, y = _batch(step, rank, model.fc3.out_features)
     if nan:
         x[:, 0] = float("nan")
     opt.zero_grad()
@@ -111,7 +111,9 @@ def test_none_is_bit_identical_to_native_hsdp(replicas: int, shards: int) -> Non
 # -- the engine simulator, fed the same shards ------------------------------------------------
 def _parity_worker(rank: int, world: int, replicas: int, spec: str) -> dict[str, Any]:
     mesh = _mesh(world, replicas)
-    model = _sharded(mesh["shard"])
+    # One output: the last layer's weight and bias have one row, so the second shard of that
+    # group is empty (its hook call has nothing to exchange, its flag still takes part).
+    model = _sharded(mesh["shard"], out=1)
     state = gradzip.fsdp.register(model, spec, mesh=mesh)
     calls: list[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = []
     for layout in state.groups:
@@ -144,12 +146,17 @@ def test_results_equal_the_simulator_fed_the_same_shards(replicas: int, shards: 
                                 collective=gradzip.SimulatedGroup(replicas))
         assert len(members[0]["calls"]) == STEPS * groups
         for step in range(STEPS):
+            calls = members[0]["calls"][step * groups:(step + 1) * groups]
+            last = max(k for k, call in enumerate(calls) if call[0])
             for k in range(groups):
                 at = step * groups + k
+                if not calls[k][0]:  # this shard index holds nothing of the group
+                    assert shards > 1 and all(not m["calls"][at][1] for m in members)
+                    continue
                 before = {n: torch.stack([m["calls"][at][0][n] for m in members])
                           for n in members[0]["calls"][at][0]}
                 # same_layout: the header rides in the payload, as in the hook's calls.
-                out = engine.reduce(before, finish_step=k == groups - 1, same_layout=True)
+                out = engine.reduce(before, finish_step=k == last, same_layout=True)
                 for j, member in enumerate(members):
                     for name, value in member["calls"][at][1].items():
                         assert torch.equal(out[name], value), (step, name, j)  # one average
@@ -306,6 +313,9 @@ def _errors_worker(rank: int, world: int) -> list[str]:
     refused(register, model, "none", mesh=flat)  # names
     refused(register, _sharded(mesh), "none", mesh=mesh)  # native HSDP
     refused(register, model, "none", mesh=mesh, replicate_dim="shard")
+    narrow = nn.Linear(4, 1)  # one row: the second shard holds nothing
+    fully_shard(narrow, mesh=mesh["shard"])
+    refused(register, narrow, "none", mesh=mesh)
     state = register(model, "none", mesh=mesh)
     refused(register, model, "none", mesh=mesh)  # twice
     refused(state.load_state_dict, {"format": "gradzip.fsdp/1", "replicas": 1, "shards": 3,
@@ -317,7 +327,8 @@ def _errors_worker(rank: int, world: int) -> list[str]:
 
 @pytest.mark.slow
 def test_unsupported_models_and_meshes_are_refused_with_one_line() -> None:
-    messages = run_processes(_errors_worker, 2, timeout=240)[0]
+    messages, others = run_processes(_errors_worker, 2, timeout=240)
+    assert others == messages  # every rank refuses alike
     expected = [
         "TypeError: `model` must be fully_shard-ed",
         "ValueError: `mesh` must be 2-D (replicate x shard), got a 1-D mesh",
@@ -325,6 +336,7 @@ def test_unsupported_models_and_meshes_are_refused_with_one_line() -> None:
         "ValueError: `mesh` must name its dimensions 'replicate' and 'shard'",
         "ValueError: FSDP module '<root>' is sharded on a 2-D mesh",
         "ValueError: `replicate_dim` and `shard_dim` must differ",
+        "ValueError: `model` must give every one of the 2 shards a non-empty part",
         "ValueError: FSDP module '<root>' already has an all-reduce hook",
         "ValueError: `state['shards']` must be 2",
     ]

@@ -38,11 +38,14 @@ class ShardSlot:
         shape: this rank's shard of it (FSDP2's ``sharded_size``; may have zero rows when
             there are more shards than rows).
         offset: where the shard starts in the flat output.
+        holders: how many shard indices hold a non-empty part of the parameter (all of them
+            unless it has fewer rows than there are shards); the same on every rank.
     """
 
     name: str
     shape: torch.Size
     offset: int
+    holders: int = 1
 
     @property
     def numel(self) -> int:
@@ -138,6 +141,16 @@ def _param_groups(module: FSDPModule) -> list[Any]:
     return list(groups)
 
 
+def _holders(fsdp_param: Any, shards: int) -> int:
+    """How many shard indices hold a non-empty part of the parameter: FSDP2 splits its shard
+    dimension as ``torch.chunk`` does (chunks of ``ceil(n / shards)``, the last ones empty
+    when ``n`` is small), from the global shape, so every rank computes the same number."""
+    size = fsdp_param.sharded_param.shape[fsdp_param.fsdp_placement.dim]
+    if size == 0:
+        return 0
+    return math.ceil(size / math.ceil(size / shards))
+
+
 def _same_ranks(a: DeviceMesh, b: DeviceMesh) -> bool:
     return a.ndim == b.ndim and a.mesh.tolist() == b.mesh.tolist()
 
@@ -208,7 +221,7 @@ def _fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
                 if not param.requires_grad:
                     continue
                 slots.append(ShardSlot(names[id(param)], torch.Size(fsdp_param.sharded_size),
-                                       offset))
+                                       offset, _holders(fsdp_param, shard_mesh.size())))
                 offset += math.prod(fsdp_param.padded_sharded_param_size)
             if slots:
                 out.append(GroupLayout(module_name, module, group, tuple(slots), offset))

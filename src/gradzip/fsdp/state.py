@@ -70,10 +70,18 @@ class FSDPHookState:
         self.shapes: dict[str, torch.Size] = {
             s.name: s.shape for g in self.groups for s in g.slots if s.numel
         }
-        if not self.shapes:
-            raise ValueError("`model` has no trainable parameter with a non-empty shard on this rank")
         self.replicas = replicate_mesh.size()
         self.shards = shard_mesh.size()
+        # Decided from global shapes, so every rank refuses together (a rank that raised
+        # alone would leave the others waiting in their first collective).
+        holders = max((s.holders for g in self.groups for s in g.slots), default=0)
+        if holders < self.shards:
+            raise ValueError(
+                f"`model` must give every one of the {self.shards} shards a non-empty part of "
+                f"some trainable parameter, got {holders} shards holding any (too few rows "
+                "for this many shards)"
+            )
+        assert self.shapes
         self.shard_rank = shard_mesh.get_local_rank()
         self.replica_rank = replicate_mesh.get_local_rank()
         self.shard_group = shard_mesh.get_group()
@@ -134,10 +142,12 @@ class FSDPHookState:
         kept = self._partial.pop(key, None)
         if kept is not None:
             flat.add_(kept)
-        if not named:
-            return
         if self.shards > 1:
+            # Every rank of the island, its shards of this group empty or not: the flag's
+            # all-reduce spans the shard group (every group here has a trainable parameter).
             self._agree_on_nonfinite(named)
+        if not named:
+            return  # every member of this replica group has the same empty shards
         self._calls += 1
         finish = self._calls == len(self._active)
         try:
@@ -167,6 +177,8 @@ class FSDPHookState:
         for view in named.values():
             bad = torch.maximum(bad, (~torch.isfinite(view)).any().to(torch.float32))
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.shard_group)
+        if not named:
+            return
         first = next(iter(named.values())).view(-1)[:1]
         first.copy_(torch.where(bad > 0, torch.full_like(first, float("nan")), first))
 
