@@ -291,6 +291,36 @@ def test_a_nan_on_one_rank_is_handled_by_the_policy_on_every_rank() -> None:
         assert out["raised"], rank
 
 
+# -- a replica out of step by its optimizer steps --------------------------------------------
+def _drift_worker(rank: int, world: int) -> str | None:
+    mesh = _mesh(world, 2)  # 2 x 1: two replicas of an unsharded model
+    model = _sharded(mesh["shard"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    gradzip.fsdp.register(model, "topk:ratio=0.2", mesh=mesh, optimizer=opt)
+
+    def backward(step: int) -> None:
+        x, y = _batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+
+    try:
+        # As many backward passes on both replicas, but rank 0 steps its optimizer after two
+        # of them and rank 1 after each: at the second, their optimizer steps differ.
+        backward(0)
+        if rank == 1:
+            opt.step()
+        backward(1)
+        opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.slow
+def test_a_replica_whose_optimizer_steps_differ_fails_on_every_rank() -> None:
+    for message in run_processes(_drift_worker, 2, timeout=240):
+        assert message is not None and message.startswith("ranks are out of step"), message
+
+
 # -- what is refused -------------------------------------------------------------------------
 def _errors_worker(rank: int, world: int) -> list[str]:
     mesh = _mesh(world, 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,19 @@ class FSDPHookState:
         # all-reduce (``set_requires_all_reduce(False)``), summed until one that is.
         self._partial: dict[int, torch.Tensor] = {}
         self._modules: list[Any] = []
+        # Optimizer steps taken since registration, carried in every call's header (None: no
+        # optimizer given). Why: the engine's own count advances with every backward on every
+        # rank alike, so a replica that runs one backward more than the others (a retried
+        # batch) and one fewer later stays "in step" by it while its parameters drift; its
+        # count of optimizer steps differs, and the header catches it on every rank.
+        self._optimizer_steps: int | None = None
+        optimizer = self.engine.optimizer
+        if optimizer is not None:
+            self._optimizer_steps = 0
+            while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+                optimizer = optimizer.optimizer  # a wrapper steps the optimizer it holds
+            ref = weakref.ref(self)
+            optimizer.register_step_post_hook(lambda *_: _count_step(ref))
 
     # -- the hook ------------------------------------------------------------------------------
     def hook_for(self, index: int) -> Any:
@@ -155,7 +169,7 @@ class FSDPHookState:
             # FSDP2 reduces the groups in the same order on every rank, with the same shard
             # shapes across a replica group: the payload's layout is identical on its
             # members, so the header may ride in it (reduce_bucket's same_layout).
-            self.engine.reduce_bucket(layout_, finish_step=finish)
+            self.engine.reduce_bucket(layout_, finish_step=finish, step=self._optimizer_steps)
         except BaseException:
             self._calls = 0  # the engine rolled its step back
             raise
@@ -297,6 +311,13 @@ class FSDPHookState:
     def __repr__(self) -> str:
         return (f"FSDPHookState(compressor={self.compressor.spec()!r}, replicas={self.replicas}, "
                 f"shards={self.shards}, parameters={len(self.shapes)})")
+
+
+def _count_step(ref: weakref.ref[FSDPHookState]) -> None:
+    """An optimizer step post-hook's work: count the step (the state held weakly)."""
+    state = ref()
+    if state is not None and state._optimizer_steps is not None:
+        state._optimizer_steps += 1
 
 
 def register(
