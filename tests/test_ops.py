@@ -188,6 +188,19 @@ def test_pack_leaves_its_input_unchanged() -> None:
     assert packed.tolist() == [[0b10001101]]
 
 
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_unpack_never_returns_or_aliases_its_input(bits: int) -> None:
+    """At 8 bits the codes are the bytes themselves, and unpacking used to hand the caller's
+    tensor back: writing into the codes then changed the message."""
+    packed = pack_bits((torch.arange(16).reshape(2, 8) % (1 << bits)).to(torch.uint8), bits)
+    before = packed.clone()
+    codes = unpack_bits(packed, bits, 8)
+    assert codes is not packed
+    assert codes.untyped_storage().data_ptr() != packed.untyped_storage().data_ptr()
+    codes.fill_(7)
+    assert torch.equal(packed, before)
+
+
 @FAST
 @given(
     bits=st.integers(1, 8),
