@@ -169,6 +169,13 @@ def load_grid(source: str, overrides: dict[str, Any] | None = None,
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise ValueError(f"`grid.{key}` must be a non-empty list, got {values!r}")
+    # Each run writes to ROOT/<its label>: an ``out`` per run would be dropped silently.
+    for where, table in (("--set", overrides or {}), ("base", base), ("grid", grid),
+                         *((f"runs[{i}]", e) for i, e in enumerate(runs) if isinstance(e, dict))):
+        if "out" in table:
+            raise ValueError(f"`out` must not be set per run in a comparison (each run writes to "
+                             f"ROOT/<its label>; give ROOT with --out or the file's top-level "
+                             f"`out`), got out={table['out']!r} in {where}")
     root = out or str(raw.get("out", f"gradzip-compare/{_slug(name)}"))
     result = Grid(name=name, out=root, description=str(raw.get("description", "")))
     seen: set[str] = set()
@@ -184,7 +191,6 @@ def load_grid(source: str, overrides: dict[str, Any] | None = None,
             if full in seen:
                 raise ValueError(f"`runs` labels must be unique, got {full!r} twice")
             seen.add(full)
-            values.pop("out", None)
             cfg = RunConfig.from_dict({**values, "out": str(Path(root) / _slug(full))})
             result.runs.append(GridRun(full, cfg))
     return result
