@@ -157,3 +157,23 @@ def test_compare_refuses_an_output_set_per_run(tmp_path: Path,
         assert code == 2 and len(err.strip().splitlines()) == 1, err
         assert "`out` must not be set per run in a comparison" in err, err
         assert not root.exists() and not (tmp_path / "x").exists()
+
+
+def test_a_comparison_applies_shared_options_where_they_act(tmp_path: Path) -> None:
+    """``interval_epochs`` in ``base`` times the Accordion run and leaves the plain one alone;
+    in a plain run's own table it is refused."""
+    from gradzip.train.compare import load_grid
+    from gradzip.train.config import resolve_config
+
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps({
+        "base": {"task": "digits", "interval_epochs": 2, "eta": 0.25},
+        "runs": [{"compressor": "none"},
+                 {"compressor": "topk:ratio=0.1", "accordion": "topk:ratio=0.5"}]}))
+    plain, accordion = [resolve_config(r.config) for r in load_grid(str(path)).runs]
+    assert (plain.interval_epochs, plain.eta) == (None, 0.5)
+    assert (accordion.interval_epochs, accordion.eta) == (2.0, 0.25)
+    path.write_text(json.dumps({"base": {"task": "digits"},
+                                "runs": [{"compressor": "none", "interval_epochs": 2}]}))
+    with pytest.raises(ValueError, match="`interval_epochs` needs `accordion` or `accordion_batch`"):
+        resolve_config(load_grid(str(path)).runs[0].config)

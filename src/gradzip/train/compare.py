@@ -33,13 +33,14 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from gradzip.train.config import RunConfig, resolve_config
 from gradzip.train.data import _read_utf8
 from gradzip.train.events import EVENTS_DIR, require_tensorboard, write_events
+from gradzip.train.idle import idle_options
 from gradzip.train.metrics import format_bytes, read_metrics, read_summary
 from gradzip.train.plots import plot_runs
 from gradzip.train.resume import plan_out_dir
@@ -51,6 +52,8 @@ __all__ = ["Grid", "GridRun", "format_table", "list_presets", "load_grid", "run_
 log = logging.getLogger(__name__)
 
 _TOP_KEYS = {"name", "description", "out", "base", "grid", "runs"}
+#: Every run option's default.
+DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
 
 
 @dataclass
@@ -192,7 +195,11 @@ def load_grid(source: str, overrides: dict[str, Any] | None = None,
                 raise ValueError(f"`runs` labels must be unique, got {full!r} twice")
             seen.add(full)
             cfg = RunConfig.from_dict({**values, "out": str(Path(root) / _slug(full))})
-            result.runs.append(GridRun(full, cfg))
+            # An option shared by every run (base, grid, --set) applies to the runs where it
+            # acts (interval_epochs to the Accordion runs beside plain ones); set in a run's
+            # own table it must act there (see gradzip.train.idle).
+            shared = {n: DEFAULTS[n] for n in idle_options(cfg) if n in values and n not in entry}
+            result.runs.append(GridRun(full, replace(cfg, **shared)))
     return result
 
 
