@@ -76,7 +76,7 @@ def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     with where its output lies, so the output's place is fixed by the shape alone.
     """
     (out,) = aligned_matrices((b.shape[0],), [(a.shape[0], a.shape[1], b.shape[-1])],
-                              dtype=torch.promote_types(a.dtype, b.dtype), device=b.device)
+                              dtype=a.dtype, device=b.device)
     for w in range(b.shape[0]):
         torch.matmul(a, b[w], out=out[w])
     return out
