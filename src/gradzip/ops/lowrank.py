@@ -133,7 +133,11 @@ def orthonormal(pt: torch.Tensor) -> torch.Tensor:
         # warm-started power iteration recovers as soon as the gradient is non-zero again.
         torch.where(norm > 0, p / torch.where(norm > 0, norm, 1.0), unit, out=out)
     else:
-        out, _ = torch.linalg.qr(p, mode="reduced")
+        out, _ = torch.linalg.qr(p, mode="reduced")  # column-major per matrix, a new buffer
+        if out.data_ptr() % ALIGN_BYTES or (out.stride(0) * out.element_size()) % ALIGN_BYTES:
+            (placed,) = aligned_matrices((), [(batch.shape[0], r, n_pad)], dtype=pt.dtype,
+                                         device=pt.device)
+            out = placed.transpose(-1, -2).copy_(out)  # never on torch's own allocators
     return out[:, :n, :].reshape(*lead, n, r)
 
 
