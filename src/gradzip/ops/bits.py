@@ -142,9 +142,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
             f"got {packed.shape[-1]}"
         )
     *lead, _ = packed.shape
+    if bits == 8:  # the codes are the bytes: a copy, never the caller's tensor (or a view of it)
+        return packed[..., :need].to(torch.uint8, memory_format=torch.contiguous_format,
+                                     copy=True)
     packed = packed[..., :need].to(torch.uint8)
-    if bits == 8:
-        return packed.contiguous()
     if _NUMPY_PATH and cpu_form(packed.device) and count > 0:
         flat = packed.reshape(-1, need).numpy()
         codes_np = _unpack_ones(flat, count) if bits == 1 else _unpack_fields(flat, bits, count)
