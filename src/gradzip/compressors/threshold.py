@@ -62,7 +62,7 @@ class HardThreshold(Compressor):
     bounds the *padded* volume and the bytes match a Top-k of ``ratio=budget`` (plus 4 bytes
     of sizes per tensor), at the price of a higher lambda than ``padded=False`` needs.
 
-    In budget mode (not padded), where it costs fewer wire bytes (from about four workers
+    In budget mode (not padded), where it costs fewer wire bytes (from about three workers
     on), a tensor travels by the sharded exchange instead (:mod:`gradzip.compressors.sharded`):
     lambda keeps its meaning (a worker offers exactly its entries at or above lambda), but
     each part's owner receives at most ``2 * budget * numel / W`` of them from each worker

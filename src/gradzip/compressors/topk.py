@@ -26,7 +26,7 @@ class TopK(Compressor):
     since different workers keep different entries. A tensor for which that costs more than a
     dense all-reduce (``k`` above about ``numel / W``) is sent dense instead. Selection is exact.
 
-    Where it costs fewer wire bytes (from about four workers on), a tensor travels by the
+    Where it costs fewer wire bytes (from about three workers on), a tensor travels by the
     sharded exchange instead (:mod:`gradzip.compressors.sharded`): each worker sends each
     part's owner its top-k entries in that part (fixed capacity, overflow stays in its
     residual), owners keep the top ``k / W`` of their part's sum and all-gather them, so
