@@ -29,11 +29,22 @@ def _ctx(workers: int, step: int = 0) -> StepContext:
     return StepContext(step=step, ranks=tuple(range(workers)), world_size=workers)
 
 
-def _reference(x: torch.Tensor, chosen: torch.Tensor, kept: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _outside_own(x: torch.Tensor) -> torch.Tensor:
+    """``x[W, n]`` with worker ``w``'s own part (part ``w``) zeroed: what it selects from."""
+    world, n = x.shape
+    part = -(-n // world)
+    out = x.clone()
+    for w in range(world):
+        out[w, w * part : (w + 1) * part] = 0.0
+    return out
+
+
+def _reference(x: torch.Tensor, chosen: torch.Tensor, kept: int,
+               owner_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The sharded exchange written out worker by worker: ``x[W, n]`` compensated tensors,
     ``chosen[W, n]`` their selections; returns (average ``[n]``, residuals ``[W, n]``)."""
     world, n = x.shape
-    lay = shard_layout(n, world, kept)
+    lay = shard_layout(n, world, kept, owner_keep)
     part = lay.part
     bounds = [(j * part, min(n, (j + 1) * part)) for j in range(world)]
     residual = x.clone()
@@ -83,21 +94,22 @@ def test_sharded_equals_the_reference_and_keeps_every_residual(spec: str, worker
     for job in jobs:
         x = job.tensor.reshape(workers, -1)
         n = x.shape[1]
+        outside = _outside_own(x)
         if spec.startswith("topk"):
             k = compressor.k_for(n)
-            idx = torch.topk(x.abs(), k, dim=1).indices
+            idx = torch.topk(outside.abs(), k, dim=1).indices
             chosen = torch.zeros_like(x, dtype=torch.bool).scatter_(1, idx, True)
         elif spec.startswith("chunktopk"):
             k = compressor.kept(n)
             chosen = torch.zeros_like(x, dtype=torch.bool)
             for lo in range(0, n, compressor.chunk):
                 hi = min(n, lo + compressor.chunk)
-                top = torch.topk(x[:, lo:hi].abs(), min(compressor.k, hi - lo), dim=1).indices
+                top = torch.topk(outside[:, lo:hi].abs(), min(compressor.k, hi - lo), dim=1).indices
                 chosen[:, lo:hi].scatter_(1, top, True)
         else:
             k = compressor._kept(n)
             chosen = x.abs() >= state["lam"]
-        want_avg, want_res = _reference(x, chosen, k)
+        want_avg, want_res = _reference(x, chosen, k, compressor.owner_keep)
         assert torch.equal(job.averaged.reshape(-1), want_avg), job.name
         residual = job.leftover()
         assert torch.equal(residual.reshape(workers, -1), want_res), job.name
@@ -117,7 +129,7 @@ def test_over_capacity_entries_stay_in_the_senders_residual() -> None:
     x[:, :10] = 0.5
     job = Job("w", x.clone())
     compressor.reduce([job], {}, gradzip.SimulatedGroup(workers), _ctx(workers))
-    lay = shard_layout(n, workers, compressor.k_for(n))
+    lay = shard_layout(n, workers, compressor.k_for(n), compressor.owner_keep)
     assert lay.capacity == SLACK * compressor.k_for(n) // workers == 20
     residual = job.leftover()
     for w in range(3):  # workers 0..2 send part 3 only its 20 largest entries
@@ -136,7 +148,8 @@ def test_simulated_bytes_are_the_formula(spec: str) -> None:
         compressor.reduce(jobs, state, comm, _ctx(workers))
         kept = {"topk": "k_for", "chunktopk": "kept", "threshold": "_kept"}[compressor.spec_name]
         kept = getattr(compressor, kept)
-        layouts = [shard_layout(s.numel(), workers, kept(s.numel())) for s in SHAPES.values()]
+        layouts = [shard_layout(s.numel(), workers, kept(s.numel()), compressor.owner_keep)
+                   for s in SHAPES.values()]
         scatter = sum(lay.scatter_bytes for lay in layouts)
         gather = sum(lay.gather_bytes for lay in layouts)
         wire = (workers - 1) * (scatter + gather)
@@ -154,13 +167,13 @@ def test_bytes_per_worker_stay_flat_as_workers_grow() -> None:
     compressor = gradzip.compressor_from_spec("topk:ratio=0.01")
     numel = 256 * 256
     k = compressor.k_for(numel)
-    cost = {w: shard_layout(numel, w, k).wire_bytes for w in (8, 32, 128, 512)}
+    cost = {w: shard_layout(numel, w, k, compressor.owner_keep).wire_bytes for w in (8, 32, 128, 512)}
     assert cost[512] <= 1.5 * cost[8]
     for w, c in cost.items():
         assert c < allreduce_wire_bytes(4 * numel, w)
         assert compressor.exchange_for(numel, w) == "sharded"
     assert compressor.exchange_for(numel, 2) == "allgather"  # cheaper with two workers
-    assert allgather_wire_bytes(8 * k, 2) < shard_layout(numel, 2, k).wire_bytes
+    assert allgather_wire_bytes(8 * k, 2) < shard_layout(numel, 2, k, compressor.owner_keep).wire_bytes
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -221,8 +234,10 @@ def test_threshold_budget_counts_the_entries_offered() -> None:
     grads = _grads(workers, 1)
     jobs = [Job(n, g) for n, g in grads.items()]
     compressor.reduce(jobs, state, gradzip.SimulatedGroup(workers), _ctx(workers))
-    assert state["step_sent"] == sum(int((g.abs() >= 1.5).sum()) for g in grads.values())
-    assert state["step_offered"] == workers * sum(s.numel() for s in SHAPES.values())
+    # Entries at or above lambda outside each worker's own part, out of (W - 1) n.
+    assert state["step_sent"] == sum(
+        int((_outside_own(g.reshape(workers, -1)).abs() >= 1.5).sum()) for g in grads.values())
+    assert state["step_offered"] == (workers - 1) * sum(s.numel() for s in SHAPES.values())
 
 
 def test_exchange_is_validated_and_round_trips_in_specs() -> None:
@@ -238,6 +253,8 @@ def test_exchange_is_validated_and_round_trips_in_specs() -> None:
         gradzip.compressor_from_spec("threshold:budget=0.01,padded=True,exchange=sharded")
     with pytest.raises(ValueError, match="needs `average` 'all'"):
         gradzip.compressor_from_spec("chunktopk:average=senders,exchange=sharded")
+    with pytest.raises(ValueError, match="`owner_keep` must be"):
+        gradzip.compressor_from_spec("topk:owner_keep=0")
     with pytest.raises(TypeError, match="`compressor` must be a sparsifier"):
         exchange_forms(gradzip.compressor_from_spec("sign"), SHAPES, 4)
     # Forms the configuration rules out fall back to the all-gather's rule.

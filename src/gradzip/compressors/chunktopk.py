@@ -11,7 +11,12 @@ import torch
 from gradzip._validate import check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
-from gradzip.compressors.sharded import EXCHANGES, choose_exchange, sharded_reduce
+from gradzip.compressors.sharded import (
+    EXCHANGES,
+    choose_exchange,
+    outside_own_part,
+    sharded_reduce,
+)
 from gradzip.feedback import residual_unsent
 from gradzip.ops.binmean import binmean_decode, binmean_encode
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
@@ -62,6 +67,10 @@ class ChunkTopK(Compressor):
             apply there), and owners pass on the largest ``kept / W`` entries of their part's
             sum; it needs ``average="all"`` (an owner's sum mixes its residual in, so the
             senders of an entry are no longer known).
+        owner_keep: in the sharded exchange, what each part's owner passes on, as a multiple
+            of ``k / W`` (an integer >= 1): more keeps the average closer to the all-gather's
+            (which delivers up to ``W k`` entries) and costs ``owner_keep * k`` entries more
+            bytes per worker.
 
     References:
         Sarfi et al., "SparseLoCo: Communication-Efficient Sparse Low-Communication Training",
@@ -74,6 +83,7 @@ class ChunkTopK(Compressor):
     spread: float = 6.0
     average: str = "all"
     exchange: str = "auto"
+    owner_keep: int = 1
     spec_name: ClassVar[str] = "chunktopk"
 
     def __post_init__(self) -> None:
@@ -83,6 +93,7 @@ class ChunkTopK(Compressor):
         object.__setattr__(self, "spread", check_real("spread", self.spread, low=0, low_open=True))
         object.__setattr__(self, "average", check_choice("average", self.average, AVERAGES))
         object.__setattr__(self, "exchange", check_choice("exchange", self.exchange, EXCHANGES))
+        object.__setattr__(self, "owner_keep", check_int("owner_keep", self.owner_keep, minimum=1))
         if self.exchange == "sharded" and self.average != "all":
             raise ValueError(
                 f"`exchange` 'sharded' needs `average` 'all', got average={self.average!r}"
@@ -107,7 +118,8 @@ class ChunkTopK(Compressor):
         """How a tensor of ``numel`` entries travels among ``world`` workers: ``"dense"``,
         ``"allgather"`` or ``"sharded"`` (shapes and configuration only: every worker agrees)."""
         return choose_exchange(self.exchange, numel, world, self.kept(numel),
-                               self.message_bytes(numel), sharded_ok=self.average == "all")
+                               self.message_bytes(numel), self.owner_keep,
+                               sharded_ok=self.average == "all")
 
     def report(self, state: Any) -> dict[str, Any]:
         """The configured density (tensors sent dense are not counted apart)."""
@@ -122,17 +134,23 @@ class ChunkTopK(Compressor):
             form = self.exchange_for(job.numel, comm.world_size)
             {"allgather": sparse, "dense": dense, "sharded": sharded}[form].append(job)
         dense_reduce(dense, comm)
-        workers = comm.local_workers
+        self._reduce_gathered(sparse, comm)
+        # Last: an all-to-all cannot carry the engine's call header, so a call whose first
+        # collective is the sharded exchange's sends the header apart.
         if sharded:
             masks = []
             for job in sharded:
-                flat = job.tensor.reshape(workers, -1)
+                flat = outside_own_part(job.tensor.reshape(comm.local_workers, -1), comm)
                 picked = chunk_topk(flat, self.chunk, self.k)[1]
                 masks.append(torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
                              .scatter_(1, picked, True))
-            sharded_reduce(sharded, masks, [self.kept(j.numel) for j in sharded], comm)
+            sharded_reduce(sharded, masks, [self.kept(j.numel) for j in sharded], comm,
+                           self.owner_keep)
+
+    def _reduce_gathered(self, sparse: Sequence[Job], comm: Collective) -> None:
         if not sparse:
             return
+        workers = comm.local_workers
         parts, flats = [], []
         for job in sparse:
             values, flat, local = chunk_topk(job.tensor.reshape(workers, -1), self.chunk, self.k)

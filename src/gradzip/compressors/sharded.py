@@ -6,23 +6,23 @@ of ``c = ceil(n / W)`` entries (part ``j`` is ``[j c, min(n, (j + 1) c))``, owne
 ``j``), per tensor, so that a tensor's arithmetic never depends on which tensors share a call:
 
 1. *Sparse reduce-scatter.* Each worker selects as its compressor does (its top-k, its entries
-   above lambda, its chunks' top-k), splits the selection by part and sends each owner a part
+   above lambda, its chunks' top-k) from its compensated tensor outside its own part, splits the selection by part and sends each owner a part
    of fixed capacity ``capacity = min(c, ceil(SLACK * kept / W))`` entries (all-to-all): the
    largest selected entries of the part, padded with (index ``c``, value 0). Sizes depend on
    shapes and configuration only, so no worker reads a count on the host. Selected entries
    over capacity are not sent and stay in the worker's residual.
 2. *Owner step.* Owner ``j`` sums, in rank order, the pieces of part ``j`` it received, with
    its own compensated part added whole at its own rank's turn (its part never travels, so
-   it costs nothing to take all of it). It keeps the ``keep = min(c, ceil(kept / W))``
-   largest entries of that sum and leaves the rest in its own residual, at its own part's
+   it costs nothing to take all of it). It keeps the ``keep = min(c, ceil(owner_keep * kept /
+   W))`` largest entries of that sum and leaves the rest in its own residual, at its own part's
    positions: the owner's residual is the owner worker's error-feedback residual there.
 3. *All-gather.* Each owner all-gathers its ``keep`` entries, or its whole part as fp32 where
    that is fewer bytes (``4 c <= keep * entry``: the switch to dense of SparCML).
 
 Entries travel as an fp32 value and an index within the part (int16 where the part has fewer
 than 32,767 entries, else int32). Wire bytes per worker and tensor:
-``(W - 1) * (capacity * entry + min(keep * entry, 4 c))``, about ``(SLACK + 1) * kept * entry``
-whatever ``W``; the all-gather's are ``(W - 1) * kept * entry``.
+``(W - 1) * (capacity * entry + min(keep * entry, 4 c))``, about
+``(SLACK + owner_keep) * kept * entry`` whatever ``W``; the all-gather's are ``(W - 1) * kept * entry``.
 
 Every worker's residual stays exactly what its compensated gradient holds minus what it
 contributed: outside its part, the entries it did not send; in its part, the sum it did not
@@ -50,8 +50,8 @@ from gradzip.ops.checks import check_on_device
 from gradzip.ops.flat import reinterpret
 
 __all__ = [
-    "EXCHANGES", "SLACK", "ShardLayout", "choose_exchange", "exchange_forms", "shard_layout",
-    "sharded_reduce",
+    "EXCHANGES", "SLACK", "ShardLayout", "choose_exchange", "exchange_forms", "outside_own_part",
+    "shard_layout", "sharded_reduce",
 ]
 
 #: ``exchange`` settings of the sparsifiers: the cheapest form by the byte formulas
@@ -109,17 +109,19 @@ class ShardLayout:
         return (self.world - 1) * (self.scatter_bytes + self.gather_bytes)
 
 
-def shard_layout(numel: int, world: int, kept: int) -> ShardLayout:
+def shard_layout(numel: int, world: int, kept: int, owner_keep: int = 1) -> ShardLayout:
     """The layout of a tensor of ``numel`` entries among ``world`` workers whose compressor
-    sends about ``kept`` entries per worker."""
+    sends about ``kept`` entries per worker, owners passing on ``owner_keep * kept / W``
+    entries of their part."""
     part = -(-numel // world)
     capacity = max(1, min(part, -(-SLACK * kept // world)))
-    keep = max(1, min(part, -(-kept // world)))
+    keep = max(1, min(part, -(-owner_keep * kept // world)))
     return ShardLayout(numel, world, part, capacity, keep, 2 if part < _INT16_LIMIT else 4)
 
 
 def choose_exchange(
-    exchange: str, numel: int, world: int, kept: int, message_bytes: int, sharded_ok: bool = True,
+    exchange: str, numel: int, world: int, kept: int, message_bytes: int, owner_keep: int = 1,
+    sharded_ok: bool = True,
 ) -> str:
     """``"dense"``, ``"allgather"`` or ``"sharded"`` for one tensor.
 
@@ -133,6 +135,7 @@ def choose_exchange(
         world: the number of workers.
         kept: entries a worker sends (for a count that varies, the configured budget's).
         message_bytes: bytes of one worker's message in the all-gather form.
+        owner_keep: what owners pass on, as a multiple of ``kept / W`` (:func:`shard_layout`).
         sharded_ok: whether the configuration allows the sharded form at all.
 
     Returns:
@@ -154,7 +157,7 @@ def choose_exchange(
     if exchange == "sharded":
         return "sharded"
     best, cost = ("allgather", gather) if pays else ("dense", dense)
-    if shard_layout(numel, world, kept).wire_bytes < cost:
+    if shard_layout(numel, world, kept, owner_keep).wire_bytes < cost:
         return "sharded"
     return best
 
@@ -178,6 +181,19 @@ def exchange_forms(compressor: object, shapes: Mapping[str, torch.Size], world: 
             f"`compressor` must be a sparsifier with `exchange_for`, got {type(compressor).__name__}"
         )
     return {name: pick(torch.Size(shape).numel(), world) for name, shape in shapes.items()}
+
+
+def outside_own_part(flat: torch.Tensor, comm: Collective) -> torch.Tensor:
+    """``flat[L, n]`` with each local worker's own part zeroed (a new tensor): what a worker
+    selects from. Its own part travels whole to itself, and there holds the owner's residual
+    (sums over workers, larger than any one worker's entries), which would otherwise take
+    the places of the entries the worker sends to other owners."""
+    workers, n = flat.shape
+    part = -(-n // comm.world_size)
+    out = flat.clone()
+    for local, rank in enumerate(comm.local_ranks):
+        out[local, rank * part : (rank + 1) * part] = 0.0
+    return out
 
 
 def _as_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -204,7 +220,7 @@ def _zero_at(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def sharded_reduce(jobs: Sequence[Job], masks: Sequence[torch.Tensor], kept: Sequence[int],
-                   comm: Collective) -> None:
+                   comm: Collective, owner_keep: int = 1) -> None:
     """Average every job through the sharded exchange and record every residual.
 
     Args:
@@ -213,6 +229,7 @@ def sharded_reduce(jobs: Sequence[Job], masks: Sequence[torch.Tensor], kept: Seq
         kept: per job, the entries a worker sends on average (sizes the layout; identical on
             every worker).
         comm: the collective, with at least two workers.
+        owner_keep: what owners pass on, as a multiple of ``kept / W``.
 
     Raises:
         ValueError: a received index lies outside its part (a corrupt message; checked on the
@@ -221,7 +238,7 @@ def sharded_reduce(jobs: Sequence[Job], masks: Sequence[torch.Tensor], kept: Seq
     if not jobs:
         return
     world, workers = comm.world_size, comm.local_workers
-    layouts = [shard_layout(job.numel, world, k) for job, k in zip(jobs, kept, strict=True)]
+    layouts = [shard_layout(job.numel, world, k, owner_keep) for job, k in zip(jobs, kept, strict=True)]
     device = jobs[0].tensor.device
     # This process's workers' ranks: worker ``l`` owns part ``ranks[l]``.
     ranks = torch.tensor(comm.local_ranks, dtype=torch.int64, device=device)

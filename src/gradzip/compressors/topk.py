@@ -8,10 +8,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradzip._validate import check_choice, check_real
+from gradzip._validate import check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
-from gradzip.compressors.sharded import EXCHANGES, choose_exchange, sharded_reduce
+from gradzip.compressors.sharded import (
+    EXCHANGES,
+    choose_exchange,
+    outside_own_part,
+    sharded_reduce,
+)
 from gradzip.compressors.sparse import gather_full, index_bytes
 from gradzip.ops.select import topk_abs
 
@@ -36,6 +41,10 @@ class TopK(Compressor):
         ratio: fraction of entries kept, in (0, 1].
         exchange: ``"auto"`` (the fewest wire bytes of dense, all-gather and sharded, per
             tensor), ``"allgather"`` or ``"sharded"`` (see :data:`~gradzip.compressors.sharded.EXCHANGES`).
+        owner_keep: in the sharded exchange, what each part's owner passes on, as a multiple
+            of ``k / W`` (an integer >= 1): more keeps the average closer to the all-gather's
+            (which delivers up to ``W k`` entries) and costs ``owner_keep * k`` entries more
+            bytes per worker.
 
     References:
         Aji and Heafield, "Sparse Communication for Distributed Gradient Descent", 2017;
@@ -44,12 +53,14 @@ class TopK(Compressor):
 
     ratio: float = 0.01
     exchange: str = "auto"
+    owner_keep: int = 4
     spec_name: ClassVar[str] = "topk"
     device_decisions: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", check_real("ratio", self.ratio, low=0, high=1, low_open=True))
         object.__setattr__(self, "exchange", check_choice("exchange", self.exchange, EXCHANGES))
+        object.__setattr__(self, "owner_keep", check_int("owner_keep", self.owner_keep, minimum=1))
 
     def k_for(self, numel: int) -> int:
         """Entries kept in a tensor of ``numel`` entries."""
@@ -59,7 +70,8 @@ class TopK(Compressor):
         """How a tensor of ``numel`` entries travels among ``world`` workers: ``"dense"``,
         ``"allgather"`` or ``"sharded"`` (shapes and configuration only: every worker agrees)."""
         k = self.k_for(numel)
-        return choose_exchange(self.exchange, numel, world, k, k * (4 + index_bytes(numel)))
+        return choose_exchange(self.exchange, numel, world, k, k * (4 + index_bytes(numel)),
+                               self.owner_keep)
 
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The configured density (tensors sent dense are not counted apart)."""
@@ -75,7 +87,12 @@ class TopK(Compressor):
             form = self.exchange_for(job.numel, comm.world_size)
             {"allgather": sparse, "dense": dense, "sharded": sharded}[form].append(job)
         dense_reduce(dense, comm)
+        self._reduce_gathered(sparse, comm)
+        # Last: an all-to-all cannot carry the engine's call header, so a call whose first
+        # collective is the sharded exchange's sends the header apart.
         self._reduce_sharded(sharded, comm)
+
+    def _reduce_gathered(self, sparse: Sequence[Job], comm: Collective) -> None:
         if not sparse:
             return
         workers = comm.local_workers
@@ -102,8 +119,8 @@ class TopK(Compressor):
             return
         workers, masks = comm.local_workers, []
         for job in jobs:
-            flat = job.tensor.reshape(workers, -1)
+            flat = outside_own_part(job.tensor.reshape(workers, -1), comm)
             _, idx = topk_abs(flat, self.k_for(job.numel))
             masks.append(torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
                          .scatter_(1, idx, True))
-        sharded_reduce(jobs, masks, [self.k_for(job.numel) for job in jobs], comm)
+        sharded_reduce(jobs, masks, [self.k_for(job.numel) for job in jobs], comm, self.owner_keep)
