@@ -2,7 +2,7 @@
 (``exchange=allgather``) and after (``exchange=auto``, which picks the sharded exchange where
 it costs less), with ``none`` (a dense fp32 ring all-reduce) as the yardstick.
 
-A simulated group of ``W`` workers reduces 8 tensors of 256 x 256 (random normal gradients,
+A simulated group of ``W`` workers reduces 8 tensors of 256 x 256 (``--tensors``) (random normal gradients,
 one seed) for ``--steps`` steps through the engine (error feedback on); the figure is the
 mean wire bytes per worker per step over the steps after the first (the hard threshold's
 first step calibrates lambda), as a fraction of the fp32 payload (``4 * entries``). Byte
@@ -16,6 +16,7 @@ Usage::
 
     python -m benchmarks.scaling_bytes                                   # W = 2 ... 512
     python -m benchmarks.scaling_bytes --workers 2 8 --steps 3 --name smoke
+    python -m benchmarks.scaling_bytes --workers 512 --tensors 1 --steps 2 --name w512
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from gradzip.compressors.sharded import exchange_forms
 
 from ._common import RESULTS
 
-SHAPES = {f"layer{i}.weight": torch.Size([256, 256]) for i in range(8)}
+TENSORS = 8
 #: (label, spec) rows of the table: each sparsifier before and after, and the yardstick.
 SPECS = [
     ("none (ring)", "none"),
@@ -49,26 +50,32 @@ SPECS = [
 WORKERS = [2, 8, 32, 128, 512]
 
 
-def measure(spec: str, workers: int, steps: int) -> dict[str, Any]:
+def shapes_of(tensors: int) -> dict[str, torch.Size]:
+    """``tensors`` tensors of 256 x 256."""
+    return {f"layer{i}.weight": torch.Size([256, 256]) for i in range(tensors)}
+
+
+def measure(spec: str, workers: int, steps: int, tensors: int = TENSORS) -> dict[str, Any]:
     """One spec at ``workers`` simulated workers: wire bytes per worker per step (mean over
     the steps after the first) and its fraction of the fp32 payload."""
-    engine = gradzip.Engine(SHAPES, spec, collective=gradzip.SimulatedGroup(workers))
+    shapes = shapes_of(tensors)
+    engine = gradzip.Engine(shapes, spec, collective=gradzip.SimulatedGroup(workers))
     gen = torch.Generator().manual_seed(0)
     after_first = 0
     for step in range(steps):
-        grads = {n: torch.randn(workers, *s, generator=gen) for n, s in SHAPES.items()}
+        grads = {n: torch.randn(workers, *s, generator=gen) for n, s in shapes.items()}
         engine.reduce(grads)
         del grads
         if step == 0:
             after_first = engine.stats["wire_bytes"][0]
     wire = (engine.stats["wire_bytes"][0] - after_first) / (steps - 1)
-    payload = 4 * sum(s.numel() for s in SHAPES.values())
+    payload = 4 * sum(s.numel() for s in shapes.values())
     compressor = engine.compressor
-    forms = (sorted(set(exchange_forms(compressor, SHAPES, workers).values()))
+    forms = (sorted(set(exchange_forms(compressor, shapes, workers).values()))
              if hasattr(compressor, "exchange_for") else ["dense"])
     del engine
     gc.collect()
-    return {"spec": spec, "workers": workers, "wire_bytes_per_step": wire,
+    return {"spec": spec, "workers": workers, "tensors": tensors, "wire_bytes_per_step": wire,
             "fraction": wire / payload, "forms": forms}
 
 
@@ -89,6 +96,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=WORKERS)
     parser.add_argument("--steps", type=int, default=4, help="steps per run (>= 2)")
+    parser.add_argument("--tensors", type=int, default=TENSORS,
+                        help="tensors of 256 x 256 (fewer for many workers: each tensor's form "
+                             "and bytes do not depend on the others)")
+    parser.add_argument("--only", nargs="+", default=None, help="specs to run (default: all)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--name", default="scaling_bytes")
     args = parser.parse_args(argv)
@@ -96,14 +107,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--steps must be >= 2, got {args.steps}")
     if any(w < 1 for w in args.workers):
         parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.tensors < 1:
+        parser.error(f"--tensors must be >= 1, got {args.tensors}")
     rows = []
     for w in args.workers:
         for label, spec in SPECS:
-            row = measure(spec, w, args.steps)
+            if args.only is not None and spec not in args.only:
+                continue
+            row = measure(spec, w, args.steps, args.tensors)
             rows.append(row)
             print(f"W={w:4d} {label:38s} {row['fraction']:.4f} {row['forms']}", flush=True)
     args.results.mkdir(parents=True, exist_ok=True)
-    meta = {"shapes": {n: list(s) for n, s in SHAPES.items()}, "steps": args.steps,
+    meta = {"shapes": {n: list(s) for n, s in shapes_of(args.tensors).items()}, "steps": args.steps,
             "measure": "mean wire bytes per worker per step after the first / (4 * entries)"}
     (args.results / f"{args.name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
     text = table(rows, args.workers)

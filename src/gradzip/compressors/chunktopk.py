@@ -68,9 +68,8 @@ class ChunkTopK(Compressor):
             sum; it needs ``average="all"`` (an owner's sum mixes its residual in, so the
             senders of an entry are no longer known).
         owner_keep: in the sharded exchange, what each part's owner passes on, as a multiple
-            of ``k / W`` (an integer >= 1): more keeps the average closer to the all-gather's
-            (which delivers up to ``W k`` entries) and costs ``owner_keep * k`` entries more
-            bytes per worker.
+            of ``kept / W`` (an integer >= 1; 1 by default: the all-gather of 2-bit codes and
+            12-bit indices is compact, and fp32 entries cost more each).
 
     References:
         Sarfi et al., "SparseLoCo: Communication-Efficient Sparse Low-Communication Training",

@@ -33,9 +33,10 @@ class TopK(Compressor):
 
     Where it costs fewer wire bytes (from about three workers on), a tensor travels by the
     sharded exchange instead (:mod:`gradzip.compressors.sharded`): each worker sends each
-    part's owner its top-k entries in that part (fixed capacity, overflow stays in its
-    residual), owners keep the top ``k / W`` of their part's sum and all-gather them, so
-    bytes per worker stay about ``3 k`` entries whatever ``W``.
+    part's owner its top-k entries (chosen outside its own part) in that part (fixed
+    capacity, overflow stays in its residual), owners pass on the top ``owner_keep * k / W``
+    of their part's sum and all-gather them, so bytes per worker stay about
+    ``(2 + owner_keep) k`` entries whatever ``W``.
 
     Args:
         ratio: fraction of entries kept, in (0, 1].
@@ -43,8 +44,8 @@ class TopK(Compressor):
             tensor), ``"allgather"`` or ``"sharded"`` (see :data:`~gradzip.compressors.sharded.EXCHANGES`).
         owner_keep: in the sharded exchange, what each part's owner passes on, as a multiple
             of ``k / W`` (an integer >= 1): more keeps the average closer to the all-gather's
-            (which delivers up to ``W k`` entries) and costs ``owner_keep * k`` entries more
-            bytes per worker.
+            (which delivers up to ``W k`` entries), each unit costing ``k`` entries more per
+            worker.
 
     References:
         Aji and Heafield, "Sparse Communication for Distributed Gradient Descent", 2017;
