@@ -204,7 +204,7 @@ def test_spec_strings_build_and_round_trip(spec: str, cls: type, attrs: dict) ->
         ("powersgd:rank=0", ValueError, "`matrix_rank` must be >= 1, got 0"),
         ("powersgd:rank=1.5", TypeError, "`matrix_rank` must be an integer, got 1.5"),
         ("qsgd:levels=0", ValueError, "`levels` must be in [1, 127], got 0"),
-        ("topk:k=3", ValueError, "`topk` parameters must be among ratio, got 'k'"),
+        ("topk:k=3", ValueError, "`topk` parameters must be among exchange, owner_keep, ratio, got 'k'"),
         ("zip", ValueError, "`spec` must name one of"),
         ("topk:ratio", ValueError, "key=value pairs"),
         ("topk:ratio=0.1,ratio=0.2", ValueError, "must not repeat a key"),

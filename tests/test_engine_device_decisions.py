@@ -25,7 +25,7 @@ from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.spec import compressor_from_spec
 
 DEVICE_SPECS = ["none", "fp16", "bf16", "randk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=1",
-                "topk:ratio=0.05", "qsgd:levels=4", "sign"]
+                "topk:ratio=0.05", "topk:ratio=0.05,exchange=sharded", "qsgd:levels=4", "sign"]
 NAMES = list(SHAPES)
 
 
