@@ -172,7 +172,7 @@ def _encode_by_length(codec: PartCodec, rows: torch.Tensor, lengths: Sequence[in
         if length == 0:
             continue
         at = [i for i, m in enumerate(lengths) if m == length]
-        index = torch.tensor(at, device=rows.device)
+        index = to_device(torch.tensor(at), rows.device)  # queued: no host wait
         picked = rows.index_select(0, index)[:, :length]
         noise = None if draws is None else draws.index_select(0, index)[:, :length]
         message = codec.encode_parts(picked, noise)
@@ -191,7 +191,7 @@ def _decode_by_length(codec: PartCodec, messages: torch.Tensor, lengths: Sequenc
         if length == 0:
             continue
         at = [i for i, m in enumerate(lengths) if m == length]
-        index = torch.tensor(at, device=messages.device)
+        index = to_device(torch.tensor(at), messages.device)
         picked = messages.index_select(0, index)[:, : codec.part_bytes(length)]
         values = codec.decode_parts(picked, length)
         out.index_copy_(0, index, torch.nn.functional.pad(values, (0, width - length)))
