@@ -270,3 +270,16 @@ def test_gloo_processes_match_the_simulator_bit_for_bit(world_size: int) -> None
                 assert torch.equal(res, sim.residuals[name][rank]), (spec, name)
             for name, owner in real["owner"].items():
                 assert torch.equal(owner, sim.compressor_state["owner"][name][rank]), (spec, name)
+
+
+def test_codes_of_more_rows_than_a_packing_chunk_round_trip() -> None:
+    """Parts are many short rows (W workers x W parts in the simulator): packing must take
+    more rows than its in-cache chunk holds."""
+    from gradzip.ops.bits import _SPREAD_CHUNK, pack_bits, unpack_bits
+
+    gen = torch.Generator().manual_seed(3)
+    for bits in (3, 4):
+        codes = torch.randint(0, 1 << bits, (_SPREAD_CHUNK + 5, 12), generator=gen,
+                              dtype=torch.uint8)
+        packed = pack_bits(codes, bits)
+        assert torch.equal(unpack_bits(packed, bits, 12), codes)
