@@ -48,8 +48,9 @@ class QSGD(Compressor):
     forms (:func:`~gradzip.compressors.sharded.choose_exchange`, from its size, the world size
     and ``exchange``): every worker's message all-gathered; the sharded exchange
     (:mod:`gradzip.compressors.sharded`: each part of ``ceil(n / W)`` entries quantised with
-    its own norms, sent to its owner, averaged there, quantised again with the owner's
-    error kept, and all-gathered; the bytes per worker do not grow with ``W``); or dense,
+    its own norms, sent to its owner, averaged there, quantised again with fresh rounding
+    noise (unbiased, no owner residual), and all-gathered; the bytes per worker do not grow
+    with ``W``); or dense,
     where an fp32 all-reduce is cheaper than both.
 
     Args:
@@ -62,9 +63,7 @@ class QSGD(Compressor):
 
     References:
         Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient Quantization and
-        Encoding", NeurIPS 2017; Tang et al., "DoubleSqueeze: Parallel Stochastic Gradient
-        Descent with Double-Pass Error-Compensated Compression", ICML 2019 (the owner's
-        error feedback).
+        Encoding", NeurIPS 2017.
     """
 
     levels: int = 8
@@ -84,8 +83,11 @@ class QSGD(Compressor):
     def init_group_state(
         self, shapes: Mapping[str, torch.Size], world_size: int, local_workers: int
     ) -> dict[str, Any]:
-        """Each tensor's form and the owner residuals of the sharded ones."""
-        return init_exchange_state(self, self.exchange, shapes, world_size, local_workers)
+        """Each tensor's form (no owner residuals: QSGD is unbiased)."""
+        # No owner residual: see sharded_reduce (an unbiased code, error possibly above the
+        # signal, which error feedback would let grow).
+        return init_exchange_state(self, self.exchange, shapes, world_size, local_workers,
+                                   owner_feedback=False)
 
     def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
                     **_: Any) -> str | None:
@@ -230,7 +232,7 @@ class QSGD(Compressor):
         forms = split_by_form(jobs, self, self.exchange, comm.world_size)
         dense_reduce(forms["dense"], comm)
         self._reduce_gathered(forms["allgather"], comm, ctx)
-        sharded_reduce(forms["sharded"], state, comm, ctx, self, "sharded")
+        sharded_reduce(forms["sharded"], state, comm, ctx, self, "sharded", owner_feedback=False)
 
     def _reduce_gathered(self, jobs: Sequence[Job], comm: Collective, ctx: StepContext) -> None:
         """Every worker's message of ``jobs`` all-gathered, each decoded and averaged."""

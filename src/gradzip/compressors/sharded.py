@@ -25,7 +25,9 @@ after a resume). Why every rank takes the same decisions: which form a tensor ta
 Error feedback on both sides: a worker keeps ``tensor - decoded own message`` (the engine's
 residual), the owner keeps ``average + old owner residual - decoded re-encoding`` (the state's
 ``owner`` entry, ``[local workers, c]`` per tensor), so what the re-encoding drops at one step
-is sent at a later one (DoubleSqueeze, Tang et al., ICML 2019).
+is sent at a later one (DoubleSqueeze, Tang et al., ICML 2019). That needs a code whose error
+is smaller than what it encodes (sign, bin-mean); QSGD's unbiased rounding goes without an
+owner residual (see :func:`sharded_reduce`).
 """
 
 from __future__ import annotations
@@ -111,16 +113,17 @@ def choose_exchange(codec: PartCodec, exchange: str, numel: int, world_size: int
 
 def init_exchange_state(
     codec: PartCodec, exchange: str, shapes: Mapping[str, torch.Size], world_size: int,
-    local_workers: int,
+    local_workers: int, *, owner_feedback: bool = True,
 ) -> dict[str, Any]:
     """The state the sharded exchange needs in a group: ``{"forms": name -> form, "owner":
     name -> zeros [local_workers, c]}`` (an owner residual for each tensor that takes the
-    sharded form). Plain data of the same structure on every worker."""
+    sharded form, with ``owner_feedback``). Plain data of the same structure on every
+    worker."""
     forms, owner = {}, {}
     for name, shape in shapes.items():
         numel = torch.Size(shape).numel()
         forms[name] = choose_exchange(codec, exchange, numel, world_size)
-        if forms[name] == "sharded":
+        if forms[name] == "sharded" and owner_feedback:
             owner[name] = torch.zeros(local_workers, shard_size(numel, world_size))
     return {"forms": forms, "owner": owner}
 
@@ -209,10 +212,17 @@ def _rank_order_sum(values: torch.Tensor) -> torch.Tensor:
 
 def sharded_reduce(
     jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext,
-    codec: PartCodec, tag: str,
+    codec: PartCodec, tag: str, *, owner_feedback: bool = True,
 ) -> None:
     """Average ``jobs`` through the sharded exchange; sets every job's ``averaged`` and
-    ``decoded`` and replaces ``state["owner"]`` (creating entries it lacks, zeros).
+    ``decoded`` and, with ``owner_feedback``, replaces ``state["owner"]`` (creating entries
+    it lacks, zeros).
+
+    Owner feedback is for biased codes (sign, bin-mean), whose error is a fraction of what
+    they encode, so error feedback keeps it bounded. An unbiased code whose variance may
+    exceed the signal (QSGD with few levels over a large part) goes without: fed back, its
+    errors would grow step after step; its fresh rounding at the owner keeps the average
+    unbiased instead.
 
     Args:
         jobs: the tensors (any sizes); their messages travel in one all-to-all and one
@@ -254,18 +264,21 @@ def sharded_reduce(
         pieces = received[:, :, offset : offset + size].reshape(workers * world, size)
         values = _decode_by_length(codec, pieces, [m for m in lengths for _ in range(world)], c)
         mean = _rank_order_sum(values.reshape(workers, world, c)).div_(world)
-        old = owners.get(job.name)
-        if old is None:
-            old = torch.zeros(workers, c)
-        if tuple(old.shape) != (workers, c):
-            raise ValueError(
-                f"`state['owner'][{job.name!r}]` must have shape {(workers, c)}, got "
-                f"{tuple(old.shape)}"
-            )
-        target = mean + to_device(old, device)  # zero past each part's end, as the padding
+        target = mean
+        if owner_feedback:
+            old = owners.get(job.name)
+            if old is None:
+                old = torch.zeros(workers, c)
+            if tuple(old.shape) != (workers, c):
+                raise ValueError(
+                    f"`state['owner'][{job.name!r}]` must have shape {(workers, c)}, got "
+                    f"{tuple(old.shape)}"
+                )
+            target = mean + to_device(old, device)  # zero past each part's end, as padding
         draws = _draws(codec, (tag, ctx.step, job.name, "owner"), ctx.ranks, c, device)
         message = _encode_by_length(codec, target, lengths, draws, size)
-        owners[job.name] = target - _decode_by_length(codec, message, lengths, c)
+        if owner_feedback:
+            owners[job.name] = target - _decode_by_length(codec, message, lengths, c)
         again.append(message)
         offset += size
     gathered = comm.all_gather(torch.cat(again, dim=1))  # [W, sum(sizes)]
@@ -276,7 +289,8 @@ def sharded_reduce(
         parts = _decode_by_length(codec, gathered[:, offset : offset + size], lengths, c)
         job.averaged = parts.reshape(-1)[: job.numel].reshape(job.shape)
         offset += size
-    state["owner"] = owners
+    if owner_feedback:
+        state["owner"] = owners
 
 
 def _draws(codec: PartCodec, key: tuple[Any, ...], ranks: Sequence[int], count: int,
