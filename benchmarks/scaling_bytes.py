@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 import gradzip
-from gradzip.compressors.sharded import exchange_forms
+from gradzip.compressors.sharded_sparse import exchange_forms
 
 from ._common import RESULTS
 

@@ -12,7 +12,7 @@ import gradzip
 from gradzip.comm import run_processes
 from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.compressors.base import Job, StepContext
-from gradzip.compressors.sharded import SLACK, exchange_forms, shard_layout
+from gradzip.compressors.sharded_sparse import SLACK, exchange_forms, shard_layout
 
 SHAPES = {"a.weight": torch.Size([24, 40]), "b.weight": torch.Size([333]),
           "c.weight": torch.Size([8, 8, 3])}

@@ -11,7 +11,7 @@ import torch
 from gradzip._validate import check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
-from gradzip.compressors.sharded import (
+from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     choose_exchange,
     outside_own_part,
@@ -61,7 +61,7 @@ class ChunkTopK(Compressor):
             average is not the mean of the decoded messages; error feedback still keeps what
             each worker did not send).
         exchange: ``"auto"`` (per tensor, the fewest wire bytes of dense, the all-gather and
-            the sharded exchange of :mod:`gradzip.compressors.sharded`), ``"allgather"`` or
+            the sharded exchange of :mod:`gradzip.compressors.sharded_sparse`), ``"allgather"`` or
             ``"sharded"``. The sharded form carries each worker's chunk selection to the
             parts' owners as fp32 values with indices within the part (``bits`` does not
             apply there), and owners pass on the largest ``kept / W`` entries of their part's

@@ -12,7 +12,7 @@ import torch
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
-from gradzip.compressors.sharded import (
+from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     choose_exchange,
     outside_own_part,
@@ -68,7 +68,7 @@ class HardThreshold(Compressor):
     of sizes per tensor), at the price of a higher lambda than ``padded=False`` needs.
 
     In budget mode (not padded), where it costs fewer wire bytes (from about three workers
-    on), a tensor travels by the sharded exchange instead (:mod:`gradzip.compressors.sharded`):
+    on), a tensor travels by the sharded exchange instead (:mod:`gradzip.compressors.sharded_sparse`):
     lambda keeps its meaning (a worker offers exactly its entries at or above lambda outside
     its own part), but each part's owner receives at most ``2 * budget * numel / W`` of them
     from each worker (the largest; the rest stay in the worker's residual) and passes on the
@@ -86,7 +86,7 @@ class HardThreshold(Compressor):
         budget: the target run density in (0, 1], or ``None`` with ``lam``.
         padded: count the padded volume against the budget (budget mode only).
         exchange: ``"auto"``, ``"allgather"`` or ``"sharded"`` (the last needs ``budget``
-            without ``padded``); see :data:`~gradzip.compressors.sharded.EXCHANGES`.
+            without ``padded``); see :data:`~gradzip.compressors.sharded_sparse.EXCHANGES`.
         owner_keep: in the sharded exchange, what each owner passes on, as a multiple of
             ``budget * numel / W`` (an integer >= 1).
 

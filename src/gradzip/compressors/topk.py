@@ -11,7 +11,7 @@ import torch
 from gradzip._validate import check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
-from gradzip.compressors.sharded import (
+from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     choose_exchange,
     outside_own_part,
@@ -32,7 +32,7 @@ class TopK(Compressor):
     dense all-reduce (``k`` above about ``numel / W``) is sent dense instead. Selection is exact.
 
     Where it costs fewer wire bytes (from about three workers on), a tensor travels by the
-    sharded exchange instead (:mod:`gradzip.compressors.sharded`): each worker sends each
+    sharded exchange instead (:mod:`gradzip.compressors.sharded_sparse`): each worker sends each
     part's owner its top-k entries (chosen outside its own part) in that part (fixed
     capacity, overflow stays in its residual), owners pass on the top ``owner_keep * k / W``
     of their part's sum and all-gather them, so bytes per worker stay about
@@ -41,7 +41,7 @@ class TopK(Compressor):
     Args:
         ratio: fraction of entries kept, in (0, 1].
         exchange: ``"auto"`` (the fewest wire bytes of dense, all-gather and sharded, per
-            tensor), ``"allgather"`` or ``"sharded"`` (see :data:`~gradzip.compressors.sharded.EXCHANGES`).
+            tensor), ``"allgather"`` or ``"sharded"`` (see :data:`~gradzip.compressors.sharded_sparse.EXCHANGES`).
         owner_keep: in the sharded exchange, what each part's owner passes on, as a multiple
             of ``k / W`` (an integer >= 1): more keeps the average closer to the all-gather's
             (which delivers up to ``W k`` entries), each unit costing ``k`` entries more per

@@ -241,8 +241,9 @@ def _run_stages(
     per stage, ``y = (y & low) | (shift_op(y, shift) & high)``. With ``source``, each chunk
     is first copied from it (an unaligned view, read once)."""
     rows, groups = y_all.shape
-    scratch = np.empty(_SPREAD_CHUNK, dtype=np.uint64)
     step = max(1, _SPREAD_CHUNK // rows)
+    # One column at a time where there are more rows than a chunk holds: room for all rows.
+    scratch = np.empty(max(_SPREAD_CHUNK, rows * step), dtype=np.uint64)
     for start in range(0, groups, step):
         y = y_all[:, start : start + step]
         if source is not None:
