@@ -81,7 +81,7 @@ CONFIGS: tuple[Config, ...] = (
 BASE: dict[str, Any] = {
     "task": "lm", "workers": 4, "launcher": "sim", "threads": 1,
     "model": "transformer:dim=64,layers=2,heads=4", "optimizer": "adamw", "lr": 1e-3,
-    "weight-decay": 0.1, "momentum": 0.0, "clip": 1.0, "warmup-epochs": 0, "epochs": 3,
+    "weight-decay": 0.1, "clip": 1.0, "warmup-epochs": 0, "epochs": 3,
     # 18 columns of 38 tokens: 90 steps per epoch on WikiText-2's test.txt over 4 workers, so
     # 3 epochs end on a synchronisation at H = 30 (the final evaluation sees synced weights).
     "batch-size": 18, "bptt": 38, "checkpoint-every": 1,

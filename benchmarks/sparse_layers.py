@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     setting = SETTINGS[args.setting]
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as work:
-        options: dict[str, Any] = {**setting.base, "epochs": args.epochs, "seed": args.seed,
+        # Static compressors only: the setting's Accordion options (eta, its interval) act on
+        # nothing here, and a run refuses options that act on nothing.
+        base = {k: v for k, v in setting.base.items() if k not in ("eta", "interval_epochs")}
+        options: dict[str, Any] = {**base, "epochs": args.epochs, "seed": args.seed,
                                    "out": str(Path(work) / "run"), "threads": 1}
         # The grid's own data layout (its decoded CIFAR-10 cache, WikiText-2 trained on
         # test.txt), under --root.

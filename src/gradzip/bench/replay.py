@@ -26,7 +26,8 @@ class RecordedGroup(Collective):
     """Worker ``rank`` of a group of ``world`` whose other workers' messages were recorded.
 
     An all-reduce adds the ``world`` messages in rank order in this process (as
-    :class:`~gradzip.SimulatedGroup` does), an all-gather stacks them. Messages this worker
+    :class:`~gradzip.SimulatedGroup` does), an all-gather stacks them, an all-to-all takes
+    this worker's part of each. Messages this worker
     sends are kept in :attr:`sent`, entry times of each call in :attr:`entries`. Where no
     recorded message of the right shape exists (an earlier recording pass), this worker's own
     message stands in and :attr:`consistent` turns false.
@@ -72,6 +73,11 @@ class RecordedGroup(Collective):
 
     def _gather(self, x: torch.Tensor) -> torch.Tensor:
         return torch.stack(self._rows(x))
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        # Worker w's message to this worker is part `rank` of what it handed the all-to-all.
+        rank = self.first_rank
+        return torch.stack([row[rank] for row in self._rows(x)])[None]
 
 
 def _fingerprint(messages: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
