@@ -29,6 +29,9 @@ EXAMPLES = [
     "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.5,interval=2,per_layer=True,lr_drop=True)",
     "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,eta=0.5,interval=1,per_layer=False,lr_drop=True)",
     "schedule(gentle=none,aggressive=topk:ratio=0.05,gentle_steps=0-1;4-5,after_drop=0)",
+    # auto: every decision is critical (a tiny eta), so the one gentle level is chosen at the
+    # first one whatever the clock says: a switch at step 1 that real time cannot change.
+    "auto(levels=powersgd:rank=1|fp16,every=2,warmup=1,eta=1e-09,probe_bytes=8)",
 ]
 
 

@@ -24,6 +24,7 @@ from gradzip.control import Accordion, BatchPlan, BatchSizeController, Schedule,
 from gradzip.engine import Engine
 from gradzip.options import EngineOptions, Rule
 from gradzip.outer import Outer, OuterOptimizer
+from gradzip.plan import Auto
 from gradzip.spec import compressor_from_spec, describe_compressors
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BF16",
     "Accordion",
+    "Auto",
     "BatchPlan",
     "BatchSizeController",
     "BinMean",
