@@ -48,3 +48,31 @@ def test_ranks_with_different_clocks_decide_alike() -> None:
     # the same levels.
     assert ranks[0]["choices"] == run(None, max(SCALES))["choices"]
     assert [c[1] for c in ranks[0]["choices"]][:2] == ["powersgd-r4", "topk-1%"]
+
+
+def _ddp_worker(rank: int, world_size: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    from ddp_helpers import TINY_BUCKET_MB, train_ddp
+    result = {}
+    for mode, kwargs in (("async", {}), ("sync", {"overlap": False})):
+        got = train_ddp(rank, spec="auto(every=2,warmup=1)", steps=7,
+                        bucket_cap_mb=TINY_BUCKET_MB, hook_kwargs=kwargs)
+        engine = got["state"]
+        records = Auto.decisions(engine.engine, since=0)
+        result[mode] = {"identical": got["identical"], "params": got["params"],
+                        "choices": [(r["step"], r["level"], r["critical"]) for r in records],
+                        "decisions": Auto.counts(engine.engine)["decisions"]}
+    return result
+
+
+@pytest.mark.slow
+def test_ddp_hook_ranks_decide_alike_with_real_clocks(tmp_path: Any) -> None:
+    # Real time here: which levels are chosen may vary from run to run; that every rank
+    # chooses the same, and that replicas stay identical, may not.
+    from ddp_helpers import spawn
+    ranks = spawn(_ddp_worker, WORLD, tmp_path)
+    for mode in ("async", "sync"):
+        a, b = ranks[0][mode], ranks[1][mode]
+        assert all(a["identical"]) and all(b["identical"])
+        assert a["choices"] == b["choices"] and a["decisions"] == 3  # at steps 1, 3 and 5
+        assert torch.equal(a["params"], b["params"])
