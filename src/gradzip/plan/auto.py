@@ -74,8 +74,9 @@ class Auto(Compressor):
     fastest allowed level is chosen, and the current one kept unless the best is at least
     ``margin`` faster.
 
-    Quality guard: the norm of the mean averaged gradient over the interval is compared with
-    the previous interval's (Accordion's rule, threshold ``eta``); a relative change of
+    Quality guard: the norm of each worker's mean gradient over the interval (before error
+    feedback; the largest over the workers) is compared with the previous interval's
+    (Accordion's rule, threshold ``eta``); a relative change of
     ``eta`` or more, a learning-rate drop (``ctx.lr``), or the first decision make the phase
     critical, and levels of the ``aggressive`` class (see :mod:`gradzip.plan.candidates`)
     are then not allowed. A drop also brings the next decision forward to the next step.
