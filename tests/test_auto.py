@@ -211,3 +211,44 @@ def test_fit_link_and_pick() -> None:
     assert pick(times, ["a", "b"], "a", 0.05) == "a"  # 3% faster: hysteresis keeps a
     assert pick(times, ["a", "b", "c"], "a", 0.05) == "c"
     assert pick(times, ["b"], "a", 0.05) == "b"  # a not allowed any more
+
+
+def test_a_level_keeps_its_state_while_another_runs() -> None:
+    # Slow link: PowerSGD rank 4 from step 5, Top-k 1% from step 55 (see above).
+    clock = LinkClock(10, 1e-3)
+    engine = drive(clock, 56)
+    assert Auto.choice(engine) == "topk-1%"
+    q = {n: t.clone() for n, t in engine.compressor_state["levels"]["powersgd-r4"]["q"].items()}
+    drive(clock, 20, engine=engine, start=56)
+    after = engine.compressor_state["levels"]["powersgd-r4"]["q"]
+    assert all(torch.equal(q[n], after[n]) for n in q)  # rank 4's warm start waits unchanged
+    fresh = Auto().init_state(SHAPES)["levels"]["powersgd-r4"]["q"]
+    assert not all(torch.equal(q[n], fresh[n]) for n in q)  # ... and it had moved while it ran
+
+
+def test_probe_and_aggregation_bytes_are_metered() -> None:
+    plain = Engine(SHAPES, "none", collective=SimulatedGroup(WORLD))
+    clock = LinkClock(10, 1e-3)
+    auto = drive(clock, 12, levels=("none",), every=5, warmup=2, probe_bytes=1024)
+    for step in range(12):
+        plain.reduce(grads(step))
+    extra = auto.stats["wire_bytes"][0] - plain.stats["wire_bytes"][0]
+    # Decisions at steps 2, 7: per decision, three all-reduces of the probe (one float, one
+    # float, 1024 bytes) and one of WORLD x 7 float64 maxima, at 2 (W - 1) / W of each.
+    per_decision = sum(2 * (WORLD - 1) * n // WORLD for n in (4, 4, 1024, WORLD * 7 * 8))
+    assert extra == 2 * per_decision
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("step", -1, "step"),
+    ("periods", [1.0, float("nan")], "periods"),
+    ("overhead", {"none": 0.0}, "overhead"),
+    ("last_end", "soon", "last_end"),
+])
+def test_loaded_controller_values_are_checked(key: str, value: Any, match: str) -> None:
+    engine = drive(LinkClock(10, 1e-3), 8)
+    saved = engine.state_dict()
+    saved["compressor_state"]["controller"][key] = value
+    other = Engine(SHAPES, Auto(clock=LinkClock(10, 1e-3)), collective=SimulatedGroup(WORLD))
+    with pytest.raises((ValueError, TypeError), match=match):
+        other.load_state_dict(saved)
