@@ -252,3 +252,11 @@ def test_loaded_controller_values_are_checked(key: str, value: Any, match: str) 
     other = Engine(SHAPES, Auto(clock=LinkClock(10, 1e-3)), collective=SimulatedGroup(WORLD))
     with pytest.raises((ValueError, TypeError), match=match):
         other.load_state_dict(saved)
+
+
+def test_a_switch_is_explained_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="gradzip.plan.auto"):
+        drive(LinkClock(10, 1e-3), 8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("auto: step 5: none -> powersgd-r4, predicted")
+    assert "link 10.0 Mbit/s" in lines[0] and "critical phase: first" in lines[0]

@@ -315,8 +315,13 @@ class Auto(Compressor):
                     prev_norm=norm, acc={n: None for n in ctrl["acc"]}, acc_steps=0, dropped=False, pending=False,
                     critical=decision.critical, periods=[], reduces=[], calls=[], wires=[],
                     skip=True, next=ctrl["step"] + self.every)
-        if 0 in ctx.ranks:
-            log.debug("auto: step %d: %s -> %s (%s)", ctx.step, current, choice, decision.reason)
+        if 0 in ctx.ranks:  # one line per decision from one worker: what and why
+            log.log(logging.INFO if choice != current else logging.DEBUG,
+                    "auto: step %d: %s -> %s, predicted %.1f ms/step against %.1f "
+                    "(compute %.1f ms, link %.1f Mbit/s, rtt %.2f ms, %s phase: %s)",
+                    ctx.step, current, choice, predicted[choice] * 1e3,
+                    predicted[current] * 1e3, compute * 1e3, bandwidth, rtt,
+                    "critical" if decision.critical else "steady", decision.reason)
 
     # -- observability ---------------------------------------------------------------------
     @staticmethod
