@@ -260,3 +260,23 @@ def test_a_switch_is_explained_in_the_log(caplog: pytest.LogCaptureFixture) -> N
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and lines[0].startswith("auto: step 5: none -> powersgd-r4, predicted")
     assert "link 10.0 Mbit/s" in lines[0] and "critical phase: first" in lines[0]
+
+
+def test_a_decision_without_timed_steps_reuses_the_last_compute() -> None:
+    # The drop at step 55 is seen at that step's end, right after the decision of step 55:
+    # the decision of step 56 has no whole step timed and keeps step 55's compute.
+    group = SimulatedGroup(WORLD)
+    clock = LinkClock(10, 1e-3)
+    clock.group = group
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    engine = Engine(SHAPES, Auto(clock=clock), collective=group, optimizer=opt)
+    for step in range(58):
+        if step == 55:
+            opt.param_groups[0]["lr"] = 0.01
+        clock.compute += 0.02
+        engine.reduce(grads(step))
+    got = Auto.decisions(engine, since=0)
+    assert [(r["step"], r["reason"]) for r in got] == [(5, "first"), (55, "steady"),
+                                                      (56, "lr_drop")]
+    assert got[2]["compute_ms"] == got[1]["compute_ms"] > 20
+    assert got[2]["level"] == "powersgd-r4"

@@ -5,7 +5,7 @@ State layout (plain data inside the engine's ``compressor_state``)::
     {"levels": {label: <that level's own state>, ...},
      "controller": {"shapes", "step", "current", "last_lr", "last_end", "step_reduce",
                     "step_calls", "step_wire", "skip", "periods", "reduces", "calls",
-                    "wires", "acc", "acc_steps", "prev_norm", "dropped", "pending",
+                    "wires", "acc", "acc_steps", "prev_norm", "last_compute", "dropped", "pending",
                     "overhead", "next", "log", "counts"}}
 
 Every level keeps its own state side by side (PowerSGD's warm-start ``Q`` of each rank resumes
@@ -263,8 +263,8 @@ class Auto(Compressor):
         """Probe, aggregate over ranks, predict every level, choose; applies from this step."""
         small, large = probe_link(comm, self.probe_bytes, self.clock, device)
         current = ctrl["current"]
-        periods, reduces = ctrl["periods"], ctrl["reduces"]
-        compute = median([p - r for p, r in zip(periods, reduces, strict=True)])
+        reduces = ctrl["reduces"]
+        compute = median([p - r for p, r in zip(ctrl["periods"], reduces, strict=True)])
         mean_norm = _mean_norm(ctrl["acc"], ctrl["acc_steps"], comm.local_workers)
         mine = [max(compute, 0.0), median(reduces), small[1], large[1],
                 median(ctrl["calls"]) or 1.0, median(ctrl["wires"]), mean_norm]
@@ -272,6 +272,11 @@ class Auto(Compressor):
         # level), so the decision reads only these maxima over the ranks, identical on every
         # rank, never a rank's own clock (the norm too: each worker's own gradient differs).
         compute, reduce_s, t_small, t_large, calls, wire, norm = max_over_ranks(comm, mine, device)
+        # Whether whole steps were timed since the last decision: from the step count, the
+        # same on every rank (a rank's own sample list could differ), so all take one branch.
+        sampled = ctrl["acc_steps"] > 1
+        if not sampled and ctrl["last_compute"] is not None:
+            compute = ctrl["last_compute"]  # e.g. a decision brought forward by an LR drop
         workers = comm.world_size
         bandwidth, rtt = fit_link((small[0], t_small), (large[0], t_large), 2 * (workers - 1))
         # Before any whole step was timed (a first decision at step 1) compute is unknown:
@@ -283,7 +288,7 @@ class Auto(Compressor):
         overhead = dict(ctrl["overhead"])
         base = {lb: predict_candidate(_candidate(lb), traffic[lb], setting, None)
                 for lb in self.labels}
-        if periods:  # what the current level spent in reduce beyond its predicted link time
+        if sampled:  # what the current level spent in reduce beyond its predicted link time
             overhead[current] = max(0.0, reduce_s - base[current].comm_ms / 1e3)
         # A level not run yet is assumed to cost what the current one does beyond the link
         # (neither favoured nor penalised for being unmeasured); once run, its own is known.
@@ -311,7 +316,8 @@ class Auto(Compressor):
         reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
         counts["reasons"] = reasons
         kept = [r for r in ctrl["log"] if r["decision"] > rec["decision"] - LOG_POINTS]
-        ctrl.update(current=choice, overhead=overhead, counts=counts, log=kept + [rec],
+        ctrl.update(current=choice, overhead=overhead, last_compute=compute if sampled else
+                    ctrl["last_compute"], counts=counts, log=kept + [rec],
                     prev_norm=norm, acc={n: None for n in ctrl["acc"]}, acc_steps=0, dropped=False, pending=False,
                     critical=decision.critical, periods=[], reduces=[], calls=[], wires=[],
                     skip=True, next=ctrl["step"] + self.every)

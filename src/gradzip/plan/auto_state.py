@@ -53,6 +53,7 @@ def fresh_controller(shapes: Mapping[str, torch.Size], labels: Sequence[str],
         "acc": {n: None for n in shapes},  # sum of the averaged gradient since the decision
         "acc_steps": 0,
         "prev_norm": None,
+        "last_compute": None,  # seconds, from the last decision that had timed steps
         "dropped": False,
         "pending": False,
         "overhead": {lb: None for lb in labels},  # seconds in reduce beyond the link's
@@ -95,7 +96,7 @@ def auto_problem(ctrl: Mapping[str, Any], labels: Sequence[str]) -> str | None:
             return f"{key}: must be a list of finite numbers >= 0, got {values!r}"
     if len({len(ctrl[k]) for k in ("periods", "reduces", "calls", "wires")}) != 1:
         return "periods: must be as long as reduces, calls and wires"
-    for key in ("last_end", "prev_norm", "last_lr"):
+    for key in ("last_end", "prev_norm", "last_lr", "last_compute"):
         value = ctrl.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value)):
