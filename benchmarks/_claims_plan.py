@@ -8,7 +8,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from gradzip.train.idle import idle_options
 from gradzip.train.runner import RunConfig
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RunConfig)}
 
 ROLES = ("none", "gentle", "aggressive", "accordion", "critical-gentle", "critical-aggressive",
          "topk", "threshold")
@@ -124,6 +127,10 @@ def plan(setting: Setting, seeds: list[int], root: Path, options: dict[str, Any]
     def add(family: str, role: str, spec: str, label: str, seed: int, **fields: Any) -> None:
         out = root / setting.name / family / label / f"seed{seed}"
         cfg = RunConfig.from_dict({**base, **fields, "seed": seed, "out": str(out), "threads": 1})
+        # The setting's shared options apply where they act (interval_epochs and eta to the
+        # Accordion runs, not to the static ones beside them), as in `gradzip compare`.
+        cfg = dataclasses.replace(cfg, **{n: _DEFAULTS[n] for n in idle_options(cfg)
+                                          if n in base and n not in fields})
         runs.append(Planned(setting.name, family, role, spec, seed, cfg))
 
     for seed in seeds:

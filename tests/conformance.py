@@ -49,8 +49,6 @@ SPECS = EXAMPLES + [name for name in REGISTRY if name not in {_name(s) for s in 
 # comes from keyed generators), and how close the average of decoded messages must be to the
 # averaged result (fp16/bf16 sum in low precision).
 DECODE_TOL = {"fp16": 2e-3, "bf16": 2e-2,
-              # the owner quantises the average again (8 bits: bins of 12 sigma / 256)
-              "scatterq": 3e-2, "scatterq:bits=4": 0.5,
               # at fp16 from its first decision (step 1) on
               "auto(levels=powersgd:rank=1|fp16,every=2,warmup=1,eta=1e-09,probe_bytes=8)": 2e-3}
 

@@ -75,6 +75,7 @@ def test_hooks_table_shows_milliseconds() -> None:
         "2", "gradzip:none", "750", "0.75", "125", "0.125"]
 
 
+@pytest.mark.slow  # starts a process
 def test_micro_warm_heap_in_its_own_process() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "gradzip.bench", "micro", "--json", "--numel", "70000",

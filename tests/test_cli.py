@@ -83,6 +83,7 @@ def test_bad_configuration_is_one_line_and_exit_2(
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.slow  # starts a process
 def test_module_entry_point_errors_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gradzip", "train", "--compressor", "topk:ratio=2", "--out",
@@ -308,11 +309,12 @@ def test_compare_unknown_preset_is_exit_2(capsys: pytest.CaptureFixture[str]) ->
 def test_demo_end_to_end_shrunk(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "demo"
     code, stdout, err = run_cli(capsys, "demo", "--out", str(out), "--epochs", "1",
-                                "--limit-train", "300", "--quiet")
+                                "--limit-train", "300", "--seeds", "1", "--quiet")
     assert code == 0, err
     for label in ("none", "topk 1%", "threshold 1%", "powersgd r1", "accordion"):
         assert label in stdout
     assert "plot: " in stdout and (out / "compare.png").stat().st_size > 0
+    assert (out / "demo.png").stat().st_size > 0
     assert len((out / "results.csv").read_text().splitlines()) == 7
 
 

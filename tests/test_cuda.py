@@ -54,6 +54,10 @@ GATHERING = [
     "qsgd:levels=16",
     "qsgd:levels=4,bucket_size=512",
     "sign",
+    # The sharded exchange (forced: at two workers the all-gather is cheaper), owner
+    # residuals made on the host and moved at the first call.
+    "qsgd:levels=16,exchange=sharded",
+    "sign:exchange=sharded",
 ]
 NO_HOST_SYNC = ALLREDUCE_ONLY + GATHERING
 

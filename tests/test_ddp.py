@@ -7,6 +7,7 @@ tests below check the results one by one.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -101,6 +102,26 @@ def test_state_made_before_the_process_group_defers_the_engine() -> None:
     with pytest.raises(KeyError, match="not among the 2 parameters"):
         state.name_of(torch.zeros(4))
     assert state.name_of(model.weight) == "weight"
+
+
+def test_state_prints_what_it_is_without_a_process_group() -> None:
+    """Before ``init_process_group`` the state prints its compressor and says the engine is
+    not built yet (a checkpoint loaded then: at which step), never a step count it does not
+    have; printing never waits for a step or refuses inside one."""
+    state, _ = gradzip.ddp.make_hook(nn.Linear(3, 2), "topk:ratio=0.5", overlap=False)
+    text = repr(state)
+    assert text == str(state) == (
+        "GradzipHookState(compressor='topk:ratio=0.5', parameters=2, overlap=False, "
+        "engine=None (built at the first bucket, once the process group exists))")
+    state.load_state_dict({"format_version": 1, "step": 7})
+    assert repr(state).endswith(
+        "engine=None (built with the process group; a checkpoint at step 7 waits to be loaded))")
+    assert repr(state.gathered()) == f"GatheredState({state!r})"
+    # Inside a step on the thread that runs it, reading the state is refused; printing is not.
+    state._gate.open()
+    state._hook_thread = threading.get_ident()
+    assert repr(state).startswith("GradzipHookState(compressor='topk:ratio=0.5'")
+    state._gate.close()
 
 
 class _Leveled(TopK):

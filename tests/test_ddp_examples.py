@@ -97,3 +97,21 @@ def test_accelerate_example_accumulates_and_resumes(tmp_path: Path) -> None:
     out = torchrun("accelerate_ddp.py", *args)
     assert "resumed from" in out and "after 4 steps" in out
     assert "on 2 processes, 8 steps" in out
+
+
+@pytest.mark.slow
+def test_transformers_trainer_example_trains_and_resumes(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="needs transformers (the `integrations` extra)")
+    args = ("--compressor", "powersgd:rank=2", "--save-steps", "3", "--output-dir",
+            str(tmp_path / "run"))
+    out = torchrun("transformers_trainer.py", *args, "--steps", "3")
+    assert "compressor powersgd:rank=2 on 2 processes, 3 steps" in out
+    payload, dense = bytes_line(out)
+    assert 0 < payload < dense / 2
+    # Every rank's hook state is in the checkpoint folder, beside the Trainer's own files.
+    saved = sorted(p.name for p in (tmp_path / "run" / "checkpoint-3").glob("gradzip_state_*"))
+    assert saved == ["gradzip_state_rank0.pt", "gradzip_state_rank1.pt"]
+    out = torchrun("transformers_trainer.py", *args, "--steps", "6", "--resume")
+    assert "resumed from" in out and "checkpoint-3" in out and "on 2 processes, 6 steps" in out
+    payload2, dense2 = bytes_line(out)
+    assert dense2 == 2 * dense  # the counters continue from the checkpoint

@@ -25,7 +25,7 @@ from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.spec import compressor_from_spec
 
 DEVICE_SPECS = ["none", "fp16", "bf16", "randk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=1",
-                "topk:ratio=0.05", "qsgd:levels=4", "sign"]
+                "topk:ratio=0.05", "topk:ratio=0.05,exchange=sharded", "qsgd:levels=4", "sign"]
 NAMES = list(SHAPES)
 
 
@@ -227,3 +227,35 @@ def test_a_host_call_after_a_non_finite_device_call_of_the_step_keeps_its_decisi
         assert torch.equal(rest, mixed_state["residuals"][name]), name
     assert all(_same(a, b) for a, b in zip(_leaves(host_state["compressor_state"]),
                                             _leaves(mixed_state["compressor_state"]), strict=True))
+
+
+def _mixed_step(order: tuple[str, str], bad: tuple[bool, bool]) -> gradzip.Engine:
+    """A finite step, then one whose two calls decide where ``order`` says (``bad``: which
+    calls are non-finite), then a finite step."""
+    engine = gradzip.Engine(SHAPES, "powersgd:rank=2", collective=SimulatedGroup(2),
+                            nonfinite="zero", decide_on="host")
+    engine.reduce(make_grads(2, 0))  # every tensor gets a residual: the device path applies
+    grads = make_grads(2, 1)
+    for i, (where, part) in enumerate(zip(order, [NAMES[:2], NAMES[2:]], strict=True)):
+        if bad[i]:
+            grads[part[0]].view(-1)[0] = float("nan")
+        engine.decide_on = where
+        engine.reduce({n: grads[n] for n in part}, finish_step=i == 1)
+    engine.decide_on = order[0]
+    engine.reduce(make_grads(2, 2))
+    return engine
+
+
+@pytest.mark.parametrize("bad", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("order", [("host", "device"), ("device", "host")])
+def test_a_step_with_host_and_device_decisions_counts_once(
+    order: tuple[str, str], bad: tuple[bool, bool],
+) -> None:
+    """Under ``zero``, a step whose calls decide in both places is one skipped step,
+    whichever decides first and whichever is non-finite (a host decision and a device one,
+    both non-finite, used to count two), and it adds nothing to the compression error, as
+    when both calls decide on the host."""
+    engine = _mixed_step(order, bad)
+    reference = _mixed_step(("host", "host"), bad)
+    assert engine.stats["skipped_steps"] == reference.stats["skipped_steps"] == 1
+    assert engine.compression_error() == reference.compression_error()

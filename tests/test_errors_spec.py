@@ -90,3 +90,38 @@ def test_rule_text_ignores_whitespace_around_the_equals_sign() -> None:
     assert rule.pattern == "*.bias"
     assert rule.matches("fc.bias", torch.Size([4]))
     assert gradzip.compressor_from_spec(rule.spec) == gradzip.compressor_from_spec("topk:ratio=0.5")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("1.2.3", "`level_schedule` parts must be KIND:START-END with KIND 'gentle' or "
+         "'aggressive' and START, END in epochs (e.g. 'gentle:0-5'), got '1.2.3'"),
+        ("dense:0-5", "`level_schedule` part kinds must be 'gentle' or 'aggressive', got "
+         "'dense' in 'dense:0-5'"),
+        ("gentle:0-1e3", "`level_schedule` epochs must be plain decimal numbers such as 5 or "
+         "2.5 (no sign, exponent, nan or inf), got '1e3' in 'gentle:0-1e3'"),
+        ("gentle:0-1.2.3", "`level_schedule` epochs must be plain decimal numbers such as 5 or "
+         "2.5 (no sign, exponent, nan or inf), got '1.2.3' in 'gentle:0-1.2.3'"),
+        ("gentle:5", "`level_schedule` ranges must be START-END in epochs (e.g. 'gentle:0-5'), "
+         "got '5' in 'gentle:5'"),
+        ("gentle:0-5,aggressive:5-nan", "`level_schedule` epochs must be plain decimal "
+         "numbers such as 5 or 2.5 (no sign, exponent, nan or inf), got 'nan' in "
+         "'aggressive:5-nan'"),
+    ],
+)
+def test_level_schedule_errors_name_the_constraint_and_the_value(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_level_schedule(text)
+    assert str(info.value) == message and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("bound", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", [0, 1])
+def test_schedule_refuses_epoch_bounds_that_are_not_finite(bound: float, where: int) -> None:
+    pair = [0.0, 1.0]
+    pair[where] = bound
+    with pytest.raises(ValueError) as info:
+        gradzip.Schedule("powersgd:rank=4", "powersgd:rank=1", gentle_epochs=[tuple(pair)],
+                         steps_per_epoch=10)
+    assert str(info.value) == f"`gentle_epochs` bounds must be finite numbers, got {bound!r}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import gradzip.integrations
 
 MODULES = {"lightning": "lightning", "accelerate": "accelerate", "transformers": "transformers"}
@@ -24,12 +26,14 @@ for module, package in {modules!r}.items():
 """
 
 
+@pytest.mark.slow  # starts a process
 def test_missing_framework_raises_one_line_import_error() -> None:
     assert gradzip.integrations.__all__ == []  # the package itself imports no framework
     result = subprocess.run([sys.executable, "-c", PROBE.format(modules=MODULES)],
                             capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.splitlines() == [
         f"ImportError gradzip.integrations.{module} needs the `{package}` package: "
-        "pip install 'gradzip[integrations]'"
+        f"pip install {package} (or the `integrations` extra: pip install -e '.[integrations]' "
+        "in gradzip's source tree)"
         for module, package in MODULES.items()
     ]

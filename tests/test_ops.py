@@ -188,6 +188,19 @@ def test_pack_leaves_its_input_unchanged() -> None:
     assert packed.tolist() == [[0b10001101]]
 
 
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_unpack_never_returns_or_aliases_its_input(bits: int) -> None:
+    """At 8 bits the codes are the bytes themselves, and unpacking used to hand the caller's
+    tensor back: writing into the codes then changed the message."""
+    packed = pack_bits((torch.arange(16).reshape(2, 8) % (1 << bits)).to(torch.uint8), bits)
+    before = packed.clone()
+    codes = unpack_bits(packed, bits, 8)
+    assert codes is not packed
+    assert codes.untyped_storage().data_ptr() != packed.untyped_storage().data_ptr()
+    codes.fill_(7)
+    assert torch.equal(packed, before)
+
+
 @FAST
 @given(
     bits=st.integers(1, 8),
@@ -256,3 +269,30 @@ def test_per_matrix_absmax_equals_one_amax_per_matrix() -> None:
     assert got[3].isnan() and torch.equal(got[[0, 1, 2, 4, 5]], want[[0, 1, 2, 4, 5]])
     with pytest.raises(ValueError, match="multiple of its count"):
         matrix_index([10], [3], torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("rows", "r"), [(1001, 2), (24, 3), (10, 1), (7, 1)])
+def test_orthonormal_of_a_batch_is_each_matrix_alone_bit_for_bit(rows: int, r: int) -> None:
+    """LAPACK rounds with the alignment of its working copy, where a batch places each
+    matrix after the others: the rows are padded so every matrix sits at an aligned place."""
+    from gradzip.ops.lowrank import orthonormal
+
+    pt = torch.randn(5, r, rows, generator=torch.Generator().manual_seed(rows))
+    batch = orthonormal(pt)
+    for b in range(5):
+        assert torch.equal(batch[b], orthonormal(pt[b:b + 1].clone())[0]), b
+        assert torch.equal(batch[b], orthonormal(pt[b])), b  # no batch axis at all
+
+
+def test_aligned_matrices_place_every_matrix_at_a_boundary() -> None:
+    from gradzip.ops.lowrank import ALIGN_BYTES, aligned_matrices
+
+    first, second = aligned_matrices((3,), [(4, 5, 7), (2, 3, 3)], dtype=torch.float32,
+                                     device="cpu", zero=True)
+    assert first.shape == (3, 4, 5, 7) and second.shape == (3, 2, 3, 3)
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    for batch in (first, second):
+        assert not batch.any()
+        for w in range(3):
+            for b in range(batch.shape[1]):
+                assert batch[w, b].is_contiguous() and batch[w, b].data_ptr() % ALIGN_BYTES == 0

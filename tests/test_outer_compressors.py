@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import gradzip
-from gradzip.comm.base import allgather_wire_bytes
-from gradzip.comm.header import HEADER_BYTES
+from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
+from gradzip.comm.header import HEADER_BYTES, rider_bytes
 from gradzip.compressors.base import sparse_pays
 from gradzip.ops.binmean import binmean_decode, binmean_encode
 from gradzip.ops.chunks import chunk_flat_indices, chunk_topk, pack_wide, unpack_wide, wide_size
@@ -62,8 +62,12 @@ def test_binmean_codes_decode_to_their_bins_mean() -> None:
 SHAPES = {"w": torch.Size([40, 50]), "v": torch.Size([300]), "tiny": torch.Size([3])}
 
 
+# The all-gather's formula: chunktopk is pinned to it (its sharded exchange, which "auto" picks
+# where it costs less, has its own formula, tested in test_sharded_sparse.py).
 @pytest.mark.parametrize("spec", [
-    "chunktopk:chunk=256,k=8", "chunktopk:chunk=100,k=5,bits=2", "chunktopk", "binmean", "binmean:bits=3",
+    "chunktopk:chunk=256,k=8,exchange=allgather", "chunktopk:chunk=100,k=5,bits=2",
+    "chunktopk:exchange=allgather", "binmean:exchange=allgather",
+    "binmean:bits=3,exchange=allgather",
 ])
 def test_bytes_sent_are_the_formula(spec: str) -> None:
     workers = 4
@@ -136,12 +140,17 @@ def test_scatterq_wire_bytes_are_the_formula_and_do_not_grow_with_workers(worker
     engine = gradzip.Engine(shapes, "scatterq", collective=gradzip.SimulatedGroup(workers))
     gen = torch.Generator().manual_seed(workers)
     grads = {n: torch.randn(workers, *s, generator=gen) for n, s in shapes.items()}
-    out = engine.reduce(grads, same_layout=True)  # the header then travels on its own
-    total = 6500
-    part = 4 * 256 + -(-total // workers)
-    header_wire = 2 * (workers - 1) * HEADER_BYTES // workers
-    assert engine.stats["wire_bytes"] == [header_wire + 2 * (workers - 1) * part] * workers
-    assert engine.stats["payload_bytes"] == [HEADER_BYTES + (workers + 1) * part] * workers
+    out = engine.reduce(grads, same_layout=True)  # the header rides in the first message
+    # "b" (100 entries) is sent dense: a part's 1 KB codebook costs more than its fp32 ring.
+    # The header rides in that all-reduce; "w" takes an all-to-all and an all-gather of one
+    # part each (a codebook and ceil(6400 / W) 8-bit codes).
+    assert engine.compressor.report(engine.compressor_state)["exchange"] == {
+        "allgather": 0, "sharded": 1, "dense": 1}
+    dense = 400 + rider_bytes(torch.float32, workers, summed=True)
+    part = 4 * 256 + -(-6400 // workers)
+    assert engine.stats["wire_bytes"] == [
+        allreduce_wire_bytes(dense, workers) + 2 * (workers - 1) * part] * workers
+    assert engine.stats["payload_bytes"] == [dense + (workers + 1) * part] * workers
     # Per worker: about 2 (W - 1) / W bytes per entry at 8 bits, a quarter of fp32's ring.
     assert 2 * (workers - 1) * part < 0.3 * engine.stats["dense_wire_bytes"][0] + 2 * (workers - 1) * 1024
     for name in shapes:

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 from gradzip import PowerSGD, SimulatedGroup
 from gradzip.compressors.base import Job, StepContext
 from gradzip.compressors.powersgd import _reduce_per_matrix, _tame
-from gradzip.ops.lowrank import stack_matrices
+from gradzip.ops.lowrank import ALIGN_BYTES, stack_matrices
 
 #: Shapes of one call: repeated conv kernels and matrices (batched), single ones, a matrix
 #: sent dense (rate below 2) and vectors.
@@ -20,8 +20,9 @@ SHAPES = {
 }
 
 
-#: Same-shape tensors next to one another: as views of one buffer, each group is a view.
-ADJACENT = {"a1": (16, 72), "a2": (16, 8, 9), "a3": (16, 72), "b": (5,), "c1": (24, 40),
+#: Same-shape tensors next to one another: as views of one buffer, each group is a view
+#: (every matrix, and each worker's row of the buffer, starts at a multiple of 64 bytes).
+ADJACENT = {"a1": (16, 72), "a2": (16, 8, 9), "a3": (16, 72), "b": (16,), "c1": (24, 40),
             "c2": (24, 40)}
 
 
@@ -144,22 +145,32 @@ def test_taming_a_batch_scales_each_matrix_alone() -> None:
     assert float(tamed[1].abs().max()) <= 1.0
 
 
-def test_stack_matrices_views_consecutive_tensors_and_copies_others() -> None:
-    buffer = torch.randn(2, 3 * 12 + 5)
-    parts = [buffer[:, 12 * i:12 * (i + 1)].reshape(2, 3, 2, 2) for i in range(3)]
-    view = stack_matrices(parts, 3, 4)
-    assert view.shape == (2, 3, 3, 4) and view.data_ptr() == buffer.data_ptr()
+def test_stack_matrices_views_aligned_consecutive_tensors_and_copies_others() -> None:
+    """A view where every matrix already starts at a multiple of 64 bytes one step apart;
+    otherwise (misplaced, shuffled, sizes that leave a neighbour misaligned) one copy into
+    the aligned layout, each matrix contiguous at an aligned place."""
+    buffer = torch.randn(2, 3 * 16 + 16)  # rows of 64 floats: every worker's row aligned
+    parts = [buffer[:, 16 * i:16 * (i + 1)].reshape(2, 4, 2, 2) for i in range(3)]
+    view = stack_matrices(parts, 4, 4)
+    assert view.shape == (2, 3, 4, 4) and view.data_ptr() == buffer.data_ptr()
     for i, part in enumerate(parts):
-        assert torch.equal(view[:, i], part.reshape(2, 3, 4))
-    shuffled = [parts[1], parts[0], parts[2]]
-    copy = stack_matrices(shuffled, 3, 4)
-    assert copy.is_contiguous() and copy.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr()
-    for i, part in enumerate(shuffled):
-        assert torch.equal(copy[:, i], part.reshape(2, 3, 4))
+        assert torch.equal(view[:, i], part.reshape(2, 4, 4))
+    odd = torch.randn(2, 3 * 12 + 5)
+    for tensors in ([odd[:, 12 * i:12 * (i + 1)].reshape(2, 3, 2, 2) for i in range(3)],
+                    [parts[1].reshape(2, 4, 4), parts[0].reshape(2, 4, 4)],
+                    [buffer[:, 1:17].reshape(2, 4, 4)]):
+        rows, cols = tensors[0].shape[1], tensors[0][0].numel() // tensors[0].shape[1]
+        copy = stack_matrices(tensors, rows, cols)
+        assert copy.untyped_storage().data_ptr() not in (buffer.untyped_storage().data_ptr(),
+                                                          odd.untyped_storage().data_ptr())
+        for i, t in enumerate(tensors):
+            assert torch.equal(copy[:, i], t.reshape(2, rows, cols))
+            for w in range(2):
+                assert copy[w, i].is_contiguous() and copy[w, i].data_ptr() % ALIGN_BYTES == 0
     with pytest.raises(ValueError, match="`tensors` must hold at least one tensor, got none"):
         stack_matrices([], 3, 4)
-    with pytest.raises(ValueError, match=r"`tensors` must each hold 2 x 4 x 4 entries, got shape \(2, 3, 2, 2\)"):
-        stack_matrices(parts, 4, 4)
+    with pytest.raises(ValueError, match=r"`tensors` must each hold 2 x 4 x 5 entries, got shape \(2, 4, 2, 2\)"):
+        stack_matrices(parts, 4, 5)
 
 
 def _ops_of_one_call(tensors: int, rows: int, cols: int) -> int:

@@ -63,7 +63,7 @@ def test_parse_level_schedule() -> None:
     text = "gentle:0-5,aggressive:5-15,gentle:15-18,aggressive:18-30"
     assert parse_level_schedule(text) == [(0, 5), (15, 18)]
     assert parse_level_schedule("aggressive:0-2, gentle:2-2.5") == [(2, 2.5)]
-    with pytest.raises(ValueError, match="parts must look like 'gentle:0-5'"):
+    with pytest.raises(ValueError, match="part kinds must be 'gentle' or 'aggressive', got 'dense'"):
         parse_level_schedule("dense:0-5")
     with pytest.raises(ValueError, match="sorted and disjoint"):
         parse_level_schedule("gentle:0-5,aggressive:4-30")
@@ -166,7 +166,7 @@ def test_cli_level_schedule_and_warmup(tmp_path: Path) -> None:
         (["--level-schedule", "gentle:0-1", "--warmup-steps", "2"], "`warmup_steps` must be 0"),
         (["--warmup-steps", "2", "--accordion", "none"], "`accordion` must be unset"),
         (["--gentle", "none"], "`gentle` needs `level_schedule` or `warmup_steps`"),
-        (["--level-schedule", "gentle:0-x"], "--level-schedule: `level_schedule` parts must"),
+        (["--level-schedule", "gentle:0-x"], "--level-schedule: `level_schedule` epochs must"),
     ],
 )
 def test_cli_rejects_inconsistent_schedule_options(args: list[str], message: str,

@@ -121,21 +121,23 @@ def test_fixed_threshold_levels_under_accordion() -> None:
 
 
 def test_padded_budget_bounds_the_wire_volume_like_topk() -> None:
-    """With uneven workers, a padded budget ships about what Top-k of the same ratio ships."""
+    """With uneven workers, a padded budget ships about what Top-k of the same ratio ships
+    (both all-gathered: the sharded exchange's sizes do not follow the workers' counts)."""
     shapes = {"w": torch.Size([4000])}
     gen = torch.Generator().manual_seed(5)
     spread = torch.tensor([0.5, 1.0, 2.0, 4.0]).unsqueeze(1)  # workers of very different scale
     engines = {
         spec: Engine(shapes, spec, collective=SimulatedGroup(4))
-        for spec in ("threshold:budget=0.01", "threshold:budget=0.01,padded=true", "topk:ratio=0.01")
+        for spec in ("threshold:budget=0.01,exchange=allgather", "threshold:budget=0.01,padded=true",
+                     "topk:ratio=0.01,exchange=allgather")
     }
     for _ in range(300):
         grads = {"w": torch.randn(4, 4000, generator=gen) * spread}
         for engine in engines.values():
             engine.reduce(grads)
     wire = {spec: e.stats["wire_bytes"][0] for spec, e in engines.items()}
-    topk = wire["topk:ratio=0.01"]
-    assert wire["threshold:budget=0.01"] > 1.5 * topk  # padding to the densest worker costs
+    topk = wire["topk:ratio=0.01,exchange=allgather"]
+    assert wire["threshold:budget=0.01,exchange=allgather"] > 1.5 * topk  # padding to the densest worker costs
     assert 0.85 * topk < wire["threshold:budget=0.01,padded=true"] < 1.15 * topk
     with pytest.raises(ValueError, match="`padded` needs `budget`"):
         HardThreshold(lam=0.1, padded=True)

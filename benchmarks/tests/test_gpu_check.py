@@ -38,6 +38,7 @@ def _rows(stdout: str) -> list[str]:
     return [line.strip() for line in stdout.splitlines() if line.strip().startswith("row ")]
 
 
+@pytest.mark.slow  # starts a process
 def test_dry_run_with_one_gpu_shares_it_over_gloo_and_adds_a_one_rank_nccl_setup(tmp_path: Path) -> None:
     done = _run("--dry-run", "--device", "cuda", "--gpus", "1", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr
@@ -55,6 +56,7 @@ def test_dry_run_with_one_gpu_shares_it_over_gloo_and_adds_a_one_rank_nccl_setup
     assert not list(tmp_path.iterdir())  # a dry run writes nothing
 
 
+@pytest.mark.slow  # starts a process
 def test_dry_run_with_two_gpus_uses_nccl_one_gpu_per_rank() -> None:
     done = _run("--dry-run", "--device", "cuda", "--gpus", "2")
     assert done.returncode == 0, done.stderr
@@ -63,6 +65,7 @@ def test_dry_run_with_two_gpus_uses_nccl_one_gpu_per_rank() -> None:
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.slow  # starts a process
 def test_shell_script_dry_run() -> None:
     done = _run("--dry-run", "--device", "cuda", "--gpus", "1", script=SCRIPT)
     assert done.returncode == 0, done.stderr
@@ -71,6 +74,7 @@ def test_shell_script_dry_run() -> None:
     assert len(_rows(done.stdout)) == 2 * len(EXPECTED)
 
 
+@pytest.mark.slow  # starts a process
 def test_arguments_are_checked() -> None:
     done = _run("--dry-run", "--warmup", "2")
     assert done.returncode == 2

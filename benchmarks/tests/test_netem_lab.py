@@ -116,6 +116,7 @@ def test_rights_check_needs_iproute2(monkeypatch):
     netlab.check_rights(euid=0, env={})  # root with both tools: allowed
 
 
+@pytest.mark.slow  # starts a process
 def test_command_line_refuses_without_rights_and_creates_nothing():
     env = {**package_env(), netlab.UNPRIVILEGED_ENV: "1"}
     done = subprocess.run([*module_command("netem"), "--workers", "2",

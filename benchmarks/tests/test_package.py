@@ -28,6 +28,7 @@ def test_no_script_touches_sys_path_and_each_imports_from_the_package(name: str)
     importlib.import_module(f"benchmarks.{name}")
 
 
+@pytest.mark.slow  # starts a process
 def test_a_script_runs_as_a_module_from_another_folder(tmp_path: Path) -> None:
     # What a launcher does for its children: the interpreter, -m, and the root on PYTHONPATH.
     done = subprocess.run([*module_command("micro"), "--help"], cwd=tmp_path, capture_output=True,

@@ -1,5 +1,8 @@
 """gradzip: compressed gradient communication for data-parallel PyTorch training."""
 
+import importlib
+from typing import Any
+
 from gradzip import (
     ddp,  # the DDP hook adapter: gradzip.ddp.register
     plan,  # the cost model: gradzip.plan.plan / predict / choose
@@ -28,6 +31,15 @@ from gradzip.plan import Auto
 from gradzip.spec import compressor_from_spec, describe_compressors
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # gradzip.fsdp imports torch's FSDP2, which adds seconds to an import that most users
+    # (DDP, the simulator, the runner) never need: it is loaded on first use.
+    if name == "fsdp":
+        return importlib.import_module("gradzip.fsdp")
+    raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
+
 
 __all__ = [
     "BF16",
@@ -62,4 +74,5 @@ __all__ = [
     "ddp",
     "describe_compressors",
     "plan",
+    "fsdp",
 ]

@@ -13,7 +13,6 @@ import logging
 import os
 import sys
 import textwrap
-import time
 import types
 import typing
 from collections.abc import Sequence
@@ -30,18 +29,25 @@ log = logging.getLogger(__name__)
 
 _FMT = argparse.RawDescriptionHelpFormatter
 
-#: What ``gradzip demo --quick`` shrinks the demo to (``--epochs``/``--limit-train`` still win).
-QUICK_DEMO = {"epochs": 1, "limit_train": 256}
+#: How many seeds ``gradzip demo`` runs each method on (one seed ranks nothing reliably).
+DEFAULT_SEEDS = 3
+
+#: What ``gradzip demo --quick`` shrinks the demo to (``--epochs``/``--limit-train``/``--seeds``
+#: still win).
+QUICK_DEMO = {"epochs": 1, "limit_train": 256, "seeds": 1}
 
 DEMO_EPILOG = """\
-Trains the embedded 8x8 digits task with 4 simulated workers, once per compressor: none,
-top-k 1%, hard threshold (budget 1%), PowerSGD rank 1, and Accordion switching PowerSGD
-between rank 1 (steady) and rank 4 (critical regimes). Prints a table and writes a plot.
+Trains the embedded 8x8 digits task with 4 simulated workers, once per method and seed (3
+seeds): none, top-k 1%, hard threshold (budget 1%), PowerSGD rank 1 and rank 4, and Accordion
+switching PowerSGD between rank 1 (its aggressive level) and rank 4 (its gentle level, used
+in critical regimes). Prints a table of means and ranges over the seeds, a summary line and
+writes a plot.
 
 examples:
   gradzip demo
   gradzip demo --out /tmp/demo --quiet
-  gradzip demo --quick        # one epoch on 256 images: checks an install, not a result
+  gradzip demo --seeds 1      # a third of the time; one seed ranks nothing reliably
+  gradzip demo --quick        # one epoch on 256 images, one seed: checks an install, no verdict
 """
 
 TRAIN_EPILOG = """\
@@ -157,14 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gradzip {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    demo = sub.add_parser("demo", help="train the embedded digits task with 5 compressors",
+    demo = sub.add_parser("demo", help="train the embedded digits task with 6 methods, 3 seeds",
                           description="The main demo: no download, no flags.",
                           epilog=DEMO_EPILOG, formatter_class=_FMT)
     demo.add_argument("--out", default="gradzip-demo", help="output dir (default ./gradzip-demo)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
+    demo.add_argument("--seeds", type=int, default=None, metavar="N",
+                      help=f"seeds per method (default {DEFAULT_SEEDS}; the summary needs 2 or "
+                           "more for a verdict)")
     demo.add_argument("--quick", action="store_true",
                       help=f"{QUICK_DEMO['epochs']} epoch on {QUICK_DEMO['limit_train']} training "
-                           "images: a check that an install runs (seconds), not a result")
+                           "images, one seed: a check that an install runs (seconds), not a "
+                           "result")
     demo.add_argument("--epochs", type=int, default=None, help=argparse.SUPPRESS)
     demo.add_argument("--limit-train", type=int, default=None, help=argparse.SUPPRESS)
     train = sub.add_parser("train", help="one training run",
@@ -225,39 +235,18 @@ def _parse_override(text: str) -> tuple[str, Any]:
 
 # -- commands ---------------------------------------------------------------------------
 def cmd_train(args: argparse.Namespace) -> int:
+    from gradzip._cli_train import announce, result_lines
     from gradzip.train.runner import run
 
     cfg = RunConfig.from_dict({name: getattr(args, name) for name in _cli_fields()})
     summary = run(cfg, progress=_progress(args.quiet), resume=args.resume,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, announce=announce)
     if summary is None:  # pragma: no cover - a torchrun rank other than 0 could return None
         return 0
     if os.environ.get("RANK", "0") != "0":
         return 0
-    metric = summary["metric"]
-    value = summary[f"final_{metric}"]
-    if value is None:
-        shown = "-"
-    else:
-        shown = f"{100 * value:.2f}%" if metric == "accuracy" else f"{value:.2f}"
-    from gradzip.train.metrics import format_bytes
-
-    comp = summary["compression"]
-    print(f"{summary['task']}: {summary['workers']} workers ({summary['launcher']}), "
-          f"{summary['compressor']}"
-          + (f" <-> {summary['accordion']} (Accordion)" if summary["accordion"] else "")
-          + (f" <-> {cfg.gentle or 'none'} (schedule)"
-             if cfg.level_schedule or cfg.warmup_steps else "")
-          + (", global batch {} <-> {} (Accordion)".format(*summary["accordion_batch"])
-             if summary.get("accordion_batch") else "")
-          + f", {summary['epochs']} epochs, {summary['steps']} steps")
-    print(f"final {metric} {shown}; sent per worker {format_bytes(summary['bytes_sent_per_worker'])}"
-          f" ({comp:.1f}x less than dense); {summary['wall_seconds']:.1f} s"
-          if comp else f"final {metric} {shown}; {summary['wall_seconds']:.1f} s")
-    print(f"wrote {os.path.join(cfg.out, 'metrics.jsonl')} and "
-          f"{os.path.join(cfg.out, 'summary.json')}"
-          + (f"; tensorboard --logdir {os.path.join(cfg.out, 'tensorboard')}"
-             if cfg.tensorboard else ""))
+    for line in result_lines(summary, cfg):
+        print(line)
     return 0
 
 
@@ -280,29 +269,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from gradzip.train.compare import format_table, load_grid, run_grid
-    from gradzip.train.demo_summary import summary_line
+    from gradzip.train.demo import run_demo
 
     overrides: dict[str, Any] = dict(QUICK_DEMO) if args.quick else {}
+    seeds = overrides.pop("seeds", DEFAULT_SEEDS)
+    if args.seeds is not None:
+        seeds = args.seeds
     epochs = args.epochs or (int(os.environ["GRADZIP_DEMO_EPOCHS"])
                              if os.environ.get("GRADZIP_DEMO_EPOCHS") else None)
     if epochs is not None:
         overrides["epochs"] = epochs
     if args.limit_train is not None:
         overrides["limit_train"] = args.limit_train
-    grid = load_grid("demo", overrides=overrides, out=args.out)
-    first = grid.runs[0].config
-    print(f"gradzip demo: task {first.task}, {first.workers} simulated workers, "
-          f"{len(grid.runs)} runs", flush=True)
-    start = time.perf_counter()
-    rows = run_grid(grid, force=True, progress=_progress(args.quiet),
-                    stream=None if args.quiet else sys.stderr)
-    print(format_table(rows))
-    print(summary_line(rows))
-    print(f"total {time.perf_counter() - start:.1f} s; runs in {grid.out}/")
-    files = rows[0]["_files"]
-    print(f"plot: {files['plot']}" if files["plot"] else "plot: (matplotlib not installed)")
-    return 0
+    return run_demo(out=args.out, seeds=seeds, overrides=overrides,
+                    progress=_progress(args.quiet), stream=None if args.quiet else sys.stderr)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -318,7 +298,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         for t in TASKS.values()
     ]
     accordion = {
-        "usage": "--compressor STEADY --accordion CRITICAL (same kind, or none); "
+        "usage": "--compressor AGGRESSIVE --accordion GENTLE (same kind, or none); "
                  "--accordion-batch SMALL,LARGE for the batch-size variant",
         "options": {"eta": RunConfig.eta, "interval_epochs": "the task's default"},
         "example": "--compressor powersgd:rank=1 --accordion powersgd:rank=4",
@@ -390,7 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gradzip {args.command}: failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"gradzip {args.command}: interrupted", file=sys.stderr)
+        hint = ""
+        if args.command == "train" and os.environ.get("RANK", "0") == "0":
+            from gradzip._cli_train import interrupted_hint
+
+            hint = f"; {interrupted_hint(args_list, args.out, args.overwrite)}"
+        print(f"gradzip {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 
 

@@ -85,7 +85,8 @@ REGISTRY: dict[str, type[Compressor]] = {cls.spec_name: cls for cls in COMPRESSO
 CONTROLLERS: dict[str, type[Compressor]] = {}
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-_SCHEDULE_PART = re.compile(r"^\s*(gentle|aggressive)\s*:\s*([0-9.]+)\s*-\s*([0-9.]+)\s*$")
+_SCHEDULE_PART = re.compile(r"^\s*([^:]*?)\s*:(.*)$")
+_EPOCHS = re.compile(r"^(\d+\.?\d*|\.\d+)$", re.ASCII)
 _INT = re.compile(r"^[+-]?\d+$", re.ASCII)
 _FLOAT = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$|^[+-]?(nan|inf)$",
                     re.IGNORECASE | re.ASCII)
@@ -167,8 +168,9 @@ def parse_level_schedule(text: str) -> list[tuple[float, float]]:
     ``[(0, 5), (15, 18)]``; the aggressive parts only document the rest.
 
     Raises:
-        ValueError: a part that is not ``gentle:A-B`` or ``aggressive:A-B``, an empty range,
-            or ranges (of either kind) that overlap or are out of order.
+        ValueError: a part that is not ``gentle:A-B`` or ``aggressive:A-B`` with ``A`` and
+            ``B`` plain decimal numbers, an empty range, or ranges (of either kind) that
+            overlap or are out of order.
     """
     return [(a, b) for kind, a, b in level_schedule_parts(text) if kind == "gentle"]
 
@@ -180,12 +182,7 @@ def level_schedule_parts(text: str) -> list[tuple[str, float, float]]:
         raise ValueError(f"`level_schedule` must look like 'gentle:0-5,aggressive:5-30', got {text!r}")
     parts: list[tuple[str, float, float]] = []
     for item in text.split(","):
-        match = _SCHEDULE_PART.match(item)
-        if match is None:
-            raise ValueError(
-                f"`level_schedule` parts must look like 'gentle:0-5' or 'aggressive:5-30', got {item!r}"
-            )
-        parts.append((match.group(1), float(match.group(2)), float(match.group(3))))
+        parts.append(_level_schedule_part(item))
     for i, (_, start, end) in enumerate(parts):  # both kinds: half-open, sorted, disjoint
         if end <= start:
             raise ValueError(f"`level_schedule` ranges must satisfy 0 <= start < end, got "
@@ -194,6 +191,30 @@ def level_schedule_parts(text: str) -> list[tuple[str, float, float]]:
             raise ValueError(f"`level_schedule` ranges must be sorted and disjoint, got "
                              f"{(start, end)!r} after {parts[i - 1][1:]!r}")
     return parts
+
+
+def _level_schedule_part(item: str) -> tuple[str, float, float]:
+    """One ``KIND:START-END`` part of a level schedule, its epochs plain decimal numbers."""
+    match = _SCHEDULE_PART.match(item)
+    if match is None:
+        raise ValueError("`level_schedule` parts must be KIND:START-END with KIND 'gentle' or "
+                         "'aggressive' and START, END in epochs (e.g. 'gentle:0-5'), got "
+                         f"{item.strip()!r}")
+    kind, span = match.group(1), match.group(2)
+    where = item.strip()
+    if kind not in ("gentle", "aggressive"):
+        raise ValueError(f"`level_schedule` part kinds must be 'gentle' or 'aggressive', got "
+                         f"{kind!r} in {where!r}")
+    bounds = [b.strip() for b in span.split("-")]
+    if len(bounds) != 2:
+        raise ValueError(f"`level_schedule` ranges must be START-END in epochs (e.g. "
+                         f"'gentle:0-5'), got {span.strip()!r} in {where!r}")
+    for bound in bounds:
+        if not _EPOCHS.match(bound):
+            raise ValueError("`level_schedule` epochs must be plain decimal numbers such as 5 "
+                             f"or 2.5 (no sign, exponent, nan or inf), got {bound!r} in "
+                             f"{where!r}")
+    return kind, float(bounds[0]), float(bounds[1])
 
 
 def _as_bool(text: str) -> bool:

@@ -260,13 +260,16 @@ def test_killing_the_procs_parent_kills_its_workers_and_frees_the_directory(
     _wait_for(out / "checkpoint" / "latest.json", proc)
     workers = _workers_of(proc.pid)
     assert len(workers) == 2, workers
-    # While it runs, a second writer is refused with one line and changes nothing.
-    second = subprocess.run([*cmd, "--overwrite"], capture_output=True, text=True,
-                            timeout=SAFETY_S)
-    assert second.returncode == 2, second.stderr[-2000:]
-    assert "is in use by another gradzip run" in second.stderr
-    assert second.stderr.count("\n") == 1
-    assert not (out / STAGING_DIR).exists()
+    # While it runs, a second writer is refused with one line and changes nothing; one
+    # resuming is refused before it reads the checkpoint the first is rewriting.
+    for flag in ("--overwrite", "--resume"):
+        second = subprocess.run([*cmd, flag], capture_output=True, text=True,
+                                timeout=SAFETY_S)
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"`out` {str(out)!r} is in use by another gradzip run (pid {proc.pid})" in \
+            second.stderr
+        assert second.stderr.count("\n") == 1
+        assert not (out / STAGING_DIR).exists()
     os.kill(proc.pid, signal.SIGKILL)  # the parent alone
     assert proc.wait() == -signal.SIGKILL
     deadline = time.monotonic() + 60

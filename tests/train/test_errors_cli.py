@@ -115,6 +115,10 @@ def _cifar_variants(release: Path, tmp_path: Path) -> dict[str, tuple[Path, str]
     truncated = tmp_path / "truncated.tar.gz"
     truncated.write_bytes(data[: len(data) // 2])
     variants = {"truncated": (truncated, "must be a readable tar archive, got a damaged one")}
+    # Cut within the first header: even the test of whether it is an archive fails there.
+    header = tmp_path / "trunc_header.tar.gz"
+    header.write_bytes(data[:30])
+    variants["trunc_header"] = (header, "must be a readable tar archive, got a damaged one")
 
     def copy(name: str, batch: str, content: bytes) -> Path:
         root = tmp_path / name / "cifar-10-batches-py"

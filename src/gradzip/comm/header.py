@@ -272,11 +272,38 @@ class HeaderRider(Collective):
         return self._sum_riding(riding, riding.shape[1] - rows.shape[1], bits)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`Collective.all_to_all` (the header, if still due, goes first on its own:
-        parts addressed to different workers cannot all carry it)."""
-        if not self.done:
+        """:meth:`Collective.all_to_all` (the first call appends the header to every part,
+        reads it and strips it).
+
+        Why every part carries it: worker ``i`` receives part ``i`` of every worker, so each
+        worker sees every worker's header row (the agreement and the non-finite flags), as
+        in an all-gather, and all take the same decision.
+        """
+        if self.done:
+            return self.comm.all_to_all(x)
+        self._check(x)
+        bits = rider_digit_bits(x.dtype, self.world_size, summed=False)
+        if bits is None or x.dim() < 2 or x.shape[1] != self.world_size:
             self._separate()
-        return self.comm.all_to_all(x)
+            return self.comm.all_to_all(x)
+        digits = _digits(self.code, bits)
+        parts = x.reshape(self.local_workers, self.world_size, -1)
+        rows = self._rows(digits, x)  # [L, header]: this worker's row, in every part
+        riding = torch.cat([parts, rows[:, None].expand(-1, self.world_size, -1)], dim=2)
+        received = self.comm.all_to_all(riding)
+        n = parts.shape[2]
+        head = received[:, :, n:]  # [L, W senders, header]
+        out = received[:, :, :n].reshape(x.shape)
+        if self.flags is not None and self._listed is None:
+            # Flags built on the device: checked there, without a host read (see all_gather).
+            self.disagree = (head[..., :-1] != rows[:1, None, :-1]).any()
+            self.bad_flag = (head[..., -1] > 0).any()
+            return out
+        seen = [[int(v) for v in row] for row in head.reshape(-1, head.shape[2]).tolist()]
+        self.bad = any(row[-1] > 0 for row in seen)
+        if any(row[:-1] != digits for row in seen):
+            self.refuse()
+        return out
 
     def all_gather(
         self, x: torch.Tensor, payload: Sequence[int] | None = None, *, metered: bool = True

@@ -151,6 +151,29 @@ class Compressor(ABC):
         """Fresh state for tensors of the given shapes (plain data and tensors only)."""
         return {}
 
+    def init_group_state(
+        self, shapes: Mapping[str, torch.Size], world_size: int, local_workers: int
+    ) -> dict[str, Any]:
+        """Fresh state for tensors of the given shapes reduced in a group of ``world_size``
+        workers, ``local_workers`` of them in this process: what the engine calls. The same
+        structure on every worker.
+
+        A compressor whose state depends on the group (the owner residuals of the sharded
+        quantised exchange, one shard per local worker) says so here; the default is
+        :meth:`init_state`. ``reduce`` must also accept :meth:`init_state`'s state (a direct
+        caller's), filling in what it lacks.
+
+        Args:
+            shapes: the tensors this compressor reduces.
+            world_size: workers in the group (>= 1).
+            local_workers: workers held by this process (the leading axis of per-worker
+                tensors).
+
+        Returns:
+            Plain data and tensors only.
+        """
+        return self.init_state(shapes)
+
     @abstractmethod
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext

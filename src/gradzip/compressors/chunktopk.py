@@ -10,7 +10,13 @@ import torch
 
 from gradzip._validate import check_choice, check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
+from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.sharded_sparse import (
+    EXCHANGES,
+    choose_exchange,
+    outside_own_part,
+    sharded_reduce,
+)
 from gradzip.feedback import residual_unsent
 from gradzip.ops.binmean import binmean_decode, binmean_encode
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
@@ -54,6 +60,16 @@ class ChunkTopK(Compressor):
             ``"senders"``: each entry divided by the number of workers that sent it (then the
             average is not the mean of the decoded messages; error feedback still keeps what
             each worker did not send).
+        exchange: ``"auto"`` (per tensor, the fewest wire bytes of dense, the all-gather and
+            the sharded exchange of :mod:`gradzip.compressors.sharded_sparse`), ``"allgather"`` or
+            ``"sharded"``. The sharded form carries each worker's chunk selection to the
+            parts' owners as fp32 values with indices within the part (``bits`` does not
+            apply there), and owners pass on the largest ``kept / W`` entries of their part's
+            sum; it needs ``average="all"`` (an owner's sum mixes its residual in, so the
+            senders of an entry are no longer known).
+        owner_keep: in the sharded exchange, what each part's owner passes on, as a multiple
+            of ``kept / W`` (an integer >= 1; 1 by default: the all-gather of 2-bit codes and
+            12-bit indices is compact, and fp32 entries cost more each).
 
     References:
         Sarfi et al., "SparseLoCo: Communication-Efficient Sparse Low-Communication Training",
@@ -65,6 +81,8 @@ class ChunkTopK(Compressor):
     bits: int = 0
     spread: float = 6.0
     average: str = "all"
+    exchange: str = "auto"
+    owner_keep: int = 1
     spec_name: ClassVar[str] = "chunktopk"
 
     def __post_init__(self) -> None:
@@ -73,6 +91,12 @@ class ChunkTopK(Compressor):
         object.__setattr__(self, "bits", check_int("bits", self.bits, minimum=0, maximum=8))
         object.__setattr__(self, "spread", check_real("spread", self.spread, low=0, low_open=True))
         object.__setattr__(self, "average", check_choice("average", self.average, AVERAGES))
+        object.__setattr__(self, "exchange", check_choice("exchange", self.exchange, EXCHANGES))
+        object.__setattr__(self, "owner_keep", check_int("owner_keep", self.owner_keep, minimum=1))
+        if self.exchange == "sharded" and self.average != "all":
+            raise ValueError(
+                f"`exchange` 'sharded' needs `average` 'all', got average={self.average!r}"
+            )
 
     @property
     def index_bits(self) -> int:
@@ -89,6 +113,13 @@ class ChunkTopK(Compressor):
         values = 4 * kept if self.bits == 0 else 4 * (1 << self.bits) + packed_size(kept, self.bits)
         return values + wide_size(kept, self.index_bits)
 
+    def exchange_for(self, numel: int, world: int) -> str:
+        """How a tensor of ``numel`` entries travels among ``world`` workers: ``"dense"``,
+        ``"allgather"`` or ``"sharded"`` (shapes and configuration only: every worker agrees)."""
+        return choose_exchange(self.exchange, numel, world, self.kept(numel),
+                               self.message_bytes(numel), self.owner_keep,
+                               sharded_ok=self.average == "all")
+
     def report(self, state: Any) -> dict[str, Any]:
         """The configured density (tensors sent dense are not counted apart)."""
         return {"density": min(self.k, self.chunk) / self.chunk}
@@ -96,11 +127,26 @@ class ChunkTopK(Compressor):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        sparse, dense = [], []
+        sparse, dense, sharded = [], [], []
         for job in jobs:
-            pays = sparse_pays(job.numel, self.message_bytes(job.numel), 1, comm)
-            (sparse if pays else dense).append(job)
+            # Per tensor, from sizes only: the same form on every worker, whatever the call.
+            form = self.exchange_for(job.numel, comm.world_size)
+            {"allgather": sparse, "dense": dense, "sharded": sharded}[form].append(job)
         dense_reduce(dense, comm)
+        self._reduce_gathered(sparse, comm)
+        # Last: an all-to-all cannot carry the engine's call header, so a call whose first
+        # collective is the sharded exchange's sends the header apart.
+        if sharded:
+            masks = []
+            for job in sharded:
+                flat = outside_own_part(job.tensor.reshape(comm.local_workers, -1), comm)
+                picked = chunk_topk(flat, self.chunk, self.k)[1]
+                masks.append(torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+                             .scatter_(1, picked, True))
+            sharded_reduce(sharded, masks, [self.kept(j.numel) for j in sharded], comm,
+                           self.owner_keep)
+
+    def _reduce_gathered(self, sparse: Sequence[Job], comm: Collective) -> None:
         if not sparse:
             return
         workers = comm.local_workers

@@ -13,8 +13,15 @@ from gradzip._validate import check_bool, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.ops.finite import finite_rows
-from gradzip.ops.flat import flatten_workers, pack, split_flat, to_device
-from gradzip.ops.lowrank import orthogonalize, orthonormal, rescale_exponents, stack_matrices
+from gradzip.ops.flat import flatten_workers, split_flat, to_device
+from gradzip.ops.lowrank import (
+    aligned_copy,
+    aligned_matrices,
+    orthogonalize,
+    orthonormal,
+    rescale_exponents,
+    stack_matrices,
+)
 from gradzip.ops.random import generator_for
 from gradzip.ops.segments import matrix_index, per_matrix_absmax
 
@@ -58,22 +65,21 @@ def _tops(
     return per_matrix_absmax(region, index, sum(counts)), index
 
 
-def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a[B, x, y] @ b[w]`` for every worker ``w`` of ``b[L, B, y, z]``: ``[L, B, x, z]``
-    (written into ``out`` when given).
+def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a[B, x, y] @ b[w]`` for every worker ``w`` of ``b[L, B, y, z]``: ``[L, B, x, z]``,
+    each matrix of the result at an aligned place (:func:`~gradzip.ops.lowrank.aligned_matrices`).
 
     One batched GEMM per local worker (one in a real process group), never a matmul
     broadcast over the worker axis: that would copy ``a`` into a new layout, and the GEMM
     would round differently with the number of workers a process holds (the simulator's
-    results must equal a process group's bit for bit).
+    results must equal a process group's bit for bit). The BLAS rounds a product differently
+    with where its output lies, so the output's place is fixed by the shape alone.
     """
-    if out is not None:
-        for w in range(b.shape[0]):
-            torch.matmul(a, b[w], out=out[w])
-        return out
-    if b.shape[0] == 1:
-        return torch.matmul(a, b[0]).unsqueeze(0)
-    return torch.stack([torch.matmul(a, part) for part in b])
+    (out,) = aligned_matrices((b.shape[0],), [(a.shape[0], a.shape[1], b.shape[-1])],
+                              dtype=a.dtype, device=b.device)
+    for w in range(b.shape[0]):
+        torch.matmul(a, b[w], out=out[w])
+    return out
 
 
 def _group_views(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -190,16 +196,17 @@ class PowerSGD(Compressor):
     def _warm_starts(self, jobs: list[Job], state: dict[str, Any], ctx: StepContext,
                      device: torch.device) -> torch.Tensor:
         """``Q^T`` of a group's matrices, ``[B, r, cols]``: the stored warm starts (without a
-        copy when they are still the slices of one tensor that ``reduce`` stored) or fresh
-        draws. Either way a transposed view of ``[B, cols, r]``, the layout of a checkpoint's
-        ``Q``, so that the products round the same after a resume."""
+        copy when they are still where ``reduce`` stored them) or fresh draws. Either way a
+        transposed view of ``[B, cols, r]``, the layout of a checkpoint's ``Q``, each matrix
+        at an aligned place, so that the products round the same after a resume."""
         if self.warm_start:
-            stored = [state["q"][j.name] for j in jobs]
+            stored = [to_device(state["q"][j.name], device) for j in jobs]
         else:
-            stored = [self._fresh_q(j.name, j.shape, ctx.step) for j in jobs]
-        # pack: a view where they lie one after another (as reduce stores them), else a copy.
-        batch = pack(stored).view(len(stored), *stored[0].shape)
-        return to_device(batch.transpose(-1, -2), device)
+            stored = [to_device(self._fresh_q(j.name, j.shape, ctx.step), device) for j in jobs]
+        cols, r = stored[0].shape
+        # A view where they lie at aligned places one step apart (as reduce stores them),
+        # else one copy.
+        return stack_matrices([q.unsqueeze(0) for q in stored], cols, r)[0].transpose(-1, -2)
 
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
@@ -207,8 +214,12 @@ class PowerSGD(Compressor):
         workers, world = comm.local_workers, comm.world_size
         dense, keys, groups = self._groups(jobs)
         # Each group of same-shape matrices as one [L, B, rows, cols] batch (a view where the
-        # gradients already lie one after another, else one copy): every product below is one
-        # batched GEMM per group, whatever the number of tensors.
+        # gradients already lie at aligned places one after another, else one copy): every
+        # product below is one batched GEMM per group, whatever the number of tensors. Every
+        # matrix a product reads or writes starts at an aligned place (see
+        # gradzip.ops.lowrank.aligned_matrices): the BLAS rounds with the alignment, and a
+        # matrix's bits must not depend on the tensors it shares a call with (DDP's buckets,
+        # a resume, a process group against the simulator group them differently).
         mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
         qts = {k: self._warm_starts(groups[k], state, ctx, mats[k].device) for k in keys}
         counts = [len(groups[k]) for k in keys]
@@ -219,7 +230,7 @@ class PowerSGD(Compressor):
             # factors travel transposed ([r, rows] and [r, cols] per matrix): the same
             # arithmetic, but a GEMM whose *left* operand is the thin r-row factor streams M
             # once at memory speed, while M Q with r columns runs several times slower on CPU
-            # BLAS; and the results are contiguous as they are sent.
+            # BLAS.
             pt_parts = [_each_worker(qts[k], mats[k].transpose(-1, -2)) for k in keys]
             riders = list(dense) if iteration == 0 else []
             flat = flatten_workers([j.tensor for j in riders] + pt_parts, workers)
@@ -237,8 +248,9 @@ class PowerSGD(Compressor):
             for job, piece in zip(riders, pieces[: len(riders)], strict=True):
                 job.averaged = piece.reshape(job.shape)
                 job.decoded = job.tensor
-            # P^T travels as [B, r, rows]; orthogonalised as [B, rows, r], all groups' rescaling
-            # exponents computed together (bit for bit what each group alone would use).
+            # P^T travels as [B, r, rows]; orthogonalised matrix by matrix into [B, rows, r],
+            # all groups' rescaling exponents computed together (bit for bit what each
+            # matrix alone would use).
             if keys:
                 # The rescaling of every matrix (see gradzip.ops.lowrank.orthogonalize) applied
                 # to the whole region of P^T factors at once: a power of two per matrix,
@@ -246,36 +258,33 @@ class PowerSGD(Compressor):
                 region = total[sum(sizes[: len(riders)]):]
                 tops, index = _tops(region, sizes[len(riders):], counts)
                 scaled = region * torch.exp2(rescale_exponents(tops)).index_select(0, index)
-                ps = {k: orthonormal(piece.reshape(len(groups[k]), k[2], k[0]).transpose(-1, -2))
+                ps = {k: orthonormal(piece.reshape(len(groups[k]), k[2], k[0]))
                       for k, piece in zip(keys, scaled.split(sizes[len(riders):]), strict=True)}
             # Round 2: Q = M^T P, summed.
-            # Each group's product is written straight into its place in the message.
-            flat_q = torch.empty(workers, sum(len(groups[k]) * k[2] * k[1] for k in keys),
-                                 dtype=total.dtype, device=total.device)
-            views = _group_views(flat_q, [(len(groups[k]), k[2], k[1]) for k in keys])
-            qt_local = {k: _each_worker(ps[k].transpose(-1, -2), mats[k], out=view)
-                        for k, view in zip(keys, views, strict=True)}
+            qt_local = {k: _each_worker(ps[k].transpose(-1, -2), mats[k]) for k in keys}
+            flat_q = flatten_workers([qt_local[k] for k in keys], workers)
             if iteration == self.power_iterations - 1:
                 self._settle_residuals(keys, groups, ps, qt_local, workers, mats, flat_q)
             total_q = _mean(comm.all_reduce(flat_q), world)
             sizes_q = [qt_local[k][0].numel() for k in keys]
             for k, piece in zip(keys, split_flat(total_q, sizes_q), strict=True):
-                qts[k] = piece.reshape(len(groups[k]), k[2], k[1])
+                qts[k] = aligned_copy(piece.reshape(len(groups[k]), k[2], k[1]))
         if not keys:
             return
         new_q = dict(state["q"])
         # Warm starts are stored per name as contiguous [cols, r] slices of one tamed
-        # [B, cols, r] block per group (the layout of a checkpoint's), the groups one after
-        # another in one buffer for the call: the next step takes each group as it is, and a
-        # rollback of the state is one ``where`` for the call (see gradzip.engine.deferred).
-        # The taming scales of all groups are computed together.
+        # [B, cols, r] block per group (the layout of a checkpoint's), each at an aligned
+        # place, the groups one after another in one buffer for the call: the next step
+        # takes each group as it is, and a rollback of the state is one ``where`` for the
+        # call (see gradzip.engine.deferred). The taming scales of all groups are computed
+        # together.
         shifts = _tame_shifts(_tops(total_q, sizes_q, counts)[0]).split(counts)
         first = qts[keys[0]]
-        store = torch.empty(sum(sizes_q), dtype=first.dtype, device=first.device)
-        blocks = _group_views(store.unsqueeze(0), [(len(groups[k]), k[1], k[2]) for k in keys])
+        blocks = aligned_matrices((), [(len(groups[k]), k[1], k[2]) for k in keys],
+                                  dtype=first.dtype, device=first.device, zero=True)
         for k, shift, block in zip(keys, shifts, blocks, strict=True):
-            approx = torch.bmm(ps[k], qts[k])  # [B, rows, cols]
-            tamed = torch.mul(qts[k].transpose(-1, -2), shift.reshape(-1, 1, 1), out=block[0])
+            approx = _each_worker(ps[k], qts[k].unsqueeze(0))[0]  # [B, rows, cols]
+            tamed = torch.mul(qts[k].transpose(-1, -2), shift.reshape(-1, 1, 1), out=block)
             for b, job in enumerate(groups[k]):
                 job.averaged = approx[b].reshape(job.shape)
                 new_q[job.name] = tamed[b]
@@ -307,8 +316,8 @@ class PowerSGD(Compressor):
             workers: ``L``.
             mats: the groups' matrices ``[L, B, rows, cols]`` (stacked from the jobs if
                 ``None``).
-            flat_q: the ``[L, total]`` buffer that ``qt_local``'s tensors are consecutive views
-                of, if they are (then poisoned with one op).
+            flat_q: the ``[L, total]`` message made of ``qt_local``'s tensors, if it is made
+                already (then it is poisoned instead, with one op).
         """
         if not keys:
             return
@@ -335,21 +344,28 @@ class PowerSGD(Compressor):
 def _reduce_per_matrix(
     comp: PowerSGD, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
 ) -> None:
-    """:meth:`PowerSGD.reduce` written matrix by matrix and worker by worker, with 2-D
-    products only: the reference the batched implementation is tested against. Same
-    messages, same buffer layout, same state and residual contract; slower (many more ops).
+    """:meth:`PowerSGD.reduce` written matrix by matrix and worker by worker, each product
+    on one matrix (a batch of one) whose operands and result are tensors of their own: the
+    reference the batched implementation is tested against. Same messages, same buffer
+    layout, same state and residual contract; slower (many more ops).
     """
     workers, world = comm.local_workers, comm.world_size
     dense, keys, groups = comp._groups(jobs)
     ordered = [(k, job) for k in keys for job in groups[k]]
-    mats = {job.name: job.tensor.reshape(workers, k[0], k[1]).contiguous() for k, job in ordered}
+
+    def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(a.unsqueeze(0), b.unsqueeze(0))[0]
+
+    # Each worker's matrix a tensor of its own (a fresh allocation, hence aligned).
+    mats = {job.name: [m.clone() for m in job.tensor.reshape(workers, k[0], k[1])]
+            for k, job in ordered}
     qt = {}  # Q^T per matrix: [r, cols]
     for _, job in ordered:
         q = state["q"][job.name] if comp.warm_start else comp._fresh_q(job.name, job.shape, ctx.step)
-        qt[job.name] = to_device(q, mats[job.name].device).t()
+        qt[job.name] = to_device(q, mats[job.name][0].device).clone().t()
     p: dict[str, torch.Tensor] = {}
     for iteration in range(comp.power_iterations):
-        pt_parts = [torch.stack([torch.mm(qt[j.name], m.t()) for m in mats[j.name]])
+        pt_parts = [torch.stack([product(qt[j.name], m.t()) for m in mats[j.name]])
                     for _, j in ordered]  # [L, r, rows] each
         riders = list(dense) if iteration == 0 else []
         total = comm.all_reduce(flatten_workers([j.tensor for j in riders] + pt_parts, workers))
@@ -360,27 +376,27 @@ def _reduce_per_matrix(
             job.decoded = job.tensor
         for (k, job), piece in zip(ordered, pieces[len(riders):], strict=True):
             p[job.name] = orthogonalize(piece.reshape(k[2], k[0]).t())  # [rows, r]
-        qt_local = {j.name: torch.stack([torch.mm(p[j.name].t(), m) for m in mats[j.name]])
-                    for _, j in ordered}  # [L, r, cols] each
+        qt_local = {j.name: [product(p[j.name].t(), m) for m in mats[j.name]]
+                    for _, j in ordered}  # [r, cols] per worker
         if iteration == comp.power_iterations - 1:
             finite = None
             for _, job in ordered:
-                own = torch.stack([torch.mm(p[job.name], q) for q in qt_local[job.name]])
+                own = torch.stack([product(p[job.name], q) for q in qt_local[job.name]])
                 job.decoded = own.reshape(job.tensor.shape)
                 job.keep(job.tensor - job.decoded)
                 ok = finite_rows([job.residual], workers)
                 finite = ok if finite is None else finite & ok
             for _, job in ordered:
                 assert finite is not None
-                mask = finite.reshape(workers, 1, 1)
-                qt_local[job.name] = torch.where(mask, qt_local[job.name], float("nan"))
-        parts = [qt_local[j.name] for _, j in ordered]
+                qt_local[job.name] = [torch.where(finite[w], q, float("nan"))
+                                      for w, q in enumerate(qt_local[job.name])]
+        parts = [torch.stack(qt_local[j.name]) for _, j in ordered]
         total_q = comm.all_reduce(flatten_workers(parts, workers)).div_(world)
         for (k, job), piece in zip(ordered, split_flat(total_q, [t[0].numel() for t in parts]),
                                    strict=True):
-            qt[job.name] = piece.reshape(k[2], k[1])
+            qt[job.name] = piece.reshape(k[2], k[1]).clone()
     new_q = dict(state["q"])
     for _, job in ordered:
-        job.averaged = torch.mm(p[job.name], qt[job.name]).reshape(job.shape)
+        job.averaged = product(p[job.name], qt[job.name]).reshape(job.shape)
         new_q[job.name] = _tame(qt[job.name].t().contiguous())
     state["q"] = new_q

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from gradzip._validate import check_int
+from gradzip._validate import check_choice, check_int
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.sharded_codes import (
+    EXCHANGES,
+    check_exchange_state,
+    exchange_report,
+    init_exchange_state,
+    sharded_reduce,
+    split_by_form,
+)
 from gradzip.ops import jit
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
 from gradzip.ops.branches import cpu_form
@@ -35,12 +43,23 @@ class QSGD(Compressor):
     Codes ``sign * l + levels`` take ``ceil(log2(2 * levels + 1))`` bits each; the codes of
     all tensors reduced in one call are packed densely as one stream, after their norms.
     Per-worker randomness comes from generators seeded by ``(seed, step, name, rank)``.
-    Messages are all-gathered (quantised values cannot be summed without decoding).
+
+    Quantised values cannot be summed without decoding, so a tensor travels in one of three
+    forms (:func:`~gradzip.compressors.sharded_codes.choose_exchange`, from its size, the world size
+    and ``exchange``): every worker's message all-gathered; the sharded exchange
+    (:mod:`gradzip.compressors.sharded_codes`: each part of ``ceil(n / W)`` entries quantised with
+    its own norms, sent to its owner, averaged there, quantised again with fresh rounding
+    noise (unbiased, no owner residual), and all-gathered; the bytes per worker do not grow
+    with ``W``); or dense,
+    where an fp32 all-reduce is cheaper than both.
 
     Args:
         levels: quantisation levels per sign, in [1, 127].
-        bucket_size: entries sharing one norm (0: the whole tensor).
+        bucket_size: entries sharing one norm (0: the whole tensor, or the whole part in
+            the sharded exchange).
         seed: seed of the rounding noise.
+        exchange: ``"auto"`` (the form with the fewest wire bytes), ``"allgather"`` or
+            ``"sharded"``.
 
     References:
         Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient Quantization and
@@ -50,6 +69,7 @@ class QSGD(Compressor):
     levels: int = 8
     bucket_size: int = 0
     seed: int = 0
+    exchange: str = "auto"
     spec_name: ClassVar[str] = "qsgd"
     device_decisions: ClassVar[bool] = True
     biased: ClassVar[bool] = False
@@ -58,6 +78,26 @@ class QSGD(Compressor):
         object.__setattr__(self, "levels", check_int("levels", self.levels, minimum=1, maximum=127))
         object.__setattr__(self, "bucket_size", check_int("bucket_size", self.bucket_size, minimum=0))
         object.__setattr__(self, "seed", check_int("seed", self.seed, minimum=0))
+        object.__setattr__(self, "exchange", check_choice("exchange", self.exchange, EXCHANGES))
+
+    def init_group_state(
+        self, shapes: Mapping[str, torch.Size], world_size: int, local_workers: int
+    ) -> dict[str, Any]:
+        """Each tensor's form (no owner residuals: QSGD is unbiased)."""
+        # No owner residual: see sharded_reduce (an unbiased code, error possibly above the
+        # signal, which error feedback would let grow).
+        return init_exchange_state(self, self.exchange, shapes, world_size, local_workers,
+                                   owner_feedback=False)
+
+    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
+                    **_: Any) -> str | None:
+        """A form that differs from the one the shapes and world size give."""
+        return check_exchange_state(state, fresh)
+
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Tensors per exchange form (when the state was made for a group)."""
+        found = exchange_report(state)
+        return {"exchange": found} if found else {}
 
     @property
     def bits(self) -> int:
@@ -84,17 +124,25 @@ class QSGD(Compressor):
         from its own keyed generator."""
         group, workers, numel = x.shape
         buckets, size = self._layout(numel)
+        noise = torch.stack([
+            torch.rand(buckets, size, generator=generator_for("qsgd", self.seed, ctx.step, name, r))
+            for name in names for r in ctx.ranks
+        ]).reshape(group, workers, buckets * size)
+        # Page-locked and queued: a plain ``.to`` of host memory would make the host wait.
+        return self._quantise(x, to_device(noise, x.device))
+
+    def _quantise(self, x: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x[G, R, n]`` with uniform ``noise[G, R, buckets * size]`` -> (norms
+        ``[G, R, buckets]``, codes ``[G, R, n]``): each bucket scaled by its norm, each entry
+        rounded up where its noise falls below its fraction."""
+        group, workers, numel = x.shape
+        buckets, size = self._layout(numel)
         padded = torch.nn.functional.pad(x, (0, buckets * size - numel))
         padded = padded.reshape(group, workers, buckets, size)
         norms = padded.norm(dim=3)
         scaled = padded.abs() / torch.where(norms > 0, norms, 1.0).unsqueeze(3) * self.levels
         lower = scaled.floor()
-        noise = torch.stack([
-            torch.rand(buckets, size, generator=generator_for("qsgd", self.seed, ctx.step, name, r))
-            for name in names for r in ctx.ranks
-        ]).reshape(group, workers, buckets, size)
-        # Page-locked and queued: a plain ``.to`` of host memory would make the host wait.
-        noise = to_device(noise, x.device)
+        noise = noise.reshape(group, workers, buckets, size)
         level = lower + (noise < (scaled - lower)).to(x.dtype)
         # A non-finite input gives NaN levels; they become 0 so every code stays in range
         # (the engine discards such a call's result, but the message must still decode).
@@ -102,6 +150,34 @@ class QSGD(Compressor):
         level = level.reshape(group, workers, -1)[..., :numel]
         codes = (torch.sign(x) * level + self.levels).to(torch.uint8)
         return norms, codes
+
+    # -- the code of one part, for the sharded exchange (gradzip.compressors.sharded_codes) ------
+    def part_bytes(self, count: int) -> int:
+        """Bytes of the message of ``count`` entries: its buckets' norms, then its codes."""
+        return 4 * self._layout(count)[0] + packed_size(count, self.bits)
+
+    def encode_parts(self, x: torch.Tensor, draws: torch.Tensor | None) -> torch.Tensor:
+        """``x[R, m]`` -> messages ``[R, part_bytes(m)]``, each row with its own norms."""
+        assert draws is not None, "QSGD rounds at random: it needs draws"
+        buckets, size = self._layout(x.shape[1])
+        noise = torch.nn.functional.pad(draws, (0, buckets * size - x.shape[1]))
+        norms, codes = self._quantise(x[None], noise[None])
+        # Codes are clamped to [0, 2 * levels] by _quantise: no range test (a host sync).
+        return torch.cat([norms[0].contiguous().view(torch.uint8),
+                          pack_bits(codes[0], self.bits, checked=False)], dim=1)
+
+    def decode_parts(self, messages: torch.Tensor, count: int) -> torch.Tensor:
+        """Messages ``[R, part_bytes(count)]`` -> values ``[R, count]``."""
+        head = 4 * self._layout(count)[0]
+        codes = unpack_bits(messages[:, head:], self.bits, count)
+        # Asserted on the device: a host read of the codes would stall a CUDA stream per call.
+        check_range(codes, 2 * self.levels, "message codes")
+        return self._decode(reinterpret(messages[:, :head], torch.float32), codes, count)
+
+    def part_draws(self, key: tuple[Any, ...], count: int, device: torch.device) -> torch.Tensor:
+        """``count`` uniform draws keyed by ``(seed, *key)`` (never the global generator)."""
+        noise = torch.rand(count, generator=generator_for("qsgd", self.seed, *key))
+        return to_device(noise, device)
 
     def _decode(self, norms: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
         """(norms ``[..., R, buckets]``, codes ``[..., R, n]``) -> values ``[..., R, n]``."""
@@ -150,6 +226,16 @@ class QSGD(Compressor):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
+        if not jobs:
+            return
+        # Every rank splits alike: a tensor's form depends on its size and the world size.
+        forms = split_by_form(jobs, self, self.exchange, comm.world_size)
+        dense_reduce(forms["dense"], comm)
+        self._reduce_gathered(forms["allgather"], comm, ctx)
+        sharded_reduce(forms["sharded"], state, comm, ctx, self, "sharded", owner_feedback=False)
+
+    def _reduce_gathered(self, jobs: Sequence[Job], comm: Collective, ctx: StepContext) -> None:
+        """Every worker's message of ``jobs`` all-gathered, each decoded and averaged."""
         if not jobs:
             return
         workers = comm.local_workers

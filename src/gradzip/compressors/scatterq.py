@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -11,9 +11,15 @@ import torch
 from gradzip._validate import check_int, check_real
 from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
-from gradzip.ops.binmean import binmean_decode, binmean_encode
-from gradzip.ops.bits import pack_bits, packed_size, unpack_bits
-from gradzip.ops.flat import reinterpret
+from gradzip.compressors.binmean import BinMeanCodec
+from gradzip.compressors.sharded_codes import (
+    check_exchange_state,
+    exchange_report,
+    init_exchange_state,
+    shard_size,
+    sharded_reduce,
+    sharded_wire_bytes,
+)
 
 __all__ = ["ScatterQuant"]
 
@@ -22,19 +28,17 @@ __all__ = ["ScatterQuant"]
 class ScatterQuant(Compressor):
     """Average with a reduce-scatter and an all-gather that both carry bin-mean codes.
 
-    The tensors of a call are flattened together and cut into ``W`` parts, part ``j`` owned
-    by worker ``j``. Each worker quantises each part (``2**bits`` bins over mean +- ``spread``
-    standard deviations of the part, each code decoded to its bin's mean; the codebook
-    travels with the codes) and sends it to its owner (all-to-all). The owner decodes the
-    ``W`` messages, sums them in rank order, divides by ``W``, quantises that average again
-    and all-gathers it. Every message is a part of ``ceil(N / W)`` codes plus a codebook, so
-    a worker sends ``2 (W - 1) (4 * 2**bits + ceil(ceil(N / W) * bits / 8))`` bytes on the
-    wire per call: like a ring all-reduce, it does not grow with the number of workers, and
-    at 8 bits it is a quarter of the fp32 all-reduce's.
-
-    Error feedback keeps what each worker's own first quantisation lost; the owner's second
-    quantisation (identical on every worker) is not fed back. A call whose quantised
-    exchange would cost more wire bytes than the dense all-reduce is sent dense.
+    The bin-mean quantiser (:class:`~gradzip.compressors.binmean.BinMean`: ``2**bits`` bins
+    over mean +- ``spread`` standard deviations, each code decoded to its bin's mean, the
+    codebook travelling with the codes) through the sharded exchange
+    (:mod:`gradzip.compressors.sharded_codes`) at every world size: each tensor of ``n`` entries is
+    cut into ``W`` parts of ``c = ceil(n / W)``, each worker quantises each part and sends it
+    to its owner (all-to-all), the owner averages the ``W`` pieces in rank order, quantises
+    the average again (its error kept in its owner residual) and all-gathers it. A worker
+    sends ``2 (W - 1) (4 * 2**bits + ceil(c * bits / 8))`` bytes per tensor on the wire: like
+    a ring all-reduce, it does not grow with the number of workers, and at 8 bits it is about
+    a quarter of the fp32 all-reduce's. A tensor for which the dense all-reduce costs fewer
+    wire bytes (a small one: the codebook dominates) is sent dense.
 
     Args:
         bits: bits per entry, in [1, 8].
@@ -42,7 +46,8 @@ class ScatterQuant(Compressor):
 
     References:
         Jaghouar et al., "INTELLECT-1 Technical Report", 2024 (an 8-bit all-reduce that
-        re-quantises at every hop).
+        re-quantises at every hop); Tang et al., "DoubleSqueeze", ICML 2019 (the owner's
+        error feedback).
     """
 
     bits: int = 8
@@ -53,69 +58,50 @@ class ScatterQuant(Compressor):
         object.__setattr__(self, "bits", check_int("bits", self.bits, minimum=1, maximum=8))
         object.__setattr__(self, "spread", check_real("spread", self.spread, low=0, low_open=True))
 
-    def part_bytes(self, total: int, world_size: int) -> int:
-        """Bytes of one message (a part's codebook and codes) for ``total`` entries."""
-        return 4 * (1 << self.bits) + packed_size(-(-total // world_size), self.bits)
+    @property
+    def codec(self) -> BinMeanCodec:
+        return BinMeanCodec(self.bits, self.spread)
 
-    def wire_bytes(self, total: int, world_size: int) -> int:
-        """Wire bytes one worker sends for a call of ``total`` entries, quantised."""
-        return 2 * (world_size - 1) * self.part_bytes(total, world_size)
+    def part_bytes(self, numel: int, world_size: int) -> int:
+        """Bytes of one message (a part's codebook and codes) of a tensor of ``numel``."""
+        return self.codec.part_bytes(shard_size(numel, world_size))
 
-    def report(self, state: Any) -> dict[str, Any]:
-        """Bits per entry over fp32's 32, as a density of the dense message."""
-        return {"density": self.bits / 32}
+    def wire_bytes(self, numel: int, world_size: int) -> int:
+        """Wire bytes one worker sends for a tensor of ``numel`` entries, quantised."""
+        return sharded_wire_bytes(self.codec, numel, world_size)
 
-    def _message(self, part: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``part[R, n]`` -> (messages ``[R, size]`` uint8, decoded ``[R, n]``)."""
-        codebook, codes = binmean_encode(part, self.bits, self.spread)
-        message = torch.zeros(part.shape[0], size, dtype=torch.uint8, device=part.device)
-        body = torch.cat([codebook.contiguous().view(torch.uint8), pack_bits(codes, self.bits)], dim=1)
-        message[:, : body.shape[1]] = body
-        return message, binmean_decode(codebook, codes)
+    def quantised(self, numel: int, world_size: int) -> bool:
+        """Whether a tensor of ``numel`` entries goes quantised (else dense): from its size
+        and the world size only, so every rank decides alike."""
+        return numel > 0 and (world_size == 1 or self.wire_bytes(numel, world_size)
+                              < allreduce_wire_bytes(4 * numel, world_size))
 
-    def _decode(self, messages: torch.Tensor, count: int) -> torch.Tensor:
-        """Messages ``[R, size]`` of ``count`` codes each -> values ``[R, count]``."""
-        bins = 1 << self.bits
-        codebook = reinterpret(messages[:, : 4 * bins], torch.float32)
-        codes = unpack_bits(messages[:, 4 * bins :], self.bits, count)
-        return binmean_decode(codebook, codes)
+    def init_group_state(
+        self, shapes: Mapping[str, torch.Size], world_size: int, local_workers: int
+    ) -> dict[str, Any]:
+        """Each tensor's form and the owner residuals of the quantised ones."""
+        state = init_exchange_state(self.codec, "sharded", shapes, world_size, local_workers)
+        for name, shape in shapes.items():
+            if not self.quantised(torch.Size(shape).numel(), world_size):
+                state["forms"][name] = "dense"
+                state["owner"].pop(name, None)
+        return state
+
+    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
+                    **_: Any) -> str | None:
+        """A form that differs from the one the shapes and world size give."""
+        return check_exchange_state(state, fresh)
+
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Bits per entry over fp32's 32, as a density of the dense message; tensors per
+        exchange form (when the state was made for a group)."""
+        found = exchange_report(state)
+        return {"density": self.bits / 32, **({"exchange": found} if found else {})}
 
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        if not jobs:
-            return
-        world, workers = comm.world_size, comm.local_workers
-        total = sum(job.numel for job in jobs)
-        # Decided from sizes alone: the same branch on every worker.
-        cheaper = world == 1 or self.wire_bytes(total, world) < allreduce_wire_bytes(4 * total, world)
-        if total < world or not cheaper:
-            dense_reduce(jobs, comm)
-            return
-        flat = torch.cat([job.tensor.reshape(workers, -1) for job in jobs], dim=1)
-        bounds = [total * j // world for j in range(world + 1)]  # part j: [bounds[j], bounds[j+1])
-        size = self.part_bytes(total, world)
-        outgoing, own = [], []
-        for j in range(world):
-            message, decoded = self._message(flat[:, bounds[j] : bounds[j + 1]], size)
-            outgoing.append(message)
-            own.append(decoded)
-        decoded_all = torch.cat(own, dim=1)
-        received = comm.all_to_all(torch.stack(outgoing, dim=1))  # [L, W, size]
-        averaged_parts = []
-        for local, rank in enumerate(comm.local_ranks):
-            values = self._decode(received[local], bounds[rank + 1] - bounds[rank])
-            part = values[0].clone()
-            for row in values[1:]:  # rank order: the same sum on every worker
-                part += row
-            averaged_parts.append(part.div_(world))
-        # Every local worker's averaged part, quantised again: the second hop stays quantised.
-        again = torch.stack([self._message(p[None], size)[0][0] for p in averaged_parts])
-        gathered = comm.all_gather(again)  # [W, size]
-        averaged = torch.cat([self._decode(gathered[j : j + 1], bounds[j + 1] - bounds[j])[0]
-                              for j in range(world)])
-        offset = 0
-        for job in jobs:
-            job.averaged = averaged[offset : offset + job.numel].reshape(job.shape)
-            job.decoded = decoded_all[:, offset : offset + job.numel].reshape(job.tensor.shape)
-            offset += job.numel
+        world = comm.world_size
+        dense_reduce([j for j in jobs if not self.quantised(j.numel, world)], comm)
+        sharded_reduce([j for j in jobs if self.quantised(j.numel, world)], state, comm, ctx,
+                       self.codec, "sharded")

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from gradzip._validate import check_choice
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.sharded_codes import (
+    EXCHANGES,
+    check_exchange_state,
+    exchange_report,
+    init_exchange_state,
+    sharded_reduce,
+    split_by_form,
+)
 from gradzip.ops.bits import (
     MAX_KEY_WORKERS,
     bit_keys,
@@ -65,15 +74,68 @@ class Sign(Compressor):
     byte (all tensors of one call in one stream).
 
     Zero entries are sent as positive (one bit cannot say zero); error feedback corrects that.
-    Messages are all-gathered.
+    A tensor travels all-gathered, through the sharded exchange (each part of ``ceil(n / W)``
+    entries with its own scale, averaged and signed again by its owner, whose error is kept;
+    :mod:`gradzip.compressors.sharded_codes`) or dense, whichever ``exchange`` and the byte
+    formulas choose (:func:`~gradzip.compressors.sharded_codes.choose_exchange`).
+
+    Args:
+        exchange: ``"auto"`` (the form with the fewest wire bytes), ``"allgather"`` or
+            ``"sharded"``.
 
     References:
         Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
-        Schemes", ICML 2019 (scaled sign with error feedback); Seide et al., "1-bit SGD", 2014.
+        Schemes", ICML 2019 (scaled sign with error feedback); Seide et al., "1-bit SGD", 2014;
+        Tang et al., "DoubleSqueeze", ICML 2019 (the owner's error feedback).
     """
 
+    exchange: str = "auto"
     spec_name: ClassVar[str] = "sign"
     device_decisions: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exchange", check_choice("exchange", self.exchange, EXCHANGES))
+
+    def init_group_state(
+        self, shapes: Mapping[str, torch.Size], world_size: int, local_workers: int
+    ) -> dict[str, Any]:
+        """Each tensor's form and the owner residuals of the sharded ones."""
+        return init_exchange_state(self, self.exchange, shapes, world_size, local_workers)
+
+    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
+                    **_: Any) -> str | None:
+        """A form that differs from the one the shapes and world size give."""
+        return check_exchange_state(state, fresh)
+
+    def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Tensors per exchange form (when the state was made for a group)."""
+        found = exchange_report(state)
+        return {"exchange": found} if found else {}
+
+    # -- the code of one part, for the sharded exchange (gradzip.compressors.sharded_codes) ------
+    @staticmethod
+    def part_bytes(count: int) -> int:
+        """Bytes of the message of ``count`` entries: its fp32 scale, then its sign bits."""
+        return 4 + packed_size(count, 1)
+
+    @staticmethod
+    def encode_parts(x: torch.Tensor, draws: torch.Tensor | None) -> torch.Tensor:
+        """``x[R, m]`` -> messages ``[R, part_bytes(m)]``: each row's ``mean(|x|)`` (summed in
+        float64, which cannot overflow, rounded to float32 once) and its sign bits."""
+        scale = (x.abs().sum(dim=1, keepdim=True, dtype=torch.float64) / x.shape[1])
+        head = scale.to(torch.float32).contiguous().view(torch.uint8)  # [R, 4]
+        return torch.cat([head, pack_bits((x >= 0).to(torch.uint8), 1, checked=False)], dim=1)
+
+    @staticmethod
+    def decode_parts(messages: torch.Tensor, count: int) -> torch.Tensor:
+        """Messages ``[R, part_bytes(count)]`` -> values ``[R, count]``."""
+        scale = reinterpret(messages[:, :4], torch.float32)  # [R, 1]
+        return (unpack_bits(messages[:, 4:], 1, count).to(torch.float32) * 2 - 1) * scale
+
+    @staticmethod
+    def part_draws(key: tuple[Any, ...], count: int, device: torch.device) -> None:
+        """No draws: the sign is deterministic."""
+        return None
 
     @staticmethod
     def message_bytes(*numels: int) -> int:
@@ -84,6 +146,16 @@ class Sign(Compressor):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
+        if not jobs:
+            return
+        # Every rank splits alike: a tensor's form depends on its size and the world size.
+        forms = split_by_form(jobs, self, self.exchange, comm.world_size)
+        dense_reduce(forms["dense"], comm)
+        self._reduce_gathered(forms["allgather"], comm)
+        sharded_reduce(forms["sharded"], state, comm, ctx, self, "sharded")
+
+    def _reduce_gathered(self, jobs: Sequence[Job], comm: Collective) -> None:
+        """Every worker's message of ``jobs`` all-gathered, each decoded and averaged."""
         if not jobs:
             return
         workers = comm.local_workers

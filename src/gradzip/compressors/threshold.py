@@ -9,9 +9,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradzip._validate import check_bool, check_real
+from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
+from gradzip.compressors.sharded_sparse import (
+    EXCHANGES,
+    choose_exchange,
+    outside_own_part,
+    sharded_reduce,
+)
 from gradzip.compressors.sparse import gather_sparse, index_bytes
 from gradzip.ops.branches import cpu_form
 from gradzip.ops.flat import to_device
@@ -61,6 +67,29 @@ class HardThreshold(Compressor):
     bounds the *padded* volume and the bytes match a Top-k of ``ratio=budget`` (plus 4 bytes
     of sizes per tensor), at the price of a higher lambda than ``padded=False`` needs.
 
+    In budget mode (not padded), where it costs fewer wire bytes (from about three workers
+    on), a tensor travels by the sharded exchange instead (:mod:`gradzip.compressors.sharded_sparse`):
+    lambda keeps its meaning (a worker offers exactly its entries at or above lambda outside
+    its own part), but each part's owner receives at most ``2 * budget * numel / W`` of them
+    from each worker (the largest; the rest stay in the worker's residual) and passes on the
+    largest ``owner_keep * budget * numel / W`` entries of its part's sum (the rest stay in
+    its own residual). The budget's density then counts entries offered out of the
+    ``(W - 1) * numel`` outside the workers' own parts.
+    Message sizes then follow from shapes and the budget alone; the entries offered are
+    still counted for the budget, with one all-reduce of the counts per call (read on the
+    host, as the all-gather form reads its sizes). The all-gather form's bytes, which vary
+    by step, are estimated at ``budget * numel`` entries per worker for the choice. The
+    absolute ``lam`` mode has no budget to size the parts and always all-gathers.
+
+    Args:
+        lam: the absolute threshold (> 0), or ``None`` with ``budget``.
+        budget: the target run density in (0, 1], or ``None`` with ``lam``.
+        padded: count the padded volume against the budget (budget mode only).
+        exchange: ``"auto"``, ``"allgather"`` or ``"sharded"`` (the last needs ``budget``
+            without ``padded``); see :data:`~gradzip.compressors.sharded_sparse.EXCHANGES`.
+        owner_keep: in the sharded exchange, what each owner passes on, as a multiple of
+            ``budget * numel / W`` (an integer >= 1).
+
     References:
         Sahu et al., "Rethinking gradient sparsification as total error minimization",
         NeurIPS 2021.
@@ -69,6 +98,8 @@ class HardThreshold(Compressor):
     lam: float | None = None
     budget: float | None = None
     padded: bool = False
+    exchange: str = "auto"
+    owner_keep: int = 4
     spec_name: ClassVar[str] = "threshold"
 
     def __post_init__(self) -> None:
@@ -86,6 +117,27 @@ class HardThreshold(Compressor):
         check_bool("padded", self.padded)
         if self.padded and self.budget is None:
             raise ValueError(f"`padded` needs `budget` (it shapes the budget), got lam={self.lam!r}")
+        object.__setattr__(self, "exchange", check_choice("exchange", self.exchange, EXCHANGES))
+        object.__setattr__(self, "owner_keep", check_int("owner_keep", self.owner_keep, minimum=1))
+        if self.exchange == "sharded" and (self.budget is None or self.padded):
+            raise ValueError(
+                "`exchange` 'sharded' needs `budget` without `padded` (the budget sizes the "
+                f"parts), got lam={self.lam!r}, padded={self.padded!r}"
+            )
+
+    def exchange_for(self, numel: int, world: int) -> str:
+        """How a tensor of ``numel`` entries travels among ``world`` workers: ``"dense"``,
+        ``"allgather"`` or ``"sharded"`` (shapes and configuration only: every worker agrees;
+        ``"allgather"`` here may still send a tensor dense when its densest worker's count
+        makes that cheaper)."""
+        kept = self._kept(numel)
+        return choose_exchange(self.exchange, numel, world, kept,
+                               kept * (4 + index_bytes(numel)), self.owner_keep,
+                               sharded_ok=self.budget is not None and not self.padded)
+
+    def _kept(self, numel: int) -> int:
+        """Entries per worker the budget allows in a tensor of ``numel`` (1 with ``lam``)."""
+        return max(1, min(numel, int((self.budget or 0.0) * numel)))
 
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
         # lam < 0 marks "not calibrated yet" in budget mode; recent < 0 "no step seen yet".
@@ -117,6 +169,29 @@ class HardThreshold(Compressor):
         if state["lam"] < 0 and any(j.numel for j in jobs):
             state["lam"] = self._calibrate(jobs, comm)
         lam = state["lam"]
+        sharded = [j for j in jobs if self.exchange_for(j.numel, comm.world_size) == "sharded"]
+        if sharded:
+            self._reduce_sharded(sharded, lam, state, comm)
+        if len(sharded) < len(jobs):
+            chosen = {id(j) for j in sharded}
+            self._reduce_gathered([j for j in jobs if id(j) not in chosen], lam, state, comm)
+
+    def _reduce_sharded(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
+                        comm: Collective) -> None:
+        workers = comm.local_workers
+        # NaN never reaches lambda. A worker's own part travels whole to itself (it holds the
+        # owner's residual there): it offers entries of the other parts only.
+        masks = [outside_own_part(j.tensor.reshape(workers, -1), comm).abs() >= lam for j in jobs]
+        # What the budget counts: every worker's entries at or above lambda, summed over the
+        # group (identical on every worker, so lambda stays the same everywhere), out of the
+        # entries outside each worker's own part ((W - 1) n in all: the parts tile a tensor).
+        offered = comm.all_reduce(torch.stack([m.sum(dim=1) for m in masks], dim=1))
+        state["step_sent"] += int(offered.sum())  # the host read of this form, once per call
+        state["step_offered"] += (comm.world_size - 1) * sum(j.numel for j in jobs)
+        sharded_reduce(jobs, masks, [self._kept(j.numel) for j in jobs], comm, self.owner_keep)
+
+    def _reduce_gathered(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
+                         comm: Collective) -> None:
         if _selects_per_call(jobs[0].tensor.device):
             selected, all_counts = _select_call(jobs, lam, comm)
         else:

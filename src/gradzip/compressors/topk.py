@@ -8,9 +8,15 @@ from typing import Any, ClassVar
 
 import torch
 
-from gradzip._validate import check_real
+from gradzip._validate import check_choice, check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
+from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.sharded_sparse import (
+    EXCHANGES,
+    choose_exchange,
+    outside_own_part,
+    sharded_reduce,
+)
 from gradzip.compressors.sparse import gather_full, index_bytes
 from gradzip.ops.select import topk_abs
 
@@ -25,8 +31,21 @@ class TopK(Compressor):
     since different workers keep different entries. A tensor for which that costs more than a
     dense all-reduce (``k`` above about ``numel / W``) is sent dense instead. Selection is exact.
 
+    Where it costs fewer wire bytes (from about three workers on), a tensor travels by the
+    sharded exchange instead (:mod:`gradzip.compressors.sharded_sparse`): each worker sends each
+    part's owner its top-k entries (chosen outside its own part) in that part (fixed
+    capacity, overflow stays in its residual), owners pass on the top ``owner_keep * k / W``
+    of their part's sum and all-gather them, so bytes per worker stay about
+    ``(2 + owner_keep) k`` entries whatever ``W``.
+
     Args:
         ratio: fraction of entries kept, in (0, 1].
+        exchange: ``"auto"`` (the fewest wire bytes of dense, all-gather and sharded, per
+            tensor), ``"allgather"`` or ``"sharded"`` (see :data:`~gradzip.compressors.sharded_sparse.EXCHANGES`).
+        owner_keep: in the sharded exchange, what each part's owner passes on, as a multiple
+            of ``k / W`` (an integer >= 1): more keeps the average closer to the all-gather's
+            (which delivers up to ``W k`` entries), each unit costing ``k`` entries more per
+            worker.
 
     References:
         Aji and Heafield, "Sparse Communication for Distributed Gradient Descent", 2017;
@@ -34,15 +53,26 @@ class TopK(Compressor):
     """
 
     ratio: float = 0.01
+    exchange: str = "auto"
+    owner_keep: int = 4
     spec_name: ClassVar[str] = "topk"
     device_decisions: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", check_real("ratio", self.ratio, low=0, high=1, low_open=True))
+        object.__setattr__(self, "exchange", check_choice("exchange", self.exchange, EXCHANGES))
+        object.__setattr__(self, "owner_keep", check_int("owner_keep", self.owner_keep, minimum=1))
 
     def k_for(self, numel: int) -> int:
         """Entries kept in a tensor of ``numel`` entries."""
         return max(1, min(numel, int(self.ratio * numel)))
+
+    def exchange_for(self, numel: int, world: int) -> str:
+        """How a tensor of ``numel`` entries travels among ``world`` workers: ``"dense"``,
+        ``"allgather"`` or ``"sharded"`` (shapes and configuration only: every worker agrees)."""
+        k = self.k_for(numel)
+        return choose_exchange(self.exchange, numel, world, k, k * (4 + index_bytes(numel)),
+                               self.owner_keep)
 
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """The configured density (tensors sent dense are not counted apart)."""
@@ -51,12 +81,19 @@ class TopK(Compressor):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        sparse, dense = [], []
+        sparse, dense, sharded = [], [], []
         for job in jobs:
-            k = self.k_for(job.numel)
-            pays = sparse_pays(job.numel, k, 4 + index_bytes(job.numel), comm)
-            (sparse if pays else dense).append(job)
+            # Per tensor, from sizes only: the same form on every worker, and a tensor's
+            # form does not depend on which tensors share the call.
+            form = self.exchange_for(job.numel, comm.world_size)
+            {"allgather": sparse, "dense": dense, "sharded": sharded}[form].append(job)
         dense_reduce(dense, comm)
+        self._reduce_gathered(sparse, comm)
+        # Last: an all-to-all cannot carry the engine's call header, so a call whose first
+        # collective is the sharded exchange's sends the header apart.
+        self._reduce_sharded(sharded, comm)
+
+    def _reduce_gathered(self, sparse: Sequence[Job], comm: Collective) -> None:
         if not sparse:
             return
         workers = comm.local_workers
@@ -77,3 +114,14 @@ class TopK(Compressor):
                 indices[i] = idx[g * workers : (g + 1) * workers]
         gather_full(sparse, torch.cat(values, dim=1), torch.cat(indices, dim=1),
                     [self.k_for(job.numel) for job in sparse], comm)
+
+    def _reduce_sharded(self, jobs: Sequence[Job], comm: Collective) -> None:
+        if not jobs:
+            return
+        workers, masks = comm.local_workers, []
+        for job in jobs:
+            flat = outside_own_part(job.tensor.reshape(workers, -1), comm)
+            _, idx = topk_abs(flat, self.k_for(job.numel))
+            masks.append(torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+                         .scatter_(1, idx, True))
+        sharded_reduce(jobs, masks, [self.k_for(job.numel) for job in jobs], comm, self.owner_keep)

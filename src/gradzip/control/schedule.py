@@ -10,6 +10,7 @@ simulator treat both alike.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -60,6 +61,8 @@ def _step(value: Any) -> int:
 def _epoch(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"`gentle_epochs` bounds must be numbers, got {value!r}")
+    if not math.isfinite(value):  # NaN compares false with every bound and slips through
+        raise ValueError(f"`gentle_epochs` bounds must be finite numbers, got {value!r}")
     return float(value)
 
 

@@ -154,6 +154,16 @@ class TwoLevel(Compressor):
             },
         }
 
+    def init_group_state(
+        self, shapes: Mapping[str, torch.Size], world_size: int, local_workers: int
+    ) -> dict[str, Any]:
+        """:meth:`init_state`, each level's state made for the group (see
+        ``Compressor.init_group_state``)."""
+        state = self.init_state(shapes)
+        for level, key in zip(self.level_compressors, (STEADY, CRITICAL), strict=True):
+            state[key] = level.init_group_state(shapes, world_size, local_workers)
+        return state
+
     def _levels_problem(
         self, state: Mapping[str, Any], fresh: Mapping[str, Any],
         shapes: Mapping[str, torch.Size], workers: int,

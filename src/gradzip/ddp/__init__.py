@@ -1,10 +1,12 @@
 """DistributedDataParallel communication hook: gradzip's engine behind DDP's buckets.
 
-A thin adapter, in four modules: :mod:`~gradzip.ddp.hook` (the hook, ``make_hook`` and
-``register``), :mod:`~gradzip.ddp.state` (:class:`GradzipHookState`: one engine, the buckets'
-work, checkpoints), :mod:`~gradzip.ddp.thread` (the communication thread and its private
-group) and :mod:`~gradzip.ddp.params` (a model's trainable parameters, state trees moved
-between devices). DDP hands the hook one *bucket* (a flat buffer holding several parameters'
+A thin adapter: :mod:`~gradzip.ddp.hook` (the hook, ``make_hook`` and ``register``),
+:mod:`~gradzip.ddp.state` (:class:`GradzipHookState`: one engine, the buckets' work,
+checkpoints), :mod:`~gradzip.ddp.gate` (readers of the state wait for the step to close),
+:mod:`~gradzip.ddp.gathered` (every rank's state in one checkpoint),
+:mod:`~gradzip.ddp.thread` (the communication thread and its private group) and
+:mod:`~gradzip.ddp.params` (a model's trainable parameters, state trees moved between
+devices). DDP hands the hook one *bucket* (a flat buffer holding several parameters'
 local gradients) at a time; the hook looks the parameters up by name, lets one
 :class:`~gradzip.Engine` average them through the compressor, writes the averages back into
 the bucket's buffer and completes the future it returned. By default (``overlap=True``) that

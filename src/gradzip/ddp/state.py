@@ -18,6 +18,8 @@ import torch.distributed as dist
 from gradzip._validate import check_bool
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
+from gradzip.ddp.gate import StepGate
+from gradzip.ddp.gathered import GatheredState, rank_entry
 from gradzip.ddp.params import named_trainable_parameters, tree_to
 from gradzip.ddp.thread import comm_thread, private_group
 from gradzip.engine import STATS_KEYS, BucketLayout, Engine
@@ -26,9 +28,6 @@ from gradzip.options import EngineOptions
 from gradzip.spec import compressor_from_spec
 
 __all__ = ["GatheredState", "GradzipHookState"]
-
-_PER_RANK = "per_rank"
-
 
 class GradzipHookState:
     """The state a DDP comm hook receives: one :class:`~gradzip.Engine`, built on first use.
@@ -96,13 +95,8 @@ class GradzipHookState:
         self._private_group = False
         # Bucket index -> (identity of its parameters and buffer, the engine's layout of it).
         self._layouts: dict[int, tuple[Any, BucketLayout]] = {}
-        # Whether the engine is inside a step (from its first bucket's work to its last's),
-        # guarded by a condition. Why: a checkpoint thread that reads the state while the
-        # communication thread (or autograd) runs the next step's buckets would get one
-        # step's residuals beside another's warm starts or byte counts; readers wait for the
-        # step to close and hold the lock while they read, so the next step waits for them.
-        self._step_cv = threading.Condition()
-        self._step_open = False
+        # Whether the engine is inside a step; readers wait for it to close (see ddp.gate).
+        self._gate = StepGate()
         self._hook_thread: int | None = None  # the thread DDP calls the hook on
         self._inline: bool | None = None  # overlap without the thread (NCCL; ddp.hook)
         # Optimizer steps taken since this state was built (None: no optimizer known). Why:
@@ -177,8 +171,7 @@ class GradzipHookState:
 
     def _reduce_bucket(self, engine: Engine, layout: BucketLayout, finish_step: bool,
                        step: int | None) -> None:
-        with self._step_cv:  # waits while a reader holds the state (see __init__)
-            self._step_open = True
+        self._gate.open()  # waits while a reader holds the state (see gradzip.ddp.gate)
         try:
             # DDP checked at construction that every rank holds the same parameters and
             # hands every rank the same buckets in the same order (rebuilt buckets follow
@@ -186,34 +179,18 @@ class GradzipHookState:
             # may ride in it (see gradzip.comm.header).
             engine.reduce_bucket(layout, finish_step=finish_step, step=step)
         except BaseException:
-            self._close_step()  # the engine abandoned the step, its state as before it
+            self._gate.close()  # the engine abandoned the step, its state as before it
             raise
         if finish_step:
-            self._close_step()
-
-    def _close_step(self) -> None:
-        with self._step_cv:
-            self._step_open = False
-            self._step_cv.notify_all()
+            self._gate.close()
 
     @contextmanager
     def _between_steps(self, *, counters: bool = False) -> Iterator[None]:
         """Wait for the work in flight and for the engine's step to close, then hold the next
-        step off while the caller reads or writes the state (from any thread).
-
-        With ``counters`` (``stats``), a read on the thread that runs the step itself (a
-        gradient hook in the middle of the backward pass) gets the counts made so far."""
+        step off while the caller reads or writes the state (see
+        :meth:`~gradzip.ddp.gate.StepGate.between_steps`)."""
         self.wait()
-        with self._step_cv:
-            own_step = self._step_open and threading.get_ident() == self._hook_thread
-            if own_step and not counters:
-                # The thread that would close the step is this one: waiting would never end.
-                raise RuntimeError(
-                    "the hook state must be read between steps, not inside one (a backward "
-                    "pass that stopped after some of its buckets leaves its step open)"
-                )
-            if not own_step:
-                self._step_cv.wait_for(lambda: not self._step_open)
+        with self._gate.between_steps(self._hook_thread, counters=counters):
             yield
 
     def _submit(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -347,15 +324,7 @@ class GradzipHookState:
             self._pending = state
             return
         engine = self.engine
-        if _PER_RANK in state:
-            entries = state[_PER_RANK]
-            rank = engine.comm.first_rank
-            if not isinstance(entries, list) or len(entries) != engine.comm.world_size:
-                raise ValueError(
-                    f"`state['{_PER_RANK}']` must list {engine.comm.world_size} ranks' states, "
-                    f"got {len(entries) if isinstance(entries, list) else type(entries).__name__}"
-                )
-            state = entries[rank]
+        state = rank_entry(state, engine.comm.first_rank, engine.comm.world_size)
         device = next(iter(self.params.values())).device
         engine.load_state_dict(tree_to(state, device))
 
@@ -365,37 +334,19 @@ class GradzipHookState:
         return GatheredState(self)
 
     def __repr__(self) -> str:
-        return (
-            f"GradzipHookState(compressor={self.compressor.spec()!r}, "
-            f"parameters={len(self.params)}, steps={self.stats['steps']})"
-        )
-
-
-class GatheredState:
-    """Checkpoint every rank's hook state in one object (one writer, every rank reads).
-
-    ``state_dict()`` is a collective (``all_gather_object``): every rank must call it, as
-    Accelerate's ``save_state`` and Lightning's checkpointing do. ``load_state_dict`` picks this
-    rank's entry. Tensors travel and are saved on the CPU.
-
-    Args:
-        state: the hook state to wrap.
-    """
-
-    def __init__(self, state: GradzipHookState) -> None:
-        if not isinstance(state, GradzipHookState):
-            raise TypeError(f"`state` must be a GradzipHookState, got {type(state).__name__}")
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        mine = tree_to(self.state.state_dict(), torch.device("cpu"))
-        group = self.state.process_group
-        entries: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(entries, mine, group=group)
-        return {_PER_RANK: entries}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.state.load_state_dict(state)
+        # Never waits, never builds the engine, needs no process group: a repr may be asked
+        # for anywhere (a debugger, a log line inside a step, before init_process_group).
+        if self._engine is not None:
+            where = f"steps={self._engine.step}"
+            if self._gate.is_open:
+                where += " (a step in progress)"
+        elif self._pending is not None:
+            where = (f"engine=None (built with the process group; a checkpoint at step "
+                     f"{self._pending.get('step', '?')} waits to be loaded)")
+        else:
+            where = "engine=None (built at the first bucket, once the process group exists)"
+        return (f"GradzipHookState(compressor={self.compressor.spec()!r}, "
+                f"parameters={len(self.params)}, overlap={self.overlap}, {where})")
 
 
 def _count_steps_of(optimizer: torch.optim.Optimizer, state: GradzipHookState) -> None:

@@ -79,9 +79,9 @@ class EngineBase:
         self.dense_payload = [0] * self.comm.local_workers
         self.dense_wire = [0] * self.comm.local_workers
         self.residuals: dict[str, torch.Tensor] = {}
-        self.compressor_state = self.compressor.init_state(self._compressed_shapes())
+        self.compressor_state = self._router.fresh_state(MAIN_ROUTE, self.comm)
         #: Each rule's compressor state (``{}`` for a dense rule), in rule order.
-        self.rule_states: list[Any] = self._router.fresh_rule_states()
+        self.rule_states: list[Any] = self._router.fresh_rule_states(self.comm)
         #: The step in progress (every per-step flag lives there).
         self._step = Step()
         self._name_codes = {n: stable_hash("tensor", n, tuple(s)) for n, s in self.shapes.items()}

@@ -12,6 +12,7 @@ from typing import Any
 from gradzip.checkpoint import validate_checkpoint
 from gradzip.engine.base import EngineBase
 from gradzip.engine.step import Step
+from gradzip.options import MAIN_ROUTE
 from gradzip.statecheck import copy_tree
 
 __all__ = ["FORMAT_VERSION", "checkpoint_config", "load_state", "save_state"]
@@ -79,8 +80,8 @@ def load_state(engine: EngineBase, state: Mapping[str, Any]) -> None:
         dense_names=engine.dense_names,
         feedback_names=engine._feedback,
         workers=engine.comm.local_workers,
-        fresh_state=engine.compressor.init_state(engine._compressed_shapes()),
-        fresh_rule_states=engine._router.fresh_rule_states(),
+        fresh_state=engine._router.fresh_state(MAIN_ROUTE, engine.comm),
+        fresh_rule_states=engine._router.fresh_rule_states(engine.comm),
         router=engine._router,
     )
     # Everything is valid: swap it in.

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gradzip.ops.finite import extremes_test, finite_rows
-from gradzip.ops.flat import pack, unpack
+from gradzip.ops.flat import pack, to_device, unpack
 
 __all__ = ["any_nonfinite", "changed_tensors", "finite_rows_at_once", "nonfinite_flag",
            "nonfinite_rows_at_once", "where_many", "where_tree"]
@@ -72,7 +72,9 @@ def changed_tensors(tree: Any, before: Any) -> list[torch.Tensor] | None:
     """The tensor leaves of ``tree`` that are not the very objects of ``before`` (state is
     replaced, never mutated in place); ``None`` where ``tree`` changed in a way a device
     rollback cannot undo (a new or removed key, a plain value that changed, a tensor whose
-    shape or dtype changed)."""
+    shape or dtype changed). A tensor that moved to another device is undone by moving the
+    old one there (:func:`where_many`): state made before the device was known (the sharded
+    exchange's owner residuals, PowerSGD's first ``Q``) moves at its first call."""
     out: list[torch.Tensor] = []
 
     def walk(new: Any, old: Any) -> bool:
@@ -84,7 +86,7 @@ def changed_tensors(tree: Any, before: Any) -> list[torch.Tensor] | None:
             return all(walk(new[k], old[k]) for k in new)
         if isinstance(new, torch.Tensor):
             if not (isinstance(old, torch.Tensor) and old.shape == new.shape
-                    and old.dtype == new.dtype and old.device == new.device):
+                    and old.dtype == new.dtype):
                 return False
             if new.is_floating_point():
                 out.append(new)
@@ -121,7 +123,10 @@ def where_many(
         # compressor's flat state) then tile it, and pack views it without a copy.
         members.sort(key=lambda i: after[i].storage_offset())
         now = [after[i] for i in members]
-        kept = torch.where(flag, pack([before[i] for i in members]), pack(now))
+        # The old values where the new ones are (a queued copy; only a step that moved
+        # state made elsewhere pays it).
+        kept = torch.where(flag, to_device(pack([before[i] for i in members]), now[0].device),
+                           pack(now))
         for i, view in zip(members, unpack(kept, [t.shape for t in now]), strict=True):
             out[i] = view
     return [t for t in out if t is not None]

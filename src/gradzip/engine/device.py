@@ -132,7 +132,10 @@ def finish_on_device(
     # No changed tensor (a stateless compressor): nothing to test, no op.
     end_bad = any_nonfinite(changed, device) if changed else None
     handled = policy.finish_on_device(engine, step, start, end_bad, device)
-    engine._skips.add_on_device(handled)
+    if not step.handled:
+        # A call of this step decided on the host already handled it: the step counts once,
+        # when it commits (see Engine._commit_call), however many calls were non-finite.
+        engine._skips.add_on_device(handled)
     step.poison_dev = step.handled_dev = None
     if step.desync_dev is not None:
         # Why only now: with the header riding in a payload of guaranteed layout, and
@@ -147,6 +150,7 @@ def finish_on_device(
                 f"call of the step); every rank must make the same sequence of reduce "
                 f"calls. Found at the step's end; the step was abandoned."
             )
-    engine._errors.commit(step.error_sums, dropped=handled)  # a handled step counts zero
+    if not step.handled:  # a handled step counts zero (the host's: dropped at its commit)
+        engine._errors.commit(step.error_sums, dropped=handled)
     step.error_sums = [None, None, None]
 

@@ -104,12 +104,16 @@ class Router:
         assert found is not None, where  # a dense rule's tensors take DENSE_ROUTE
         return found
 
-    def fresh_rule_states(self) -> list[Any]:
-        """Each rule's fresh state (``{}`` for a dense rule)."""
-        return [
-            {} if c is None else c.init_state(self.shapes_of(i + 1))
-            for i, c in enumerate(self.rule_compressors)
-        ]
+    def fresh_state(self, where: int, comm: Collective) -> Any:
+        """The fresh state of route ``where``'s compressor for the group of ``comm`` (its
+        ``init_group_state``: the sharded exchange's owner residuals depend on the group)."""
+        return self.compressor_of(where).init_group_state(
+            self.shapes_of(where), comm.world_size, comm.local_workers)
+
+    def fresh_rule_states(self, comm: Collective) -> list[Any]:
+        """Each rule's fresh state (``{}`` for a dense rule) for the group of ``comm``."""
+        return [{} if c is None else self.fresh_state(i + 1, comm)
+                for i, c in enumerate(self.rule_compressors)]
 
     def in_use(self) -> list[int]:
         """The compressors' routes in a fixed order, rules first, then the main one: every

@@ -1,7 +1,7 @@
 """Thin adapters that put gradzip's DDP hook into training frameworks.
 
 Each module imports its framework and is importable only when that framework is installed
-(``pip install 'gradzip[integrations]'``); this package itself imports none of them.
+(the ``integrations`` extra installs all three); this package itself imports none of them.
 
 * :mod:`gradzip.integrations.lightning`: ``GradzipDDPStrategy`` for ``lightning.Trainer`` and
   ``GradzipFabricDDPStrategy`` for ``lightning.Fabric``.

@@ -34,7 +34,8 @@ def missing_framework(module: str, package: str, error: ImportError) -> ImportEr
     if top != package.replace("-", "_"):
         return error
     return ImportError(
-        f"{module} needs the `{package}` package: pip install 'gradzip[integrations]'"
+        f"{module} needs the `{package}` package: pip install {package} (or the `integrations` "
+        "extra: pip install -e '.[integrations]' in gradzip's source tree)"
     )
 
 

@@ -142,9 +142,10 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
             f"got {packed.shape[-1]}"
         )
     *lead, _ = packed.shape
+    if bits == 8:  # the codes are the bytes: a copy, never the caller's tensor (or a view of it)
+        return packed[..., :need].to(torch.uint8, memory_format=torch.contiguous_format,
+                                     copy=True)
     packed = packed[..., :need].to(torch.uint8)
-    if bits == 8:
-        return packed.contiguous()
     if _NUMPY_PATH and cpu_form(packed.device) and count > 0:
         flat = packed.reshape(-1, need).numpy()
         codes_np = _unpack_ones(flat, count) if bits == 1 else _unpack_fields(flat, bits, count)
@@ -240,8 +241,9 @@ def _run_stages(
     per stage, ``y = (y & low) | (shift_op(y, shift) & high)``. With ``source``, each chunk
     is first copied from it (an unaligned view, read once)."""
     rows, groups = y_all.shape
-    scratch = np.empty(_SPREAD_CHUNK, dtype=np.uint64)
     step = max(1, _SPREAD_CHUNK // rows)
+    # One column at a time where there are more rows than a chunk holds: room for all rows.
+    scratch = np.empty(max(_SPREAD_CHUNK, rows * step), dtype=np.uint64)
     for start in range(0, groups, step):
         y = y_all[:, start : start + step]
         if source is not None:

@@ -1,6 +1,6 @@
 """Optional compiled CPU kernels (Numba): one pass over memory where NumPy and ATen need several.
 
-Installed with the ``fast`` extra (``pip install gradzip[fast]``). Without Numba, with
+Installed with the ``fast`` extra (``pip install -e '.[fast]'`` in a clone, or ``pip install numba``). Without Numba, with
 ``GRADZIP_JIT=0`` in the environment, or on a big-endian CPU, :func:`enabled` is false and
 callers use their NumPy and torch paths, which give the same bits. Kernels are compiled on
 first use (about a second each, then cached on disk next to this module where it is

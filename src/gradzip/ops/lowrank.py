@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["orthogonalize", "orthonormal", "rescale_exponents", "stack_matrices"]
+__all__ = ["ALIGN_BYTES", "aligned_copy", "aligned_matrices", "orthogonalize", "orthonormal",
+           "rescale_exponents", "stack_matrices"]
 
 
 # Columns whose largest entry lies outside [_LOW, _HIGH] are rescaled by a power of two before
@@ -14,6 +16,11 @@ __all__ = ["orthogonalize", "orthonormal", "rescale_exponents", "stack_matrices"
 # is inf), and squares below 2**-32 can underflow to zero.
 _HIGH = 2.0**32
 _LOW = 2.0**-32
+
+#: Every matrix that PowerSGD's products read or write, and every matrix it factorises,
+#: starts at a multiple of this many bytes (a cache line, and the widest vector load of the
+#: CPU's and GPU's kernels), whichever others share its batch: see :func:`aligned_matrices`.
+ALIGN_BYTES = 64
 
 
 def rescale_exponents(top: torch.Tensor) -> torch.Tensor:
@@ -36,22 +43,102 @@ def rescale_exponents(top: torch.Tensor) -> torch.Tensor:
     return torch.clamp(-torch.ceil(torch.log2(torch.where(odd, top, 1.0))), -126.0, 126.0)
 
 
-def _orthonormal(p: torch.Tensor) -> torch.Tensor:
-    """:func:`orthogonalize` of an already rescaled, non-empty ``p``."""
-    if p.shape[-1] == 1:
+def _quantum(dtype: torch.dtype) -> int:
+    """Entries of ``dtype`` in :data:`ALIGN_BYTES`."""
+    return max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+
+
+def _padded(numel: int, dtype: torch.dtype) -> int:
+    """``numel`` rounded up to a whole number of :data:`ALIGN_BYTES`."""
+    q = _quantum(dtype)
+    return -(-numel // q) * q
+
+
+def aligned_matrices(
+    lead: Sequence[int], shapes: Sequence[tuple[int, int, int]], *, dtype: torch.dtype,
+    device: torch.device | str, zero: bool = False,
+) -> list[torch.Tensor]:
+    """New ``[*lead, B, a, b]`` batches, one per ``(B, a, b)`` of ``shapes``, in one
+    allocation, each matrix contiguous and starting at a multiple of :data:`ALIGN_BYTES`
+    (whatever its size and its neighbours: the padding between matrices is never read).
+
+    Why: the BLAS and LAPACK round a product or a factorisation differently with the
+    alignment of its operands and its output (on the CPU, a matrix 4 bytes further along gives
+    other bits). A matrix placed by a batch of others would then change its bits with them:
+    placed here, every matrix of a given shape is computed alike however it is batched.
+
+    Args:
+        lead: leading dimensions (the local workers), or ``()``.
+        shapes: ``(B, a, b)`` of each batch.
+        dtype: of the buffer.
+        device: of the buffer.
+        zero: fill the buffer with zeros (padding included), for buffers that are stored.
+
+    Returns:
+        One view per batch.
+    """
+    q, per_lead = _quantum(dtype), [(b, _padded(a * c, dtype), a, c) for b, a, c in shapes]
+    width = sum(b * padded for b, padded, _, _ in per_lead)
+    count = math.prod(lead) * width
+    make = torch.zeros if zero else torch.empty
+    buf = make(count + q, dtype=dtype, device=device)
+    shift = (-buf.data_ptr() % ALIGN_BYTES) // buf.element_size()  # 0 from torch's allocators
+    rows = buf[shift:shift + count].view(*lead, width)
+    out, start = [], 0
+    for b, padded, a, c in per_lead:
+        block = rows[..., start:start + b * padded].unflatten(-1, (b, padded))
+        out.append(block[..., : a * c].unflatten(-1, (a, c)))
+        start += b * padded
+    return out
+
+
+def aligned_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of the batch ``x`` (``[..., B, a, b]``) laid out as :func:`aligned_matrices`
+    lays it out (a copy even when ``x`` already is)."""
+    *lead, b, rows, cols = x.shape
+    return aligned_matrices(lead, [(b, rows, cols)], dtype=x.dtype, device=x.device)[0].copy_(x)
+
+
+def orthonormal(pt: torch.Tensor) -> torch.Tensor:
+    """:func:`orthogonalize` of ``P`` given as ``P^T`` (``[..., r, n]``) already rescaled by its
+    power of two (:func:`rescale_exponents`; for callers that rescale many matrices at once,
+    as PowerSGD does over a call's whole message).
+
+    Each matrix is factorised on its own, as one with ``n`` rounded up to a whole number of
+    :data:`ALIGN_BYTES` by zero rows (which stay zero in the result, and which put every
+    matrix of a batch at an aligned place in LAPACK's working copy), so its bits do not
+    depend on the batch it is in.
+
+    Returns:
+        ``P``'s orthonormal columns, ``[..., n, r]``: a view of an aligned buffer (each matrix's
+        columns ``n_padded`` entries apart). An empty ``pt`` gives an empty result.
+    """
+    *lead, r, n = pt.shape
+    if pt.numel() == 0:
+        return pt.transpose(-1, -2).clone()
+    batch = pt.reshape(-1, r, n)
+    n_pad = _padded(n, pt.dtype)
+    (padded,) = aligned_matrices((), [(batch.shape[0], r, n_pad)], dtype=pt.dtype,
+                                 device=pt.device, zero=True)
+    padded[..., :n].copy_(batch)
+    p = padded.transpose(-1, -2)  # [B, n_pad, r], column-major per matrix: LAPACK's layout
+    if r == 1:
+        (out,) = aligned_matrices((), [(batch.shape[0], 1, n_pad)], dtype=pt.dtype,
+                                  device=pt.device)
+        out = out.transpose(-1, -2)
         norm = p.norm(dim=-2, keepdim=True)
         unit = torch.zeros_like(p)
         unit[..., 0, :] = 1.0
-        return torch.where(norm > 0, p / torch.where(norm > 0, norm, 1.0), unit)
-    q, _ = torch.linalg.qr(p, mode="reduced")
-    return q
-
-
-def orthonormal(p: torch.Tensor) -> torch.Tensor:
-    """:func:`orthogonalize` of a ``p`` already rescaled by its power of two
-    (:func:`rescale_exponents`; for callers that rescale many matrices at once, as PowerSGD
-    does over a call's whole message); an empty ``p`` comes back as a copy."""
-    return _orthonormal(p) if p.numel() else p.clone()
+        # A zero P (a zero gradient) gives a unit vector rather than NaN or zero, so a
+        # warm-started power iteration recovers as soon as the gradient is non-zero again.
+        torch.where(norm > 0, p / torch.where(norm > 0, norm, 1.0), unit, out=out)
+    else:
+        out, _ = torch.linalg.qr(p, mode="reduced")  # column-major per matrix, a new buffer
+        if out.data_ptr() % ALIGN_BYTES or (out.stride(0) * out.element_size()) % ALIGN_BYTES:
+            (placed,) = aligned_matrices((), [(batch.shape[0], r, n_pad)], dtype=pt.dtype,
+                                         device=pt.device)
+            out = placed.transpose(-1, -2).copy_(out)  # never on torch's own allocators
+    return out[:, :n, :].reshape(*lead, n, r)
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
@@ -73,17 +160,18 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     if p.numel() == 0:
         return p.clone()
     top = p.abs().amax(dim=(-2, -1), keepdim=True)
-    return _orthonormal(p * torch.exp2(rescale_exponents(top)))
+    return orthonormal((p * torch.exp2(rescale_exponents(top))).transpose(-1, -2))
 
 
 def stack_matrices(tensors: Sequence[torch.Tensor], rows: int, cols: int) -> torch.Tensor:
     """``[L, B, rows, cols]``: the ``B`` tensors (each ``[L, *shape]`` holding ``rows * cols``
-    entries per worker) as one batch of matrices.
+    entries per worker) as one batch of matrices, each matrix contiguous and starting at a
+    multiple of :data:`ALIGN_BYTES` (see :func:`aligned_matrices`).
 
-    Tensors that already lie one after another in one storage (views of one flat buffer, in
-    order) are viewed in place; otherwise they are copied once into a new contiguous tensor.
-    Either way every matrix is row-major with unit column stride, so a batched product rounds
-    the same whichever way the batch was made.
+    Tensors already placed so (views of one buffer at a uniform aligned step, as a bucket's
+    gradients or the warm starts PowerSGD stores often are) are viewed in place; otherwise
+    they are copied once into :func:`aligned_matrices`' layout. Either way a matrix's products
+    round the same whichever tensors it was batched with and wherever it came from.
 
     Args:
         tensors: at least one tensor, each ``[L, ...]`` with ``rows * cols`` entries per worker.
@@ -104,34 +192,42 @@ def stack_matrices(tensors: Sequence[torch.Tensor], rows: int, cols: int) -> tor
             raise ValueError(
                 f"`tensors` must each hold {workers} x {rows} x {cols} entries, got shape "
                 f"{tuple(t.shape)}")
-    view = _consecutive_view(tensors, workers, rows, cols)
+    view = _aligned_view(tensors, workers, rows, cols)
     if view is not None:
         return view
+    first = tensors[0]
+    (out,) = aligned_matrices((workers,), [(len(tensors), rows, cols)], dtype=first.dtype,
+                              device=first.device)
     mats = [t.reshape(workers, rows, cols) for t in tensors]
     if len(mats) == 1:
-        return mats[0].contiguous().unsqueeze(1)
-    return torch.stack(mats, dim=1)
+        out[:, 0].copy_(mats[0])
+    else:
+        torch.stack(mats, dim=1, out=out)
+    return out
 
 
-def _consecutive_view(
+def _aligned_view(
     tensors: Sequence[torch.Tensor], workers: int, rows: int, cols: int
 ) -> torch.Tensor | None:
     """The ``[L, B, rows, cols]`` view of ``tensors`` when each worker's part of each is
-    contiguous and they follow one another in one storage (same worker stride); else ``None``."""
-    first = tensors[0]
-    size = rows * cols
-    if len(tensors) == 1:
+    contiguous, they follow one another in one storage at a uniform step (same worker stride),
+    and every matrix starts at a multiple of :data:`ALIGN_BYTES`; else ``None``."""
+    first, size = tensors[0], rows * cols
+    item = first.element_size()
+    step = tensors[1].storage_offset() - first.storage_offset() if len(tensors) > 1 else size
+    stride = first.stride(0) if workers > 1 else step * len(tensors)
+    if (first.data_ptr() % ALIGN_BYTES or step < size or (step * item) % ALIGN_BYTES
+            or (stride * item) % ALIGN_BYTES):
         return None
     base = first.untyped_storage().data_ptr()
-    stride = first.stride(0) if workers > 1 else size * len(tensors)
     for i, t in enumerate(tensors):
         if (
             t.dtype != first.dtype
             or t.untyped_storage().data_ptr() != base
-            or t.storage_offset() != first.storage_offset() + i * size
+            or t.storage_offset() != first.storage_offset() + i * step
             or not t[0].is_contiguous()
             or (workers > 1 and t.stride(0) != stride)
         ):
             return None
-    return first.as_strided((workers, len(tensors), rows, cols), (stride, size, cols, 1),
+    return first.as_strided((workers, len(tensors), rows, cols), (stride, step, cols, 1),
                             first.storage_offset())

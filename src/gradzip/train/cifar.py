@@ -51,10 +51,12 @@ def _source_files(path: Path) -> dict[str, Callable[[], bytes]]:
             if file.is_file():
                 out[file.relative_to(path).as_posix()] = file.read_bytes
         return out
-    if not tarfile.is_tarfile(path):
-        raise ValueError(f"`path` must be a directory or a tar archive, got {str(path)!r}")
     blobs: dict[str, bytes] = {}
     try:
+        # Inside the try: on an archive cut within its first header, even this test of the
+        # header fails in the decompressor.
+        if not tarfile.is_tarfile(path):
+            raise ValueError(f"`path` must be a directory or a tar archive, got {str(path)!r}")
         with tarfile.open(path, "r:*") as tar:
             for member in tar:
                 if member.isfile():

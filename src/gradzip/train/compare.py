@@ -33,13 +33,14 @@ import os
 import re
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from gradzip.train.config import RunConfig, resolve_config
 from gradzip.train.data import _read_utf8
 from gradzip.train.events import EVENTS_DIR, require_tensorboard, write_events
+from gradzip.train.idle import idle_options
 from gradzip.train.metrics import format_bytes, read_metrics, read_summary
 from gradzip.train.plots import plot_runs
 from gradzip.train.resume import plan_out_dir
@@ -51,6 +52,8 @@ __all__ = ["Grid", "GridRun", "format_table", "list_presets", "load_grid", "run_
 log = logging.getLogger(__name__)
 
 _TOP_KEYS = {"name", "description", "out", "base", "grid", "runs"}
+#: Every run option's default.
+DEFAULTS = {f.name: f.default for f in fields(RunConfig)}
 
 
 @dataclass
@@ -169,6 +172,13 @@ def load_grid(source: str, overrides: dict[str, Any] | None = None,
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise ValueError(f"`grid.{key}` must be a non-empty list, got {values!r}")
+    # Each run writes to ROOT/<its label>: an ``out`` per run would be dropped silently.
+    for where, table in (("--set", overrides or {}), ("base", base), ("grid", grid),
+                         *((f"runs[{i}]", e) for i, e in enumerate(runs) if isinstance(e, dict))):
+        if "out" in table:
+            raise ValueError(f"`out` must not be set per run in a comparison (each run writes to "
+                             f"ROOT/<its label>; give ROOT with --out or the file's top-level "
+                             f"`out`), got out={table['out']!r} in {where}")
     root = out or str(raw.get("out", f"gradzip-compare/{_slug(name)}"))
     result = Grid(name=name, out=root, description=str(raw.get("description", "")))
     seen: set[str] = set()
@@ -184,9 +194,12 @@ def load_grid(source: str, overrides: dict[str, Any] | None = None,
             if full in seen:
                 raise ValueError(f"`runs` labels must be unique, got {full!r} twice")
             seen.add(full)
-            values.pop("out", None)
             cfg = RunConfig.from_dict({**values, "out": str(Path(root) / _slug(full))})
-            result.runs.append(GridRun(full, cfg))
+            # An option shared by every run (base, grid, --set) applies to the runs where it
+            # acts (interval_epochs to the Accordion runs beside plain ones); set in a run's
+            # own table it must act there (see gradzip.train.idle).
+            shared = {n: DEFAULTS[n] for n in idle_options(cfg) if n in values and n not in entry}
+            result.runs.append(GridRun(full, replace(cfg, **shared)))
     return result
 
 

@@ -23,6 +23,7 @@ from gradzip.options import EngineOptions, Rule
 from gradzip.spec import compressor_from_spec, parse_level_schedule
 from gradzip.train.events import require_tensorboard
 from gradzip.train.fields import ACCORDION, OPTIM, SCHEDULE, Option, int_at_least, option, real_in
+from gradzip.train.idle import ETA_DEFAULT, check_idle_options, idle_options
 from gradzip.train.outer_fields import OuterFields
 from gradzip.train.rundir import check_out_dir
 from gradzip.train.schedules import milestone_epochs
@@ -69,7 +70,7 @@ class RunConfig(OuterFields):
         None, "Accordion on the batch size: global batch SMALL in critical regimes, LARGE "
         "otherwise (multiples of batch-size x workers, by accumulating micro-batches; LR "
         "scaled linearly)", group=ACCORDION, metavar="SMALL,LARGE")
-    eta: float = option(0.5, "critical when the gradient norm changes by >= eta (default 0.5)",
+    eta: float = option(ETA_DEFAULT, "critical when the gradient norm changes by >= eta (default 0.5)",
                       group=ACCORDION, check=POSITIVE)
     interval_epochs: float | None = option(
         None, "epochs between Accordion decisions, rounded to steps (default: the task's)",
@@ -202,6 +203,8 @@ class RunConfig(OuterFields):
         key = {k: v for k, v in self.to_dict().items() if k not in NON_RESULT_FIELDS}
         if self.accordion is None:
             key.pop("accordion_rule")  # no effect without Accordion
+        for name in idle_options(self):  # no effect either (summaries once recorded them)
+            key.pop(name)
         return key
 
     def first_difference(self, stored: dict[str, Any], *, epochs: bool = True) -> str | None:
@@ -295,10 +298,13 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
         raise TypeError(f"`cfg` must be a RunConfig, got {type(cfg).__name__}")
     task = get_task(cfg.task)
     d = task.defaults
+    # Options that act on nothing here are not filled from the task's defaults: a resolved
+    # configuration records what ran, and resolves again unchanged.
+    idle = idle_options(cfg)
     fill = {
         f.name: getattr(d, f.name)
         for f in dataclasses.fields(d)
-        if getattr(cfg, f.name) is None
+        if getattr(cfg, f.name) is None and f.name not in idle
     }
     cfg = dataclasses.replace(cfg, **fill)
     for f, declared in run_options():  # the checks declared with the fields
@@ -317,6 +323,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
         _prefixed("rule", Rule.parse, text)
     if cfg.nesterov and cfg.momentum == 0:
         raise ValueError("`nesterov` must be off when `momentum` is 0, got nesterov=True")
+    check_idle_options(cfg)
     cfg = dataclasses.replace(cfg, milestones=_milestones(cfg.milestones))
     parse_model_spec(cfg.model)
     _prefixed("compressor", compressor_from_spec, cfg.compressor)

@@ -22,7 +22,7 @@ tag                         from the record
 ``step/loss``, ``step/lr``, ``step/wire_bytes``  step records
 ==========================  =====================================================
 
-Needs the ``tensorboard`` package (``pip install 'gradzip[tensorboard]'``).
+Needs the ``tensorboard`` package (``pip install tensorboard``, or the ``tensorboard`` extra).
 
 The event folder may be shared (a link to a common log directory, another tool's events):
 every event file gradzip writes ends in ``.gradzip-<token>``, the token being the run
@@ -68,8 +68,8 @@ def require_tensorboard() -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise ValueError(
-            "`tensorboard` needs the tensorboard package: pip install 'gradzip[tensorboard]' "
-            "(or pip install tensorboard)"
+            "`tensorboard` needs the tensorboard package: pip install tensorboard (or the "
+            "`tensorboard` extra: pip install -e '.[tensorboard]' in gradzip's source tree)"
         ) from None
     return SummaryWriter
 

@@ -24,7 +24,8 @@ import torch
 from gradzip.train.rundir import atomic_write_text
 
 __all__ = [
-    "MetricsWriter", "format_bytes", "progress_bar", "read_metrics", "read_summary", "versions",
+    "MetricsWriter", "format_bytes", "progress_bar", "read_metrics", "read_summary",
+    "record_line", "versions",
 ]
 
 log = logging.getLogger(__name__)
@@ -60,52 +61,44 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def record_line(record: dict[str, Any]) -> str:
+    """``record`` as its line of ``metrics.jsonl`` (JSON-safe, newline-terminated)."""
+    return json.dumps(_plain(record), sort_keys=False) + "\n"
+
+
 class MetricsWriter:
     """Appends records to ``DIR/metrics.jsonl`` and writes ``DIR/summary.json`` at the end.
 
     The runner creates a writer only once the run is known to be valid and ``DIR`` to be its
     own (a refused run touches nothing). A new writer removes a stale ``summary.json`` (so a
     directory never pairs new metrics with an old summary) and replaces ``metrics.jsonl``
-    atomically: by an empty file, or, when resuming, by the first ``keep_bytes`` bytes of the
-    existing one (the records the checkpoint covers). Records are then appended and flushed.
+    atomically: by an empty file, or, when resuming, by the records the checkpoint covers
+    (read and checked beforehand by the run directory's plan). Records are then appended
+    and flushed.
 
     Args:
         out_dir: the run's output directory (created if missing).
-        keep_bytes: resume: the length of ``metrics.jsonl`` to keep; None starts it empty.
+        kept: the records to start with (whole lines), empty for a run starting afresh.
         sinks: objects with ``write(record)`` and ``close()`` that receive every record too
             (the TensorBoard mirror).
 
     Raises:
-        ValueError: ``keep_bytes`` is longer than the existing file, or cuts a record.
+        ValueError: ``kept`` is not whole lines.
     """
 
-    def __init__(self, out_dir: str | os.PathLike[str], *, keep_bytes: int | None = None,
+    def __init__(self, out_dir: str | os.PathLike[str], *, kept: str = "",
                  sinks: list[Any] | None = None) -> None:
+        if not isinstance(kept, str) or (kept and not kept.endswith("\n")):
+            raise ValueError(f"`kept` must be whole records ending in a newline, got "
+                             f"{kept[-40:]!r}")
         self.out_dir = Path(out_dir)
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.summary_path = self.out_dir / "summary.json"
-        kept = ""
-        if keep_bytes:
-            kept = self._prefix(keep_bytes)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.summary_path.unlink(missing_ok=True)
         atomic_write_text(self.metrics_path, kept)
         self._fh = self.metrics_path.open("ab")
         self.sinks = list(sinks or [])
-
-    def _prefix(self, keep_bytes: int) -> str:
-        """The first ``keep_bytes`` bytes of the metrics file, checked to be whole records."""
-        try:
-            with self.metrics_path.open("rb") as fh:
-                data = fh.read(keep_bytes)
-        except OSError as exc:
-            raise ValueError(f"`out` metrics.jsonl cannot be read back to resume: {exc}") from None
-        if len(data) != keep_bytes or not data.endswith(b"\n"):
-            raise ValueError(
-                f"`out` metrics.jsonl must hold the {keep_bytes} bytes of records the checkpoint "
-                f"covers, got {len(data)} bytes ending mid-record; it cannot be resumed"
-            )
-        return data.decode("utf-8")
 
     @property
     def position(self) -> int:

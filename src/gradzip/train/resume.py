@@ -1,46 +1,40 @@
-"""Whether a run may use its output directory, and how it continues there.
+"""Where a run continues in its output directory, and its checkpoints while it trains.
 
-The order is the point: :func:`plan_out_dir` (every check, nothing written) decides first;
-:func:`take_out_dir` locks the directory for the writer and checks again under the lock;
-:func:`open_out_dir` (rank 0, after every process has loaded its checkpoint) is the first
-thing that writes; :class:`Checkpointer` then saves after epochs. A run refused at any check
-leaves the directory byte for byte as it was. A run told to start over (``overwrite``) works
-in a staging folder and replaces the old results only once it has finished
-(:mod:`gradzip.train.overwrite`).
+:func:`plan_out_dir` reads the directory (nothing written) and says how a run uses it: start
+afresh, resume from the committed checkpoint (with the records that checkpoint covers), start
+over in a staging folder, or nothing left to do. :class:`Checkpointer` saves after epochs.
+Both serve :class:`~gradzip.train.run_directory.RunDirectory`, the one object the runner
+asks; its docstring states the order of things and the invariants.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from gradzip.train.events import EVENTS_DIR, EventSink, check_events_dir
-from gradzip.train.metrics import MetricsWriter, read_metrics, read_summary
-from gradzip.train.overwrite import prepare_staging, staging_dir
+from gradzip.train.events import EVENTS_DIR, check_events_dir
+from gradzip.train.metrics import MetricsWriter, read_summary, record_line
+from gradzip.train.overwrite import staging_dir
 from gradzip.train.rundir import (
     CHECKPOINT_DIR,
     FORMAT_VERSION,
     Manifest,
-    OutDirLock,
     commit_checkpoint,
     epoch_directory,
-    lock_out_dir,
+    load_rank_file,
     prune_checkpoints,
     rank_file,
     read_manifest,
-    remove_checkpoints,
-    run_token,
     save_hashed,
     stored_config,
-    write_run_file,
 )
 
-__all__ = ["Checkpointer", "Plan", "agree", "open_out_dir", "plan_out_dir", "take_out_dir"]
+__all__ = ["Checkpointer", "Plan", "agree", "plan_out_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +48,8 @@ class Plan:
         finished: the stored summary when a resumed run has nothing left to do.
         staging: where a run starting over writes until it has finished (None: ``out``).
         resume, overwrite: what was asked (to plan again under the lock).
+        records: the records a resumed run keeps (whole lines of ``metrics.jsonl``; empty
+            for a run from the beginning); only the writer (rank 0) needs them.
     """
 
     manifest: Manifest | None = None
@@ -61,6 +57,7 @@ class Plan:
     staging: str | None = None
     resume: bool = False
     overwrite: bool = False
+    records: str = ""
 
     @property
     def manifest_dict(self) -> dict[str, Any] | None:
@@ -158,47 +155,53 @@ def plan_out_dir(cfg: Any, resume: bool, overwrite: bool = False) -> Plan:
     if (manifest.epoch == cfg.epochs and summary is not None
             and summary.get("config", {}).get("epochs") == cfg.epochs):
         return Plan(manifest, summary, resume=True)
-    _check_metrics_prefix(Path(cfg.out) / "metrics.jsonl", manifest.metrics_bytes)
-    return Plan(manifest, resume=True)
+    return Plan(manifest, resume=True, records=_kept_records(cfg.out, manifest))
 
 
-def take_out_dir(cfg: Any, plan: Plan) -> OutDirLock:
-    """Lock ``cfg.out`` for this run's writer, and check that the plan still holds.
-
-    The plan was made without the lock; another run may have written since, so it is made
-    again under the lock, and a run whose directory changed meanwhile is refused.
-
-    Returns:
-        The held lock (released when the run ends, or by the kernel when its holder dies).
+def _kept_records(out: str, manifest: Manifest) -> str:
+    """The records a run resumed from ``manifest`` keeps: the first ``metrics_bytes`` bytes
+    of ``metrics.jsonl``, line ends ``CRLF`` read as ``LF`` (a file that went through an
+    editor or a checkout that converts them); with the file gone, the epoch records the
+    checkpoint holds (its step and eval records are lost, said in a warning).
 
     Raises:
-        ValueError: another run holds the lock, or the directory changed since the plan.
+        ValueError: the records are shorter than the checkpoint's, cut mid-record, or not
+            JSON objects.
     """
-    lock = lock_out_dir(cfg.out)
+    path = Path(out) / "metrics.jsonl"
+    length = manifest.metrics_bytes
+    if not path.exists():
+        if length == 0:
+            return ""
+        history = load_rank_file(out, manifest, 0)["loop"].get("history")
+        if not isinstance(history, list) or not all(isinstance(r, dict) for r in history):
+            raise ValueError(f"`out` {str(path)!r} is missing and the checkpoint holds no records "
+                             "to rebuild it from; restore the file, or start over with --overwrite")
+        log.warning("%s is missing: its %d epoch records were rebuilt from the checkpoint of "
+                    "epoch %d (step and eval records before it are lost)", path, len(history),
+                    manifest.epoch)
+        return "".join(record_line(r) for r in history)
     try:
-        again = plan_out_dir(cfg, plan.resume, plan.overwrite)
-    except ValueError:
-        lock.release()
-        raise
-    if again != plan:
-        lock.release()
-        raise ValueError(f"`out` {cfg.out!r} changed while this run was starting (another run "
-                         "wrote there); run the command again")
-    return lock
-
-
-def _check_metrics_prefix(path: Path, length: int) -> None:
-    if length == 0:
-        return
-    size = path.stat().st_size if path.is_file() else 0
-    ok = size >= length
-    if ok:
-        with path.open("rb") as fh:
-            fh.seek(length - 1)
-            ok = fh.read(1) == b"\n"
-    if not ok:
+        data = path.read_bytes().replace(b"\r\n", b"\n")
+    except OSError as exc:
+        raise ValueError(f"`out` {str(path)!r} cannot be read back to resume: {exc}") from None
+    kept = data[:length]
+    if len(kept) != length or (length and not kept.endswith(b"\n")):
         raise ValueError(f"`out` {str(path)!r} must begin with the {length} bytes of records the "
-                         f"checkpoint covers, got {size} bytes; it cannot be resumed")
+                         f"checkpoint covers, got {len(data)} bytes; it cannot be resumed as it "
+                         "is: restore it, remove it (its epoch records are then rebuilt from "
+                         "the checkpoint) or start over with --overwrite")
+    for number, line in enumerate(kept.split(b"\n")[:-1], 1):
+        try:
+            record = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            record = None
+        if not isinstance(record, dict):
+            raise ValueError(f"`out` {str(path)!r} line {number} must be a JSON record, got "
+                             f"{line[:40]!r}; restore the file, remove it (its epoch records "
+                             "are then rebuilt from the checkpoint) or start over with "
+                             "--overwrite")
+    return kept.decode("utf-8")
 
 
 def agree(stepper: Any, error: str | None, what: str = "load its part of the checkpoint") -> None:
@@ -217,40 +220,6 @@ def agree(stepper: Any, error: str | None, what: str = "load its part of the che
         raise ValueError(error)
     if float(failed[0]) > 0:
         raise ValueError(f"another worker could not {what}")
-
-
-def open_out_dir(cfg: Any, plan: Plan) -> MetricsWriter:
-    """Rank 0, holding the lock: take the directory over (the first write of the run) and
-    return its writer.
-
-    A fresh start removes an old checkpoint of the same configuration (one with nothing worth
-    keeping: :func:`plan_out_dir` refuses the others); a run starting over writes to an empty
-    staging folder instead; a resumed one keeps the metrics the checkpoint covers. The event
-    file is opened first (the one step that may still fail on the file system), then
-    ``run.json`` records the configuration, so even a run killed before its first record is
-    known.
-    """
-    if plan.staging is not None:
-        prepare_staging(cfg.out)
-    out = plan.root(cfg.out)
-    keep = plan.manifest.metrics_bytes if plan.manifest is not None else None
-    # The run directory's own token marks its event files, so only those are ever replaced.
-    token = (None if plan.staging is not None else run_token(out)) or secrets.token_hex(6)
-    sink = EventSink(out / EVENTS_DIR, token) if cfg.tensorboard else None
-    try:
-        write_run_file(out, cfg.to_dict(), token)
-        if plan.manifest is None:
-            remove_checkpoints(out)
-        writer = MetricsWriter(out, keep_bytes=keep)
-    except BaseException:
-        if sink is not None:
-            sink.close()
-        raise
-    if sink is not None:
-        for record in read_metrics(out, kind=None):  # the records kept, replayed
-            sink.write(record)
-        writer.sinks.append(sink)
-    return writer
 
 
 class Checkpointer:

@@ -282,6 +282,14 @@ def load_rank_file(out: str | os.PathLike[str], manifest: Manifest, rank: int) -
                          "resumed")
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"`out` checkpoint file {path} is of another format")
+    # A digest proves the file unchanged, not that it belongs here: an earlier epoch's file
+    # named with its own digest would resume from there and write its records twice.
+    loop = state.get("loop")
+    held = (loop.get("epoch"), loop.get("step")) if isinstance(loop, dict) else None
+    if held != (manifest.epoch, manifest.step):
+        raise ValueError(f"`out` checkpoint file {path} holds epoch {held and held[0]} (step "
+                         f"{held and held[1]}), but its manifest records epoch {manifest.epoch} "
+                         f"(step {manifest.step}); it cannot be resumed")
     return state
 
 
@@ -364,7 +372,11 @@ def lock_out_dir(out: str | os.PathLike[str]) -> OutDirLock:
         os.close(fd)
         raise ValueError(f"`out` {str(out)!r} is in use by another gradzip run (pid {holder}); "
                          "wait for it to end or choose another --out") from None
-    # The holder's pid, for the message above (informational only: the lock is the flock).
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    # The holder's pid, for the message above (informational only: the lock is the flock);
+    # left alone when it is already this process's, so a run refused under its own lock
+    # leaves the directory byte for byte as it was.
+    pid = f"{os.getpid()}\n".encode("ascii")
+    if os.pread(fd, 64, 0) != pid:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, pid, 0)
     return OutDirLock(fd, path)

@@ -22,28 +22,22 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from gradzip._validate import check_bool
+from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.comm.launch import run_processes
 from gradzip.comm.torch_dist import shutdown_process_group
 from gradzip.engine.routing import idle_rule
 from gradzip.ops.random import stable_hash
 from gradzip.train.config import RunConfig, build_compressor, resolve_config, under_torchrun
 from gradzip.train.loop import TrainLoop
-from gradzip.train.metrics import versions
-from gradzip.train.overwrite import promote
-from gradzip.train.resume import (
-    Checkpointer,
-    Plan,
-    agree,
-    open_out_dir,
-    plan_out_dir,
-    take_out_dir,
-)
-from gradzip.train.rundir import load_rank_file
+from gradzip.train.metrics import format_bytes, versions
+from gradzip.train.resume import Plan
+from gradzip.train.run_directory import RunDirectory
 from gradzip.train.tasks import get_task
 
 __all__ = ["RunConfig", "build_compressor", "resolve_config", "run", "summarize", "under_torchrun"]
@@ -89,56 +83,38 @@ def summarize(cfg: RunConfig, metric: str, history: list[dict[str, Any]],
 
 # -- launchers ---------------------------------------------------------------------------
 def _run_local(cfg: RunConfig, rank: int, processes: int, progress: bool, started: float,
-               plan: Plan, take_lock: bool) -> dict[str, Any]:
+               directory: RunDirectory,
+               announce: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train as process ``rank`` of ``processes`` (sim: the one process of all workers).
 
     Everything that can refuse the run (data, batch size, model, compressor, this process's
     checkpoint, the directory's lock) happens before rank 0 first writes to ``cfg.out``.
-    ``take_lock``: rank 0 locks the directory itself (sim, torchrun); a spawned worker does
-    not, since its parent holds the lock for it.
     """
     task = get_task(cfg.task)
     data = task.load(cfg)
     loop = TrainLoop(cfg, task, data, rank=rank, progress=progress and rank == 0)
     _check_rules(cfg, loop.model)
+    _check_outer_steps(cfg, loop.steps_per_epoch)
     loop.setup(build_compressor)
     error = None
-    if plan.manifest is not None:
-        try:
-            loop.load_state_dict(load_rank_file(cfg.out, plan.manifest, rank))
-        except ValueError as exc:
-            error = f"--resume: {exc}"
-    lock = None
-    if rank == 0 and take_lock and error is None:
-        try:
-            lock = take_out_dir(cfg, plan)
-        except ValueError as exc:
-            error = str(exc)
     try:
-        # Every process loaded its part and rank 0 holds the lock, or none goes on.
-        agree(loop.stepper, error, "load its part of the checkpoint or lock --out")
-        writer = open_out_dir(cfg, plan) if rank == 0 else None
-        try:
-            history, stats, train_seconds = loop.run(
-                writer, Checkpointer(cfg, rank, processes, writer, plan.staging))
-            summary = summarize(cfg, task.metric, history, stats,
-                                time.perf_counter() - started, train_seconds)
-            summary.update(loop.summary_fields())
-            if plan.staging is not None:
-                agree(loop.stepper, None)  # every process is done writing to the staging folder
-            if writer is not None:
-                for name, obj in loop.extra_files().items():
-                    writer.write_json(name, obj)
-                writer.finish(summary)
-                if plan.staging is not None:
-                    promote(cfg.out)
-            return summary
-        finally:
-            if writer is not None:
-                writer.close()
-    finally:
-        if lock is not None:
-            lock.release()
+        state = directory.load_rank(rank)
+        if state is not None:
+            loop.load_state_dict(state)
+    except ValueError as exc:
+        error = f"--resume: {exc}"
+    directory.agree_to_start(loop.stepper, rank, error)
+    _announce(announce, directory, cfg, loop.model)
+    writer = directory.start() if rank == 0 else None
+    history, stats, train_seconds = loop.run(
+        writer, directory.checkpointer(rank, processes, writer))
+    summary = summarize(cfg, task.metric, history, stats,
+                        time.perf_counter() - started, train_seconds)
+    summary.update(loop.summary_fields())
+    if cfg.outer_steps:
+        summary["dense_step_bytes_per_worker"] = dense_step_bytes(cfg, loop.model)
+    directory.finish(loop.stepper, writer, summary, loop.extra_files())
+    return summary
 
 
 def _check_rules(cfg: RunConfig, model: torch.nn.Module) -> None:
@@ -151,54 +127,103 @@ def _check_rules(cfg: RunConfig, model: torch.nn.Module) -> None:
         raise ValueError(f"--rule: {idle}")
 
 
-def _preflight(cfg: RunConfig, plan: Plan) -> None:
+def _check_outer_steps(cfg: RunConfig, steps_per_epoch: int) -> None:
+    """Refuse outer-step training whose first synchronisation would come after the run's
+    last optimizer step (the workers would train apart, never averaged)."""
+    if not cfg.outer_steps:
+        return
+    total = steps_per_epoch * cfg.epochs
+    first = cfg.outer_steps // cfg.fragments + cfg.outer_delay
+    if first > total:
+        raise ValueError(f"`outer_steps` must let the workers synchronise within the run's "
+                         f"{total} optimizer steps ({cfg.epochs} epochs of {steps_per_epoch}), "
+                         f"got {cfg.outer_steps}: the first synchronisation would come after "
+                         f"step {first}")
+
+
+def dense_step_bytes(cfg: RunConfig, model: torch.nn.Module) -> int:
+    """Bytes one worker sends per optimizer step when every step's gradient is averaged
+    densely (a ring all-reduce of every trained parameter in fp32): what outer-step
+    training is compared with."""
+    numel = sum(t.numel() for t in model.parameters() if t.requires_grad)
+    return allreduce_wire_bytes(4 * numel, cfg.workers)
+
+
+def outer_header(cfg: RunConfig, model: torch.nn.Module) -> str | None:
+    """The line announcing an outer-step run: H, and its predicted bytes per optimizer step
+    against per-step dense averaging (None for a run averaging every step)."""
+    if not cfg.outer_steps:
+        return None
+    h, p = cfg.outer_steps, cfg.fragments
+    # Outer training exchanges each parameter's change once every H steps (a fragment every
+    # H/P steps): before compression, 1/H of what per-step averaging sends.
+    dense = dense_step_bytes(cfg, model)
+    shape = f"H={h}" + (f", {p} fragments" if p > 1 else "") + (
+        f", delay {cfg.outer_delay}" if cfg.outer_delay else "")
+    then = "" if cfg.compressor == "none" else f" before {cfg.compressor} compresses it"
+    return (f"outer-step training ({shape}): the workers synchronise every {h} optimizer steps, "
+            f"about {format_bytes(dense / h)} per worker and optimizer step{then} vs "
+            f"{format_bytes(dense)} for per-step dense averaging ({h}x less)")
+
+
+def _preflight(cfg: RunConfig, directory: RunDirectory) -> torch.nn.Module:
     """Load the data, build the model and compressor, and read every process's checkpoint
     once in the parent, so configuration errors surface as one-line errors here rather than
-    as tracebacks from every process."""
+    as tracebacks from every process.
+
+    Returns:
+        The model (for the run's header).
+    """
     task = get_task(cfg.task)
     data = task.load(cfg)
     spe = task.steps_per_epoch(data, cfg, cfg.workers)
     model = task.build_model(cfg, data)
     _check_rules(cfg, model)
+    _check_outer_steps(cfg, spe)
     build_compressor(cfg, spe)
-    if plan.manifest is None:
-        return
-    for rank in range(cfg.workers):
-        state = load_rank_file(cfg.out, plan.manifest, rank)
+    for rank in range(cfg.workers if directory.plan.manifest is not None else 0):
+        state = directory.load_rank(rank)
+        assert state is not None
         try:
             model.load_state_dict(state["model"])
         except (KeyError, RuntimeError) as exc:
             raise ValueError(f"--resume: rank {rank}'s checkpoint does not fit the model: "
                              f"{' '.join(str(exc).split())}") from None
+    return model
 
 
 def _proc_main(rank: int, world: int, cfg_dict: dict[str, Any], progress: bool,
                started: float, plan: Plan) -> dict[str, Any]:
-    """Entry point of a spawned worker process (the process group already exists)."""
+    """Entry point of a spawned worker process (the process group already exists; the
+    parent holds the directory's lock)."""
     torch.set_num_threads(cfg_dict.get("threads") or max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(stable_hash(cfg_dict["seed"], "process", rank))
-    return _run_local(RunConfig.from_dict(cfg_dict), rank, world, progress, started, plan,
-                      take_lock=False)
+    cfg = RunConfig.from_dict(cfg_dict)
+    with RunDirectory.joined(cfg, plan) as directory:
+        return _run_local(cfg, rank, world, progress, started, directory)
 
 
-def _torchrun_plan(cfg: RunConfig, resume: bool, overwrite: bool) -> Plan:
-    """Rank 0 reads the directory (other machines may not share it) and tells every rank."""
+def _torchrun_directory(cfg: RunConfig, resume: bool, overwrite: bool) -> RunDirectory:
+    """Rank 0 opens the directory (other machines may not share it) and tells every rank
+    the plan."""
     import torch.distributed as dist
 
     box: list[Any] = [None]
+    directory = None
     if dist.get_rank() == 0:
         try:
-            box[0] = plan_out_dir(cfg, resume, overwrite)
+            directory = RunDirectory.open(cfg, resume=resume, overwrite=overwrite)
+            box[0] = directory.shared_plan
         except (ValueError, TypeError, OSError) as exc:  # raised on every rank, not one
             box[0] = str(exc)
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], str):
         raise ValueError(box[0])
-    return box[0]
+    return directory if directory is not None else RunDirectory.joined(cfg, box[0])
 
 
-def _run_torchrun(cfg: RunConfig, progress: bool, started: float,
-                  resume: bool, overwrite: bool) -> dict[str, Any]:
+def _run_torchrun(cfg: RunConfig, progress: bool, started: float, resume: bool,
+                  overwrite: bool, announce: Callable[[str], None] | None) -> dict[str, Any]:
     import torch.distributed as dist
 
     backend = "nccl" if cfg.device == "cuda" else "gloo"
@@ -209,14 +234,14 @@ def _run_torchrun(cfg: RunConfig, progress: bool, started: float,
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
     try:
         rank = dist.get_rank()
-        plan = _torchrun_plan(cfg, resume, overwrite)
-        if plan.finished is not None:
-            summary = plan.finished
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(stable_hash(cfg.seed, "process", rank))
-                summary = _run_local(cfg, rank, cfg.workers, progress, started, plan,
-                                     take_lock=True)
+        with _torchrun_directory(cfg, resume, overwrite) as directory:
+            if directory.finished is not None:
+                summary = directory.finished
+            else:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(stable_hash(cfg.seed, "process", rank))
+                    summary = _run_local(cfg, rank, cfg.workers, progress, started, directory,
+                                         announce if rank == 0 else None)
     except BaseException:
         if created:
             dist.destroy_process_group()
@@ -227,7 +252,8 @@ def _run_torchrun(cfg: RunConfig, progress: bool, started: float,
 
 
 def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False,
-        overwrite: bool = False) -> dict[str, Any]:
+        overwrite: bool = False, announce: Callable[[str], None] | None = None
+        ) -> dict[str, Any]:
     """Train one run and write ``metrics.jsonl`` and ``summary.json`` to ``cfg.out``.
 
     A run is checked whole (configuration, data, batch size against the data, model,
@@ -247,6 +273,8 @@ def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False,
             leaves the old run whole. Without ``resume`` or ``overwrite``, a directory
             holding this configuration's results (finished, checkpointed or recorded) is
             refused.
+        announce: called (once checked, before training) with one-line messages saying
+            what the run does: where it resumes from, and an outer-step run's header.
 
     Returns:
         The summary (as written to ``summary.json``; under torchrun, every rank returns its
@@ -263,30 +291,49 @@ def run(cfg: RunConfig, *, progress: bool = False, resume: bool = False,
     check_bool("resume", resume)
     check_bool("overwrite", overwrite)
     if under_torchrun():
-        return _run_torchrun(cfg, progress, started, resume, overwrite)
-    plan = plan_out_dir(cfg, resume, overwrite)
-    if plan.finished is not None:
-        return plan.finished
-    if cfg.launcher == "sim":
-        threads = torch.get_num_threads()
-        try:
-            if cfg.threads is not None:
-                torch.set_num_threads(cfg.threads)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(stable_hash(cfg.seed, "process", 0))
-                return _run_local(cfg, 0, 1, progress, started, plan, take_lock=True)
-        finally:
-            torch.set_num_threads(threads)
-    if cfg.device == "cuda" and torch.cuda.device_count() < cfg.workers:
-        raise ValueError(
-            f"`workers` must be <= the {torch.cuda.device_count()} GPUs with device='cuda' "
-            f"and launcher='procs', got {cfg.workers}"
-        )
-    _preflight(cfg, plan)
-    backend = "nccl" if cfg.device == "cuda" else "gloo"
-    # The parent holds the lock for its workers: they die with it (see run_processes), and
-    # the kernel releases the lock when it dies, so a later run never races orphans.
-    with take_out_dir(cfg, plan):
+        return _run_torchrun(cfg, progress, started, resume, overwrite, announce)
+    with RunDirectory.open(cfg, resume=resume, overwrite=overwrite) as directory:
+        if directory.finished is not None:
+            line = directory.describe()
+            if announce is not None and line is not None:
+                announce(line)
+            return directory.finished
+        if cfg.launcher == "sim":
+            return _run_sim(cfg, progress, started, directory, announce)
+        if cfg.device == "cuda" and torch.cuda.device_count() < cfg.workers:
+            raise ValueError(
+                f"`workers` must be <= the {torch.cuda.device_count()} GPUs with device='cuda' "
+                f"and launcher='procs', got {cfg.workers}"
+            )
+        model = _preflight(cfg, directory)
+        # The parent holds the lock for its workers: they die with it (see run_processes),
+        # and the kernel releases the lock when it dies, so a later run never races orphans.
+        directory.claim()
+        _announce(announce, directory, cfg, model)
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
         results = run_processes(_proc_main, cfg.workers, cfg.to_dict(), progress, started,
-                                plan, backend=backend, timeout=cfg.timeout)
-    return results[0]
+                                directory.plan, backend=backend, timeout=cfg.timeout)
+        return results[0]
+
+
+def _run_sim(cfg: RunConfig, progress: bool, started: float, directory: RunDirectory,
+             announce: Callable[[str], None] | None) -> dict[str, Any]:
+    threads = torch.get_num_threads()
+    try:
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(stable_hash(cfg.seed, "process", 0))
+            return _run_local(cfg, 0, 1, progress, started, directory, announce)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _announce(announce: Callable[[str], None] | None, directory: RunDirectory, cfg: RunConfig,
+              model: torch.nn.Module) -> None:
+    """Say what the run does, once every check has passed (the writer's process)."""
+    if announce is None:
+        return
+    for line in (directory.describe(), outer_header(cfg, model)):
+        if line is not None:
+            announce(line)
