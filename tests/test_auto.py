@@ -280,3 +280,16 @@ def test_a_decision_without_timed_steps_reuses_the_last_compute() -> None:
                                                       (56, "lr_drop")]
     assert got[2]["compute_ms"] == got[1]["compute_ms"] > 20
     assert got[2]["level"] == "powersgd-r4"
+
+
+
+def test_levels_get_state_made_for_the_group() -> None:
+    """A level whose state depends on the group (a sharded quantiser's owner residuals) gets
+    it through Auto, as through Accordion, so an engine's checkpoint of it loads again."""
+    shapes = {"w": torch.Size([64, 64])}
+    state = Auto(levels=["none", "sign"]).init_group_state(shapes, 8, 8)
+    expected = gradzip.Sign().init_group_state(shapes, 8, 8)
+    assert state["levels"]["sign"]["forms"] == expected["forms"] == {"w": "sharded"}
+    assert state["levels"]["sign"]["owner"]["w"].shape == expected["owner"]["w"].shape
+    engine = Engine(shapes, Auto(levels=["none", "sign"]), collective=SimulatedGroup(8))
+    engine.load_state_dict(engine.state_dict())  # the fresh group state validates against itself

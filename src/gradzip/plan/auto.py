@@ -175,6 +175,15 @@ class Auto(Compressor):
                                                                         strict=True)},
                 "controller": fresh_controller(shapes, self.labels, self.warmup)}
 
+    def init_group_state(self, shapes: Mapping[str, torch.Size], world_size: int,
+                         local_workers: int) -> dict[str, Any]:
+        """:meth:`init_state`, each level's state made for the group (a level whose state
+        depends on the group, such as a sharded quantiser's owner residuals, gets it here)."""
+        state = self.init_state(shapes)
+        for label, level in zip(self.labels, self._levels, strict=True):
+            state["levels"][label] = level.init_group_state(shapes, world_size, local_workers)
+        return state
+
     def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
                     shapes: Mapping[str, torch.Size], workers: int) -> str | None:
         """The controller's values, then each level's own state."""
