@@ -29,6 +29,9 @@ EXAMPLES = [
     "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.5,interval=2,per_layer=True,lr_drop=True)",
     "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,eta=0.5,interval=1,per_layer=False,lr_drop=True)",
     "schedule(gentle=none,aggressive=topk:ratio=0.05,gentle_steps=0-1;4-5,after_drop=0)",
+    # auto: every decision is critical (a tiny eta), so the one gentle level is chosen at the
+    # first one whatever the clock says: a switch at step 1 that real time cannot change.
+    "auto(levels=powersgd:rank=1|fp16,every=2,warmup=1,eta=1e-09,probe_bytes=8)",
 ]
 
 
@@ -45,7 +48,9 @@ SPECS = EXAMPLES + [name for name in REGISTRY if name not in {_name(s) for s in 
 # Whether the compressor is exact for the same inputs on every backend (all are: randomness
 # comes from keyed generators), and how close the average of decoded messages must be to the
 # averaged result (fp16/bf16 sum in low precision).
-DECODE_TOL = {"fp16": 2e-3, "bf16": 2e-2}
+DECODE_TOL = {"fp16": 2e-3, "bf16": 2e-2,
+              # at fp16 from its first decision (step 1) on
+              "auto(levels=powersgd:rank=1|fp16,every=2,warmup=1,eta=1e-09,probe_bytes=8)": 2e-3}
 
 SHAPES = {
     "conv.weight": torch.Size([16, 8, 3, 3]),

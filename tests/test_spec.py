@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradzip
-from gradzip import Accordion, HardThreshold, Schedule, SimulatedGroup, TopK
+from gradzip import Accordion, Auto, HardThreshold, Schedule, SimulatedGroup, TopK
 from gradzip.spec import (
     COMPRESSORS,
     CONTROLLERS,
@@ -45,7 +45,7 @@ def test_call_form_keys_kinds_and_errors() -> None:
 
 def test_registry_holds_every_compressor_and_controller() -> None:
     assert list(REGISTRY.values()) == list(COMPRESSORS)
-    assert CONTROLLERS == {"accordion": Accordion, "schedule": Schedule}
+    assert CONTROLLERS == {"accordion": Accordion, "schedule": Schedule, "auto": Auto}
     acc = Accordion("topk:ratio=0.01", "none", interval=7)
     assert compressor_from_spec(acc.spec()) == acc == Accordion.parse(acc.spec())
 

@@ -27,6 +27,7 @@ from gradzip.control import Accordion, BatchPlan, BatchSizeController, Schedule,
 from gradzip.engine import Engine
 from gradzip.options import EngineOptions, Rule
 from gradzip.outer import Outer, OuterOptimizer
+from gradzip.plan import Auto
 from gradzip.spec import compressor_from_spec, describe_compressors
 
 __version__ = "0.1.0"
@@ -43,6 +44,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BF16",
     "Accordion",
+    "Auto",
     "BatchPlan",
     "BatchSizeController",
     "BinMean",

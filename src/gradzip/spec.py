@@ -381,6 +381,9 @@ def compressor_from_spec(spec: str | Compressor) -> Compressor:
         for name, cls in CONTROLLERS.items():
             if re.match(rf"\s*{name}\s*\(", spec):
                 return controller_from_spec(cls, spec.strip())
+            if spec.strip() == name and not any(
+                    kind == "level" for kind in cls.spec_kinds.values()):  # type: ignore[attr-defined]
+                return cls()  # a controller needing no parameters, by its name alone
     name, params = parse_spec(spec)
     cls = REGISTRY.get(name)
     if cls is None:

@@ -6,6 +6,7 @@ time and the step time; :func:`choose` picks one under a quality guard; :func:`p
 both. ``gradzip plan`` is the same on the command line.
 """
 
+from gradzip.plan.auto import DEFAULT_LEVELS, Auto
 from gradzip.plan.candidates import QUALITIES, Candidate, default_candidates
 from gradzip.plan.model import Prediction, Setting, comm_seconds, predict_candidate
 from gradzip.plan.planner import Plan, choose, parse_count, plan, predict
@@ -13,6 +14,8 @@ from gradzip.plan.timing import TimingCache, measure_compress_seconds
 from gradzip.plan.traffic import Call, Traffic, count_layout, measure_traffic
 
 __all__ = [
+    "DEFAULT_LEVELS",
+    "Auto",
     "QUALITIES",
     "Call",
     "Candidate",

@@ -1,0 +1,133 @@
+"""What :class:`~gradzip.plan.auto.Auto` measures and how it turns that into a decision.
+
+Pure functions over plain numbers (and one collective each for the link probe and the
+aggregation), kept apart from the controller's step logic:
+
+* :func:`fit_link`: bandwidth and latency from two timed messages of different sizes;
+* :func:`probe_link`: time those two all-reduces on the group;
+* :func:`max_over_ranks`: the element-wise maximum of a few floats over every rank;
+* :func:`pick`: the fastest predicted level, with hysteresis and the quality guard.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from gradzip.comm.base import Collective, allreduce_wire_bytes
+
+__all__ = ["fit_link", "max_over_ranks", "median", "pick", "probe_link"]
+
+#: Bandwidth used when the probe sees no cost of size (one worker, or noise): effectively
+#: free bytes, so only latency and compute count.
+UNBOUNDED_MBIT = 1e9
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of ``values`` (0.0 when empty)."""
+    return float(statistics.median(values)) if values else 0.0
+
+
+def fit_link(small: tuple[int, float], large: tuple[int, float], hops: int) -> tuple[float, float]:
+    """The alpha-beta link (as :func:`~gradzip.plan.model.comm_seconds` reads it) from two
+    all-reduces of different sizes.
+
+    ``seconds = hops x rtt / 2 + wire x 8 / bandwidth``: the difference of the two gives the
+    bandwidth, the smaller one what is left for latency.
+
+    Args:
+        small: ``(wire bytes, seconds)`` of the small all-reduce.
+        large: ``(wire bytes, seconds)`` of the large one.
+        hops: latency terms of one all-reduce (``2 (W - 1)``).
+
+    Returns:
+        ``(bandwidth_mbit, rtt_ms)``: bandwidth :data:`UNBOUNDED_MBIT` where the sizes cost
+        no measurable time difference; rtt 0 where the bytes explain all of the small call.
+
+    Raises:
+        ValueError: the large message is not larger, or a negative or non-finite time.
+    """
+    (w_s, t_s), (w_l, t_l) = small, large
+    if w_l <= w_s and hops > 0:
+        raise ValueError(f"`large` must send more bytes than `small`, got {w_l} <= {w_s}")
+    for name, t in (("small", t_s), ("large", t_l)):
+        if not math.isfinite(t) or t < 0:
+            raise ValueError(f"`{name}` seconds must be finite and >= 0, got {t!r}")
+    if hops == 0:  # one worker: nothing crosses a link
+        return UNBOUNDED_MBIT, 0.0
+    per_byte = (t_l - t_s) / (w_l - w_s)
+    bandwidth = UNBOUNDED_MBIT if per_byte <= 8 / (UNBOUNDED_MBIT * 1e6) else 8 / (per_byte * 1e6)
+    latency = max(0.0, t_s - w_s * max(per_byte, 0.0)) / hops
+    return bandwidth, 2e3 * latency
+
+
+def probe_link(comm: Collective, probe_bytes: int, clock: Callable[[], float],
+               device: torch.device) -> tuple[tuple[int, float], tuple[int, float]]:
+    """Time an all-reduce of one float and one of ``probe_bytes``, after an untimed one.
+
+    The untimed first call lines the ranks up: a rank that arrives early waits inside it,
+    not inside the timed ones (the waiting would read as latency).
+
+    Returns:
+        ``((wire, seconds), (wire, seconds))`` of the small and the large call, as this
+        rank's clock saw them; the wire bytes as the collective meters them.
+    """
+    workers = comm.local_workers
+    out = []
+    for numel, timed in ((1, False), (1, True), (max(2, probe_bytes // 4), True)):
+        x = torch.zeros(workers, numel, dtype=torch.float32, device=device)
+        start = clock()
+        comm.all_reduce(x)
+        if timed:
+            out.append((allreduce_wire_bytes(numel * 4, comm.world_size), clock() - start))
+    return out[0], out[1]
+
+
+def max_over_ranks(comm: Collective, values: Sequence[float], device: torch.device) -> list[float]:
+    """The element-wise maximum of ``values`` over every rank, with one all-reduce.
+
+    Each rank writes its values in its own row of a ``[world_size, k]`` float64 tensor of
+    zeros; the sum therefore holds every rank's row, identical on every rank, and each takes
+    the same maximum. The tensor is ``world_size x k x 8`` bytes, metered like any call.
+
+    Args:
+        comm: the group.
+        values: this process's values (every local worker of a simulated group shares them:
+            they share the clock).
+        device: where the tensor lives.
+
+    Returns:
+        The maxima, ``len(values)`` floats.
+    """
+    rows = torch.zeros(comm.local_workers, comm.world_size, len(values), dtype=torch.float64,
+                       device=device)
+    mine = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    for i, rank in enumerate(comm.local_ranks):
+        rows[i, rank] = mine
+    return comm.all_reduce(rows).amax(dim=0).tolist()
+
+
+def pick(predicted: Mapping[str, float], allowed: Sequence[str], current: str,
+         margin: float) -> str:
+    """The level to run next.
+
+    The fastest allowed level (the first in ``allowed``'s order on a tie); the current level
+    is kept unless that one is predicted at least ``margin`` faster, or the current level is
+    no longer allowed.
+
+    Args:
+        predicted: ``level -> predicted seconds (or ms) per step``.
+        allowed: the levels the quality guard allows, in the controller's order.
+        current: the level running now.
+        margin: the fraction a switch must gain, in [0, 1).
+
+    Returns:
+        A level of ``allowed``.
+    """
+    best = min(allowed, key=lambda lv: predicted[lv])
+    if current in allowed and predicted[best] >= (1 - margin) * predicted[current]:
+        return current
+    return best

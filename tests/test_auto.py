@@ -1,0 +1,295 @@
+"""``auto``: decisions from a scripted clock (no real time), state, spec and validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import gradzip
+from gradzip import Auto, Engine, SimulatedGroup, compressor_from_spec
+from gradzip.comm.base import Collective
+from gradzip.plan.measure import fit_link, pick
+
+WORLD = 4
+SHAPES = {"w": torch.Size([128, 128]), "b": torch.Size([128])}
+
+
+class LinkClock:
+    """A clock that advances by the compute the test declares and by what the group's meter
+    says was sent: ``wire x 8 / bandwidth`` plus ``latency`` per collective call. Every rank
+    of a process group may run it at its own ``scale`` (clocks that disagree)."""
+
+    def __init__(self, mbit: float, latency_s: float, scale: float = 1.0) -> None:
+        self.mbit, self.latency, self.scale = mbit, latency_s, scale
+        self.compute = 0.0
+        self.link = 0.0
+        self.group: Collective | None = None
+        self._seen = (0, 0)
+
+    def __call__(self) -> float:
+        assert self.group is not None
+        wire, calls = self.group.meter.wire[0], self.group.meter.calls
+        self.link += ((wire - self._seen[0]) * 8 / (self.mbit * 1e6)
+                      + (calls - self._seen[1]) * self.latency)
+        self._seen = (wire, calls)
+        return self.scale * (self.compute + self.link)
+
+
+def grads(step: int, scale: float = 1.0, workers: int = WORLD) -> dict[str, torch.Tensor]:
+    """A steady direction plus small per-step noise (a norm that changes little)."""
+    base = torch.Generator().manual_seed(0)
+    noise = torch.Generator().manual_seed(1000 + step)
+    return {n: scale * (torch.randn(s, generator=base) + 0.05 * torch.randn((workers, *s),
+                                                                            generator=noise))
+            for n, s in SHAPES.items()}
+
+
+def drive(clock: LinkClock, steps: int, *, compute_s: float = 0.02,
+          link: dict[int, float] | None = None, scale: dict[int, float] | None = None,
+          engine: Engine | None = None, start: int = 0, **kwargs: Any) -> Engine:
+    """Run ``steps`` steps in a simulated group; ``link``/``scale``: changes from a step on."""
+    if engine is None:
+        group = SimulatedGroup(WORLD)
+        clock.group = group
+        engine = Engine(SHAPES, Auto(clock=clock, **kwargs), collective=group)
+    factor = 1.0
+    for step in range(start, start + steps):
+        if link and step in link:
+            clock.mbit = link[step]
+        if scale and step in scale:
+            factor = scale[step]
+        clock.compute += compute_s
+        engine.reduce(grads(step, factor))
+    return engine
+
+
+def choices(engine: Engine) -> list[tuple[int, str, bool]]:
+    return [(r["step"], r["level"], r["critical"]) for r in Auto.decisions(engine, since=0)]
+
+
+def test_fast_link_keeps_none() -> None:
+    engine = drive(LinkClock(100_000, 1e-5), 110)
+    assert choices(engine) == [(5, "none", True), (55, "none", False), (105, "none", False)]
+    assert Auto.choice(engine) == "none"
+    assert Auto.counts(engine)["steps"]["none"] == 110
+
+
+def test_slow_link_compresses_gently_while_critical_then_aggressively() -> None:
+    engine = drive(LinkClock(10, 1e-3), 110)
+    assert choices(engine) == [(5, "powersgd-r4", True), (55, "topk-1%", False),
+                               (105, "topk-1%", False)]
+    record = Auto.decisions(engine, since=0)[0]
+    # The fitted link is the scripted one: 10 Mbit/s.
+    assert record["bandwidth_mbit"] == pytest.approx(10, rel=1e-6)
+    # Compute: the declared 20 ms plus the engine's own per-step flag all-reduce (one call,
+    # outside the compressor's reduce).
+    assert 20 < record["compute_ms"] < 21.1
+    assert min(record["predicted_ms"], key=record["predicted_ms"].get) == "topk-1%"
+    assert record["predicted_ms"]["powersgd-r4"] < record["predicted_ms"]["fp16"]
+
+
+def compressor_choice_quality(engine: Engine, label: str) -> str:
+    return engine.compressor.quality(label)  # type: ignore[attr-defined]
+
+
+def test_critical_phase_forbids_aggressive_levels() -> None:
+    # The gradient's scale triples from step 60: the next decision (step 105) is critical.
+    engine = drive(LinkClock(10, 1e-3), 110, scale={60: 3.0})
+    got = choices(engine)
+    assert got == [(5, "powersgd-r4", True), (55, "topk-1%", False), (105, "powersgd-r4", True)]
+    assert compressor_choice_quality(engine, "topk-1%") == "aggressive"
+    assert Auto.decisions(engine)[0]["reason"] == "norm_change"
+
+
+def test_lr_drop_brings_a_critical_decision_forward() -> None:
+    group = SimulatedGroup(WORLD)
+    clock = LinkClock(10, 1e-3)
+    clock.group = group
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    engine = Engine(SHAPES, Auto(clock=clock), collective=group, optimizer=opt)
+    for step in range(70):
+        if step == 65:
+            opt.param_groups[0]["lr"] = 0.01
+        clock.compute += 0.02
+        engine.reduce(grads(step))
+    got = Auto.decisions(engine, since=0)
+    assert [(r["step"], r["reason"]) for r in got] == [(5, "first"), (55, "steady"),
+                                                      (66, "lr_drop")]
+    assert got[-1]["level"] == "powersgd-r4"
+
+
+def test_changing_link_switches_back_and_forth() -> None:
+    engine = drive(LinkClock(100_000, 2e-3), 260, link={60: 10, 160: 100_000},
+                   levels=("none", "fp16", "powersgd:rank=4"))
+    assert choices(engine) == [(5, "none", True), (55, "none", False),
+                               (105, "powersgd-r4", False), (155, "powersgd-r4", False),
+                               (205, "fp16", False), (255, "fp16", False)]
+    assert Auto.counts(engine)["switches"] == 2
+
+
+def test_state_dict_round_trip_resumes_exactly() -> None:
+    full = drive(LinkClock(10, 1e-3), 120)
+    clock = LinkClock(10, 1e-3)
+    first = drive(clock, 70)
+    saved = first.state_dict()
+    group = SimulatedGroup(WORLD)
+    clock.group = group
+    resumed = Engine(SHAPES, Auto(clock=clock), collective=group)
+    resumed.load_state_dict(saved)
+    clock._seen = (group.meter.wire[0], group.meter.calls)  # the link counted so far stays
+    drive(clock, 50, engine=resumed, start=70)
+    assert Auto.decisions(resumed, since=0) == Auto.decisions(full, since=0)
+    assert Auto.counts(resumed) == Auto.counts(full)
+    step = grads(120)
+    a, b = full.reduce(step), resumed.reduce(step)
+    for name in SHAPES:
+        assert torch.equal(a[name], b[name])
+
+
+def test_loaded_state_is_checked() -> None:
+    engine = drive(LinkClock(10, 1e-3), 8)
+    saved = engine.state_dict()
+    saved["compressor_state"]["controller"]["current"] = "sign"
+    other = Engine(SHAPES, Auto(clock=LinkClock(10, 1e-3)), collective=SimulatedGroup(WORLD))
+    with pytest.raises(ValueError, match="current"):
+        other.load_state_dict(saved)
+
+
+def test_report_and_records() -> None:
+    engine = drive(LinkClock(10, 1e-3), 60)
+    report = engine.compressor.report(engine.compressor_state)
+    assert report["choice"] == Auto.choice(engine)
+    assert set(report["levels"]) == set(SHAPES)
+    assert set(report["levels"].values()) == {report["choice"]}
+    assert report["counts"]["decisions"] == 2
+    assert sum(report["counts"]["steps"].values()) == 60
+    rec = Auto.decisions(engine)[0]
+    for key in ("step", "compute_ms", "reduce_ms", "bandwidth_mbit", "rtt_ms", "predicted_ms",
+                "level", "critical", "gain"):
+        assert key in rec
+
+
+def test_spec_round_trip_and_bare_name() -> None:
+    auto = compressor_from_spec("auto")
+    assert isinstance(auto, Auto)
+    assert auto.labels == ["none", "fp16", "powersgd-r4", "powersgd-r2", "powersgd-r1",
+                           "topk-1%"]
+    custom = compressor_from_spec("auto(levels=none|powersgd:rank=2,every=10,warmup=2)")
+    assert isinstance(custom, Auto) and custom.every == 10 and custom.labels == ["none",
+                                                                                 "powersgd-r2"]
+    assert compressor_from_spec(custom.spec()) == custom
+    assert gradzip.Auto is Auto
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"levels": []}, ValueError, "levels"),
+    ({"levels": ["none", "none"]}, ValueError, "repeat"),
+    ({"levels": [3]}, TypeError, "levels"),
+    ({"levels": ["accordion(steady=powersgd:rank=1,critical=powersgd:rank=4)"]}, TypeError,
+     "controllers"),
+    ({"every": 0}, ValueError, "every"),
+    ({"warmup": 0}, ValueError, "warmup"),
+    ({"margin": 1.0}, ValueError, "margin"),
+    ({"eta": 0.0}, ValueError, "eta"),
+    ({"probe_bytes": 4}, ValueError, "probe_bytes"),
+    ({"clock": 3}, TypeError, "clock"),
+])
+def test_validation(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        Auto(**kwargs)
+
+
+def test_fit_link_and_pick() -> None:
+    bw, rtt = fit_link((6, 6e-3 * 1 + 6 * 8 / 1e7), (60_006, 6e-3 + 60_006 * 8 / 1e7), 6)
+    assert bw == pytest.approx(10, rel=1e-9) and rtt == pytest.approx(2.0, rel=1e-9)
+    assert fit_link((6, 0.1), (60, 0.2), 0) == (1e9, 0.0)
+    with pytest.raises(ValueError, match="large"):
+        fit_link((60, 0.1), (6, 0.2), 6)
+    times = {"a": 1.0, "b": 0.97, "c": 0.5}
+    assert pick(times, ["a", "b"], "a", 0.05) == "a"  # 3% faster: hysteresis keeps a
+    assert pick(times, ["a", "b", "c"], "a", 0.05) == "c"
+    assert pick(times, ["b"], "a", 0.05) == "b"  # a not allowed any more
+
+
+def test_a_level_keeps_its_state_while_another_runs() -> None:
+    # Slow link: PowerSGD rank 4 from step 5, Top-k 1% from step 55 (see above).
+    clock = LinkClock(10, 1e-3)
+    engine = drive(clock, 56)
+    assert Auto.choice(engine) == "topk-1%"
+    q = {n: t.clone() for n, t in engine.compressor_state["levels"]["powersgd-r4"]["q"].items()}
+    drive(clock, 20, engine=engine, start=56)
+    after = engine.compressor_state["levels"]["powersgd-r4"]["q"]
+    assert all(torch.equal(q[n], after[n]) for n in q)  # rank 4's warm start waits unchanged
+    fresh = Auto().init_state(SHAPES)["levels"]["powersgd-r4"]["q"]
+    assert not all(torch.equal(q[n], fresh[n]) for n in q)  # ... and it had moved while it ran
+
+
+def test_probe_and_aggregation_bytes_are_metered() -> None:
+    plain = Engine(SHAPES, "none", collective=SimulatedGroup(WORLD))
+    clock = LinkClock(10, 1e-3)
+    auto = drive(clock, 12, levels=("none",), every=5, warmup=2, probe_bytes=1024)
+    for step in range(12):
+        plain.reduce(grads(step))
+    extra = auto.stats["wire_bytes"][0] - plain.stats["wire_bytes"][0]
+    # Decisions at steps 2, 7: per decision, three all-reduces of the probe (one float, one
+    # float, 1024 bytes) and one of WORLD x 7 float64 maxima, at 2 (W - 1) / W of each.
+    per_decision = sum(2 * (WORLD - 1) * n // WORLD for n in (4, 4, 1024, WORLD * 7 * 8))
+    assert extra == 2 * per_decision
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("step", -1, "step"),
+    ("periods", [1.0, float("nan")], "periods"),
+    ("overhead", {"none": 0.0}, "overhead"),
+    ("last_end", "soon", "last_end"),
+])
+def test_loaded_controller_values_are_checked(key: str, value: Any, match: str) -> None:
+    engine = drive(LinkClock(10, 1e-3), 8)
+    saved = engine.state_dict()
+    saved["compressor_state"]["controller"][key] = value
+    other = Engine(SHAPES, Auto(clock=LinkClock(10, 1e-3)), collective=SimulatedGroup(WORLD))
+    with pytest.raises((ValueError, TypeError), match=match):
+        other.load_state_dict(saved)
+
+
+def test_a_switch_is_explained_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="gradzip.plan.auto"):
+        drive(LinkClock(10, 1e-3), 8)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("auto: step 5: none -> powersgd-r4, predicted")
+    assert "link 10.0 Mbit/s" in lines[0] and "critical phase: first" in lines[0]
+
+
+def test_a_decision_without_timed_steps_reuses_the_last_compute() -> None:
+    # The drop at step 55 is seen at that step's end, right after the decision of step 55:
+    # the decision of step 56 has no whole step timed and keeps step 55's compute.
+    group = SimulatedGroup(WORLD)
+    clock = LinkClock(10, 1e-3)
+    clock.group = group
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    engine = Engine(SHAPES, Auto(clock=clock), collective=group, optimizer=opt)
+    for step in range(58):
+        if step == 55:
+            opt.param_groups[0]["lr"] = 0.01
+        clock.compute += 0.02
+        engine.reduce(grads(step))
+    got = Auto.decisions(engine, since=0)
+    assert [(r["step"], r["reason"]) for r in got] == [(5, "first"), (55, "steady"),
+                                                      (56, "lr_drop")]
+    assert got[2]["compute_ms"] == got[1]["compute_ms"] > 20
+    assert got[2]["level"] == "powersgd-r4"
+
+
+
+def test_levels_get_state_made_for_the_group() -> None:
+    """A level whose state depends on the group (a sharded quantiser's owner residuals) gets
+    it through Auto, as through Accordion, so an engine's checkpoint of it loads again."""
+    shapes = {"w": torch.Size([64, 64])}
+    state = Auto(levels=["none", "sign"]).init_group_state(shapes, 8, 8)
+    expected = gradzip.Sign().init_group_state(shapes, 8, 8)
+    assert state["levels"]["sign"]["forms"] == expected["forms"] == {"w": "sharded"}
+    assert state["levels"]["sign"]["owner"]["w"].shape == expected["owner"]["w"].shape
+    engine = Engine(shapes, Auto(levels=["none", "sign"]), collective=SimulatedGroup(8))
+    engine.load_state_dict(engine.state_dict())  # the fresh group state validates against itself
