@@ -13,7 +13,7 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
 from gradzip.compressors.sharded_codes import (
     EXCHANGES,
-    check_exchange_state,
+    ExchangeStateCheck,
     exchange_report,
     init_exchange_state,
     sharded_reduce,
@@ -61,7 +61,7 @@ class BinMeanCodec:
 
 
 @dataclass(frozen=True)
-class BinMean(Compressor):
+class BinMean(ExchangeStateCheck, Compressor):
     """Quantise every entry to one of ``2**bits`` bins over mean +- ``spread`` standard
     deviations of its tensor, and decode each code to the mean of the entries in its bin.
 
@@ -108,11 +108,6 @@ class BinMean(Compressor):
     ) -> dict[str, Any]:
         """Each tensor's form and the owner residuals of the sharded ones."""
         return init_exchange_state(self.codec, self.exchange, shapes, world_size, local_workers)
-
-    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
-                    **_: Any) -> str | None:
-        """A form that differs from the one the shapes and world size give."""
-        return check_exchange_state(state, fresh)
 
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Bits per entry over fp32's 32, as a density of the dense message; tensors per

@@ -15,7 +15,7 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.sharded_codes import (
     EXCHANGES,
-    check_exchange_state,
+    ExchangeStateCheck,
     exchange_report,
     init_exchange_state,
     sharded_reduce,
@@ -36,7 +36,7 @@ _CHUNK = 1 << 18
 
 
 @dataclass(frozen=True)
-class QSGD(Compressor):
+class QSGD(ExchangeStateCheck, Compressor):
     """Quantise each entry to ``norm * sign * l / levels`` with ``l`` in ``0..levels``, rounding
     up or down at random so the result is unbiased; one fp32 norm per bucket.
 
@@ -88,11 +88,6 @@ class QSGD(Compressor):
         # signal, which error feedback would let grow).
         return init_exchange_state(self, self.exchange, shapes, world_size, local_workers,
                                    owner_feedback=False)
-
-    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
-                    **_: Any) -> str | None:
-        """A form that differs from the one the shapes and world size give."""
-        return check_exchange_state(state, fresh)
 
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Tensors per exchange form (when the state was made for a group)."""

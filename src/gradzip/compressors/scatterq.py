@@ -13,7 +13,7 @@ from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.binmean import BinMeanCodec
 from gradzip.compressors.sharded_codes import (
-    check_exchange_state,
+    ExchangeStateCheck,
     exchange_report,
     init_exchange_state,
     shard_size,
@@ -25,7 +25,7 @@ __all__ = ["ScatterQuant"]
 
 
 @dataclass(frozen=True)
-class ScatterQuant(Compressor):
+class ScatterQuant(ExchangeStateCheck, Compressor):
     """Average with a reduce-scatter and an all-gather that both carry bin-mean codes.
 
     The bin-mean quantiser (:class:`~gradzip.compressors.binmean.BinMean`: ``2**bits`` bins
@@ -86,11 +86,6 @@ class ScatterQuant(Compressor):
                 state["forms"][name] = "dense"
                 state["owner"].pop(name, None)
         return state
-
-    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
-                    **_: Any) -> str | None:
-        """A form that differs from the one the shapes and world size give."""
-        return check_exchange_state(state, fresh)
 
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Bits per entry over fp32's 32, as a density of the dense message; tensors per

@@ -42,7 +42,8 @@ from gradzip.compressors.base import Job, StepContext
 from gradzip.ops.flat import to_device
 
 __all__ = [
-    "EXCHANGES", "FORMS", "PartCodec", "check_exchange_state", "choose_exchange",
+    "EXCHANGES", "FORMS", "ExchangeStateCheck", "PartCodec", "check_exchange_state",
+    "choose_exchange",
     "exchange_report", "init_exchange_state",
     "shard_size", "sharded_reduce", "sharded_wire_bytes", "split_by_form",
 ]
@@ -151,6 +152,16 @@ def check_exchange_state(
             expected = repr(want[name]) if name in want else "one of " + ", ".join(FORMS)
             return f"forms.{name}: must be {expected}, got {form!r}"
     return None
+
+
+class ExchangeStateCheck:
+    """``Compressor.check_state`` for a quantiser whose state is the sharded exchange's
+    (:func:`init_exchange_state`): listed before ``Compressor`` among its bases."""
+
+    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
+                    **_: Any) -> str | None:
+        """A form that differs from the one the shapes and world size give."""
+        return check_exchange_state(state, fresh)
 
 
 def split_by_form(

@@ -15,7 +15,7 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.sharded_codes import (
     EXCHANGES,
-    check_exchange_state,
+    ExchangeStateCheck,
     exchange_report,
     init_exchange_state,
     sharded_reduce,
@@ -69,7 +69,7 @@ def _mean_abs(
 
 
 @dataclass(frozen=True)
-class Sign(Compressor):
+class Sign(ExchangeStateCheck, Compressor):
     """Send ``mean(|g|) * sign(g)``: one fp32 scale per tensor and the sign bits packed 8 to a
     byte (all tensors of one call in one stream).
 
@@ -101,11 +101,6 @@ class Sign(Compressor):
     ) -> dict[str, Any]:
         """Each tensor's form and the owner residuals of the sharded ones."""
         return init_exchange_state(self, self.exchange, shapes, world_size, local_workers)
-
-    def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
-                    **_: Any) -> str | None:
-        """A form that differs from the one the shapes and world size give."""
-        return check_exchange_state(state, fresh)
 
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Tensors per exchange form (when the state was made for a group)."""
