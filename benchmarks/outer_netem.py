@@ -147,13 +147,14 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
     args.runs.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "base": outer.BASE, "machine": netlab.machine_info(), "goodput": {},
+        "base": outer.BASE, "machine": netlab.machine_info(), "goodput": {}, "rtt": {},
         "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                   time.gmtime())}
     runs, port = [], 29600
     for rate in args.bandwidth_mbit:
-        lab.shape(rate, 0.0)
+        lab.shape(rate)
         meta["goodput"][f"{rate:g}"] = netlab.measure_goodput(lab, rate, tmp)
+        meta["rtt"][f"{rate:g}"] = launch.measure_rtt(lab, tmp)
         for method in args.methods:
             port += 1
             record = run_one(lab, args, rate, method, port, tmp)
@@ -164,6 +165,7 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
                 f"(step {row['steps_to_target']}), {record['wall_seconds']:.0f} s wall, "
                 f"load {record['loadavg_after'][0]:.1f}"))
     meta["loadavg_end"] = os.getloadavg()
+    meta["delay_line"] = launch.delay_stats(tmp)
     doc = write_outputs(args.out, meta, runs, args.target)
     print(markdown(doc))
     return 1 if any("error" in r for r in runs) else 0
@@ -197,8 +199,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def validate(args: argparse.Namespace) -> list[str]:
     """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
     out = launch.validate_lab(args)
-    if args.delay_ms:
-        out.append(f"`--delay-ms` must be 0 (bandwidth only here), got {args.delay_ms:g}")
     if any(not 0 < b <= 100_000 for b in args.bandwidth_mbit):
         out.append(f"`--bandwidth-mbit` values must be in (0, 100000], got {args.bandwidth_mbit}")
     unknown = [m for m in args.methods if m not in METHODS]
@@ -216,9 +216,9 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 def dry_run(args: argparse.Namespace) -> list[list[str]]:
     """Every command a real run would issue, in order (workers shown for rank 0 only)."""
-    with launch.recorded_lab(args.workers, args.subnet) as (lab, cmds):
+    with launch.recorded_lab(args.workers, args.subnet, args.rtt_ms) as (lab, cmds):
         for rate in args.bandwidth_mbit:
-            lab.shape(rate, 0.0)
+            lab.shape(rate)
             for method in args.methods:
                 out = args.runs / f"{method}-{rate:g}mbit"
                 cmds.append(netlab.netns_exec(lab.names[0], train_argv(args, method, out)))
