@@ -69,6 +69,8 @@ def train_argv(args: argparse.Namespace, method: str, out: Path) -> list[str]:
     # and time would count as training. An outer mode is evaluated at its synchronisations.
     overrides = {"launcher": "procs", "workers": args.workers, "epochs": args.epochs,
                  "checkpoint-every": 0, "eval-every": h or args.eval_every}
+    if args.limit_train:  # short step-time runs: the first N training tokens only
+        overrides["limit-train"] = args.limit_train
     cfg = outer.Config(method, METHODS[method][0], options)
     return outer.command(cfg, args.seed, args.corpus, out, overrides)
 
@@ -188,6 +190,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="parent of the run directories (each must not exist yet)")
     p.add_argument("--epochs", type=int, default=int(outer.BASE["epochs"]))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-train", type=int, default=0,
+                   help="train on the first N tokens only (0: all); for short step-time runs")
     p.add_argument("--eval-every", type=int, default=10,
                    help="steps between evaluations of per-step methods (outer modes: H)")
     p.add_argument("--target", type=float, default=650.0, help="validation perplexity")
@@ -209,6 +213,8 @@ def validate(args: argparse.Namespace) -> list[str]:
     if not args.target > 1:
         out.append(f"`--target` must be > 1 (a perplexity), got {args.target:g}")
     out += launch.bound_problems(args, at_least_one=("epochs", "eval_every", "valid_words"))
+    if args.limit_train < 0:
+        out.append(f"`--limit-train` must be >= 0, got {args.limit_train}")
     if args.seed < 0:
         out.append(f"`--seed` must be >= 0, got {args.seed}")
     return out
