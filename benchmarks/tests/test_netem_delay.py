@@ -9,6 +9,7 @@ skipped elsewhere.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import shutil
 import socket
@@ -23,8 +24,11 @@ import pytest
 
 from benchmarks import _netlab as netlab
 from benchmarks import _netlab_launch as launch
-from benchmarks import netem, netem_delay, outer_netem
+from benchmarks import netem, netem_delay, netem_rtt, outer_netem
 from benchmarks import netem_steps as steps
+from benchmarks.plan_validation import _outer_shapes
+from gradzip.plan import TimingCache
+from gradzip.plan.timing import timing_key
 
 
 class FakeRunner:
@@ -225,3 +229,44 @@ def test_a_real_lab_adds_at_least_the_round_trip_between_workers():
     assert measured["min_ms"] >= rtt and len(measured["samples_ms"]) == 5
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert lab.hub not in names and not any(n in names for n in lab.names)
+
+
+# --------------------------------------------------------------------------- the comparison
+
+
+def _outer_doc(rtt: float, rows: dict[str, float], goodput: float = 38.0) -> dict:
+    labels = {"none": "per-step none", "diloco30": "DiLoCo fp32 H=30"}
+    return {"meta": {"args": {"bandwidth_mbit": [40.0], "workers": 2, "rtt_ms": rtt},
+                     "goodput": {"40": {"mbit_per_s": goodput}}, "rtt": {"40": {"min_ms": rtt}},
+                     "loadavg_start": [1.0], "loadavg_end": [1.0], "machine": {"cores": 2}},
+            "rows": [{"method": m, "label": labels[m], "seconds_per_step": s, "steps_run": 60,
+                      "bytes_per_worker_per_sync": 4_000_000, "loadavg_after": 1.0}
+                     for m, s in rows.items()]}
+
+
+def test_the_comparison_predicts_what_the_round_trip_adds_from_the_cost_model(tmp_path):
+
+    cache = TimingCache(tmp_path / "timings.json")
+    shapes = _outer_shapes(4_000_000, 2)
+    for spec in ("none", "powersgd:rank=4"):
+        cache.put(timing_key(spec, shapes), 0.0)
+    # DiLoCo's row with the round trip is slower by its one exchange's round trip over H = 30
+    # steps (a ring all-reduce between 2 workers: 2 hops of rtt / 2), so compute is the same.
+    paths = []
+    for rtt, diloco in ((0.0, 0.3), (100.0, 0.3 + 0.1 / 30)):
+        paths.append(tmp_path / f"rtt{rtt:g}.json")
+        paths[-1].write_text(json.dumps(_outer_doc(rtt, {"none": 1.2, "diloco30": diloco})))
+    doc = netem_rtt.compare(paths, cache)
+    calib = [r for r in doc["rows"] if r["method"] == "diloco30"]
+    assert all(not r["scored"] and r["predicted_ms"] == pytest.approx(r["measured_ms"])
+               for r in calib)
+    assert calib[0]["compute_ms"] == pytest.approx(calib[1]["compute_ms"])
+    added = {a["method"]: a for a in doc["added"]}
+    assert added["none"]["predicted_added_ms"] == pytest.approx(100.0)
+    assert added["none"]["measured_added_ms"] == pytest.approx(0.0)
+    assert added["diloco30"]["predicted_added_ms"] == pytest.approx(100.0 / 30)
+    text = netem_rtt.markdown(doc)
+    assert "| 100 | per-step none |" in text and "calibration" in text
+    paths[0].write_text(json.dumps(_outer_doc(50.0, {"none": 1.2, "diloco30": 0.3})))
+    with pytest.raises(ValueError, match="one run with --rtt-ms 0"):
+        netem_rtt.compare(paths, cache)
