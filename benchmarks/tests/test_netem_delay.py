@@ -24,7 +24,7 @@ import pytest
 
 from benchmarks import _netlab as netlab
 from benchmarks import _netlab_launch as launch
-from benchmarks import netem, netem_delay, netem_rtt, outer_netem
+from benchmarks import netem, netem_delay, netem_rtt, netem_rtt_probe, outer_netem
 from benchmarks import netem_steps as steps
 from benchmarks.plan_validation import _outer_shapes
 from gradzip.plan import TimingCache
@@ -270,3 +270,24 @@ def test_the_comparison_predicts_what_the_round_trip_adds_from_the_cost_model(tm
     paths[0].write_text(json.dumps(_outer_doc(50.0, {"none": 1.2, "diloco30": 0.3})))
     with pytest.raises(ValueError, match="one run with --rtt-ms 0"):
         netem_rtt.compare(paths, cache)
+
+
+def test_the_probe_predicts_each_exchange_with_the_cost_models_link_time():
+    record = {"world": 2, "methods": {
+        "none": {"calls": [["all_reduce", 5_000_000]], "outer_steps": 0,
+                 "exchange_seconds": [1.2, 1.1, 1.3], "step_seconds": [1.5, 1.4, 1.6]},
+        "diloco30": {"calls": [["all_reduce", 5_000_000]], "outer_steps": 30,
+                     "exchange_seconds": [1.0], "step_seconds": [0.3] * 30}}}
+    rows = {r["method"]: r for r in netem_rtt_probe.summarise(record, 40.0, 100.0, 300.0)}
+    # 2 workers: a ring all-reduce sends the message once and pays 2 hops of rtt / 2.
+    assert rows["none"]["wire_bytes"] == 5_000_000 and rows["none"]["hops"] == 2
+    assert rows["none"]["exchange_ms_predicted"] == pytest.approx(100.0 + 1000.0)
+    assert rows["none"]["exchange_ms_measured"] == pytest.approx(1200.0)
+    assert rows["none"]["step_ms_predicted"] == pytest.approx(1400.0)
+    assert rows["diloco30"]["step_ms_predicted"] == pytest.approx(300.0 + 1100.0 / 30)
+    with pytest.raises(SystemExit):
+        netem_rtt_probe.parse_args(["--compute-ms", "-1"])
+    words = [" ".join(c) for c in netem_rtt_probe.dry_run(netem_rtt_probe.parse_args(
+        ["--rtt-ms", "100"]))]
+    assert any("netem_delay serve" in w for w in words)
+    assert words[-1].startswith("ip netns del")
