@@ -15,9 +15,13 @@ each (round trip, method) row's measured seconds per step beside the cost model'
   comparison; those rows are therefore not scored.
 
 It reports, per method, the step time each round trip measured and the plan predicted, and
-what the round trip added (measured difference against predicted difference).
+what the round trip added (measured difference against predicted difference). With
+``--probes`` (results of ``netem_rtt_probe.py`` without and with the round trip) it adds the
+exchanges alone, compute replaced by a sleep: each exchange's measured time against the plan's
+link time at the probe's goodput without a round trip.
 
-    python -m benchmarks.netem_rtt --runs A.json B.json --out benchmarks/results/netem_rtt
+    python -m benchmarks.netem_rtt --runs A.json B.json --probes C.json D.json \
+        --out benchmarks/results/netem_rtt
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gradzip.plan import Setting, TimingCache
+from gradzip.plan import Setting, TimingCache, comm_seconds
 
 from ._netlab import machine_info
 from .plan_validation import OUTER, TARGET, Model, _outer_shapes, _share
@@ -99,10 +103,14 @@ def compare(paths: list[Path], cache: TimingCache) -> dict[str, Any]:
             if None in pair:
                 continue
             a, b = pair
+            drift = b["compute_ms"] - a["compute_ms"]
+            # The plan's added time at equal compute: its link terms alone.
             added.append({"rtt_ms": run["rtt_ms"], "method": method,
                           "measured_added_ms": b["measured_ms"] - a["measured_ms"],
-                          "predicted_added_ms": b["predicted_ms"] - a["predicted_ms"],
-                          "compute_drift_ms": b["compute_ms"] - a["compute_ms"]})
+                          "compute_drift_ms": drift,
+                          "measured_added_less_drift_ms": b["measured_ms"] - a["measured_ms"] - drift,
+                          "predicted_added_ms": (b["predicted_ms"] - b["compute_ms"])
+                          - (a["predicted_ms"] - a["compute_ms"])})
     meta = {"machine": machine_info(), "workers": w, "link_mbit": link, "bandwidth_mbit": bw,
             "runs": [{"path": r["path"], "rtt_ms": r["rtt_ms"],
                       "delay_line": r["doc"]["meta"].get("delay_line"),
@@ -112,6 +120,38 @@ def compare(paths: list[Path], cache: TimingCache) -> dict[str, Any]:
                       "loadavg_end": r["doc"]["meta"].get("loadavg_end")} for r in runs],
             "loadavg": list(os.getloadavg()), "target": TARGET}
     return {"meta": meta, "rows": rows, "added": added}
+
+
+def compare_probes(paths: list[Path]) -> list[dict[str, Any]]:
+    """Per (round trip, method) of ``netem_rtt_probe.py`` results: the exchange measured, the
+    plan's link time at the goodput measured without a round trip, and what the round trip
+    added to each.
+
+    Raises:
+        ValueError: no probe without a round trip among ``paths``.
+    """
+    docs = sorted((json.loads(p.read_text()) for p in paths),
+                  key=lambda d: d["meta"]["args"]["rtt_ms"])
+    if not docs or docs[0]["meta"]["args"]["rtt_ms"] != 0:
+        raise ValueError("`--probes` must include one run with --rtt-ms 0")
+    bw = docs[0]["meta"]["goodput"]["mbit_per_s"]
+    base = {r["method"]: r for r in docs[0]["rows"]}
+    out = []
+    for d in docs:
+        rtt = float(d["meta"]["args"]["rtt_ms"])
+        for r in d["rows"]:
+            predicted = 1e3 * comm_seconds(r["wire_bytes"], r["hops"], bw, rtt)
+            zero = 1e3 * comm_seconds(r["wire_bytes"], r["hops"], bw, 0.0)
+            out.append({"rtt_ms": rtt, "method": r["method"], "calls": r["calls"],
+                        "hops": r["hops"], "exchanges": r["exchanges"],
+                        "compute_ms": d["meta"]["args"]["compute_ms"],
+                        "measured_ms": r["exchange_ms_measured"], "predicted_ms": predicted,
+                        "measured_added_ms": r["exchange_ms_measured"]
+                        - base[r["method"]]["exchange_ms_measured"],
+                        "predicted_added_ms": predicted - zero,
+                        "delay_line": d["meta"].get("delay_line"),
+                        "probe_rtt_ms": d["meta"]["rtt"]["min_ms"], "goodput_mbit": bw})
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -127,11 +167,13 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {r['rtt_ms']:g} | {r['label']} | {r['compute_ms']:.0f} | "
                      f"{r['predicted_ms']:.0f} | {r['measured_ms']:.0f} | {r['error']:+.1%} | "
                      f"{verdict} |")
-    lines += ["", "| RTT ms | method | added per step, measured ms | added per step, predicted ms "
-              "| compute drift between the runs ms |", "|---:|---|---:|---:|---:|"]
+    lines += ["", "| RTT ms | method | added per step, measured ms | compute drift between the "
+              "runs ms | measured less drift ms | predicted (link terms) ms |",
+              "|---:|---|---:|---:|---:|---:|"]
     for a in doc["added"]:
         lines.append(f"| {a['rtt_ms']:g} | {a['method']} | {a['measured_added_ms']:+.0f} | "
-                     f"{a['predicted_added_ms']:+.0f} | {a['compute_drift_ms']:+.0f} |")
+                     f"{a['compute_drift_ms']:+.0f} | {a['measured_added_less_drift_ms']:+.0f} | "
+                     f"{a['predicted_added_ms']:+.0f} |")
     lines += ["", "| RTT ms | probe RTT min / median ms | goodput Mbit/s | delay line: packets, "
               "max backlog, late mean / max ms | load average start -> end |",
               "|---:|---|---:|---|---|"]
@@ -143,6 +185,17 @@ def markdown(doc: dict[str, Any]) -> str:
                      f"{probe.get('median_ms', float('nan')):.2f} | "
                      f"{r['goodput']['mbit_per_s']:.1f} | {line} | "
                      f"{r['loadavg_start'][0]:.1f} -> {(r['loadavg_end'] or [float('nan')])[0]:.1f} |")
+    if doc.get("probes"):
+        lines += ["", "Exchanges alone (compute replaced by a sleep; netem_rtt_probe.py):", "",
+                  "| RTT ms | method | calls (hops) | exchanges timed | measured ms | predicted ms "
+                  "| added by the RTT, measured / predicted ms | added / RTT |",
+                  "|---:|---|---|---:|---:|---:|---|---:|"]
+        for p in doc["probes"]:
+            per = (f"{p['measured_added_ms'] / p['rtt_ms']:.2f}" if p["rtt_ms"] else "-")
+            lines.append(f"| {p['rtt_ms']:g} | {p['method']} | {p['calls']} ({p['hops']}) | "
+                         f"{p['exchanges']} | {p['measured_ms']:.0f} | {p['predicted_ms']:.0f} | "
+                         f"{p['measured_added_ms']:+.0f} / {p['predicted_added_ms']:+.0f} | "
+                         f"{per} |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,11 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=Path, nargs="+", required=True,
                    help="outer_netem.py results: one with --rtt-ms 0, others with a round trip")
+    p.add_argument("--probes", type=Path, nargs="*", default=[],
+                   help="netem_rtt_probe.py results: one with --rtt-ms 0, others with one")
     p.add_argument("--timings", default=str(HERE / "results" / "plan_validation_timings.json"),
                    help="the compression-time cache (measured where missing)")
     p.add_argument("--out", default=str(HERE / "results" / "netem_rtt"))
     args = p.parse_args(argv)
     doc = compare(args.runs, TimingCache(args.timings))
+    if args.probes:
+        doc["probes"] = compare_probes(args.probes)
     Path(args.out + ".json").write_text(json.dumps(doc, indent=1))
     text = markdown(doc)
     Path(args.out + ".md").write_text(text)

@@ -292,3 +292,25 @@ def test_the_probe_predicts_each_exchange_with_the_cost_models_link_time():
         ["--rtt-ms", "100"]))]
     assert any("netem_delay serve" in w for w in words)
     assert words[-1].startswith("ip netns del")
+
+
+def test_the_probe_comparison_counts_the_round_trips_an_exchange_paid(tmp_path):
+    paths = []
+    for rtt, seconds in ((0.0, 0.05), (100.0, 0.45)):
+        record = {"world": 2, "methods": {"powersgd4": {
+            "calls": [["all_reduce", 256_000], ["all_reduce", 16_000]], "outer_steps": 0,
+            "exchange_seconds": [seconds] * 3, "step_seconds": [seconds + 0.3] * 3}}}
+        doc = {"meta": {"args": {"rtt_ms": rtt, "compute_ms": 300.0},
+                        "goodput": {"mbit_per_s": 40.0}, "rtt": {"min_ms": rtt}},
+               "rows": netem_rtt_probe.summarise(record, 40.0, rtt, 300.0)}
+        paths.append(tmp_path / f"p{rtt:g}.json")
+        paths[-1].write_text(json.dumps(doc))
+    rows = netem_rtt.compare_probes(paths[::-1])
+    late = next(r for r in rows if r["rtt_ms"] == 100.0)
+    assert late["measured_added_ms"] == pytest.approx(400.0)
+    assert late["predicted_added_ms"] == pytest.approx(200.0)  # 2 all-reduces, 2 hops each
+    text = netem_rtt.markdown({"meta": {"workers": 2, "link_mbit": 40.0, "bandwidth_mbit": 40.0,
+                                        "runs": []}, "rows": [], "added": [], "probes": rows})
+    assert "| 100 | powersgd4 | 2 (4) | 3 | 450 |" in text and "| 4.00 |" in text
+    with pytest.raises(ValueError, match="one run with --rtt-ms 0"):
+        netem_rtt.compare_probes(paths[1:])
