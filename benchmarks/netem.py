@@ -9,7 +9,9 @@ writes a JSON record and a CSV summary.
 Seconds per step of DDP hooks side by side over the same kind of link (native DDP, PyTorch's
 hooks, gradzip's, the no-DDP floor) are ``benchmarks/netem_steps.py``, on the same lab.
 
-It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and refuses with a message otherwise.
+``--rtt-ms R`` adds a round trip of R ms between the workers (the lab's delay line,
+``benchmarks/netem_delay.py``). It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and refuses
+with a message otherwise.
 ``--dry-run`` prints the commands it would run, as any user.
 
 Example (the run behind BENCHMARKS.md section 3, about 18 minutes on 2 cores):

@@ -18,7 +18,9 @@ in series with compute) minus the floor, over the floor; and a dense all-reduce 
 The table, the ratios, the verdicts and the report are made by ``_netem_steps_report.py``
 beside this file.
 
-It needs root, like ``netem.py``; ``--dry-run`` prints the commands as any user.
+``--rtt-ms R`` adds a round trip of R ms between the workers (the lab's delay line,
+``benchmarks/netem_delay.py``). It needs root, like ``netem.py``; ``--dry-run`` prints the
+commands as any user.
 
 Example (2 workers, 40 rounds of 3 steps; about 5 minutes on 2 quiet cores, 7 with the
 synchronous variants of the gradzip hook):

@@ -15,6 +15,9 @@ The runner evaluates every ``--eval-every`` steps for per-step methods and every
 records carry ``train_seconds``, the seconds of training so far with evaluations left out.
 Time to target is the ``train_seconds`` of the first evaluation at or below ``--target``.
 With ``--stop-at-target`` a run is stopped once rank 0 has written that evaluation.
+``--rtt-ms R`` adds a round trip of R ms between the workers (the lab's delay line,
+``benchmarks/netem_delay.py``); ``--limit-train N`` trains on the first N tokens only, for
+short runs that time steps (``benchmarks/netem_rtt.py`` reads them).
 
 Needs root; ``--dry-run`` prints the commands as any user. Example (BENCHMARKS.md, section 5)::
 
