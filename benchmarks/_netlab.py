@@ -6,8 +6,8 @@ bridge, each worker joined to the bridge with a veth pair, every link capped in 
 directions with ``tc tbf``. With ``--rtt-ms`` > 0 the hub routes instead of bridging and holds
 every packet in a user-space delay line for half the round trip (``benchmarks/netem_delay.py``:
 no ``netem`` qdisc needed). This module also holds the rights check, the signal handling
-around the cleanup, the worker processes it starts and kills, and the goodput check of a
-shaped link; what the launchers and workers share around it is in
+around the cleanup, and the worker processes it starts and kills; what the launchers and
+workers share around it (the goodput and round-trip checks among it) is in
 ``benchmarks/_netlab_launch.py``.
 
 What it touches, and nothing else:
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import logging
 import os
 import re
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from . import netem_delay as delay
-from ._common import module_command, package_env
+from ._common import module_command
 
 log = logging.getLogger("netlab")
 
@@ -372,24 +371,6 @@ def spawn(argv: list[str], env: dict[str, str] | None, log_path: Path) -> subpro
                                 start_new_session=True)
     LIVE.append(proc)
     return proc
-
-
-def measure_goodput(lab: Lab, rate_mbit: float, tmp: Path) -> dict[str, Any]:
-    """Send about a second's worth of bytes from worker 1 to worker 0 over the shaped path."""
-    count = max(1 << 20, int(rate_mbit * 1e6 / 8))
-    where = f"{lab.addresses[0]}:29400"
-    # netem_worker's goodput-recv / goodput-send modes check what a shaped link delivers.
-    recv = spawn(netns_exec(lab.names[0], [*module_command("netem_worker"), "goodput-recv",
-                                          "--bind", where, "--bytes", str(count)]),
-                 package_env(), tmp / "goodput-recv.log")
-    send = spawn(netns_exec(lab.names[1], [*module_command("netem_worker"), "goodput-send",
-                                          "--to", where, "--bytes", str(count)]),
-                 package_env(), tmp / "goodput-send.log")
-    problem = wait_all([recv, send], timeout=60)
-    if problem:
-        raise LabError(f"goodput check {problem}: {(tmp / 'goodput-recv.log').read_text()[-500:]}")
-    lines = (tmp / "goodput-recv.log").read_text().splitlines()
-    return json.loads(lines[-1])
 
 
 def machine_info() -> dict[str, Any]:

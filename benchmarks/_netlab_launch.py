@@ -234,6 +234,25 @@ def delay_stats(tmp: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def measure_goodput(lab: netlab.Lab, rate_mbit: float, tmp: Path) -> dict[str, Any]:
+    """Send about a second's worth of bytes from worker 1 to worker 0 over the shaped path."""
+    count = max(1 << 20, int(rate_mbit * 1e6 / 8))
+    where = f"{lab.addresses[0]}:29400"
+    # netem_worker's goodput-recv / goodput-send modes check what a shaped link delivers.
+    worker = module_command("netem_worker")
+    recv = netlab.spawn(netlab.netns_exec(lab.names[0], [*worker, "goodput-recv", "--bind", where,
+                                                         "--bytes", str(count)]),
+                        package_env(), tmp / "goodput-recv.log")
+    send = netlab.spawn(netlab.netns_exec(lab.names[1], [*worker, "goodput-send", "--to", where,
+                                                         "--bytes", str(count)]),
+                        package_env(), tmp / "goodput-send.log")
+    problem = netlab.wait_all([recv, send], timeout=60)
+    if problem:
+        raise netlab.LabError(f"goodput check {problem}: {(tmp / 'goodput-recv.log').read_text()[-500:]}")
+    lines = (tmp / "goodput-recv.log").read_text().splitlines()
+    return json.loads(lines[-1])
+
+
 def measure_rtt(lab: netlab.Lab, tmp: Path, count: int = 20) -> dict[str, Any]:
     """Time ``count`` small TCP request/reply round trips from worker 1 to worker 0."""
     where = f"{lab.addresses[0]}:29399"

@@ -315,7 +315,7 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> dict[str,
     runs, port = [], 29500
     for rate in args.bandwidth_mbit:
         lab.shape(rate)
-        meta["goodput"][f"{rate:g}"] = netlab.measure_goodput(lab, rate, tmp)
+        meta["goodput"][f"{rate:g}"] = launch.measure_goodput(lab, rate, tmp)
         meta["rtt"][f"{rate:g}"] = launch.measure_rtt(lab, tmp)
         log.info("%g Mbit/s: measured goodput %.1f Mbit/s", rate,
                  meta["goodput"][f"{rate:g}"]["mbit_per_s"])

@@ -147,7 +147,7 @@ def summarise(record: dict[str, Any], bandwidth_mbit: float, rtt_ms: float,
 
 def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
     lab.shape(args.bandwidth_mbit)
-    goodput = netlab.measure_goodput(lab, args.bandwidth_mbit, tmp)
+    goodput = launch.measure_goodput(lab, args.bandwidth_mbit, tmp)
     rtt = launch.measure_rtt(lab, tmp)
     calls = {m: calls_of(m, lab.workers) for m in args.methods}
     argv = [*module_command("netem_rtt_probe"), "worker", "--calls", json.dumps(calls),

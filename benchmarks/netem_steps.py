@@ -158,7 +158,7 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> dict[str,
         rate = float(args.bandwidth_mbit)
     meta["bandwidth_mbit"] = rate
     lab.shape(rate)
-    meta["goodput"] = netlab.measure_goodput(lab, rate, tmp)
+    meta["goodput"] = launch.measure_goodput(lab, rate, tmp)
     meta["rtt"] = launch.measure_rtt(lab, tmp)
     log.info("%g Mbit/s: measured goodput %.1f Mbit/s", rate, meta["goodput"]["mbit_per_s"])
     started = time.perf_counter()

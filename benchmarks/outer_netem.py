@@ -158,7 +158,7 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
     runs, port = [], 29600
     for rate in args.bandwidth_mbit:
         lab.shape(rate)
-        meta["goodput"][f"{rate:g}"] = netlab.measure_goodput(lab, rate, tmp)
+        meta["goodput"][f"{rate:g}"] = launch.measure_goodput(lab, rate, tmp)
         meta["rtt"][f"{rate:g}"] = launch.measure_rtt(lab, tmp)
         for method in args.methods:
             port += 1

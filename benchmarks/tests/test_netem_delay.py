@@ -221,6 +221,7 @@ def test_a_real_lab_adds_at_least_the_round_trip_between_workers():
             launch.start_delay(lab, Path(tmp))
             lab.shape(100)
             measured = launch.measure_rtt(lab, Path(tmp), count=5)
+            goodput = launch.measure_goodput(lab, 100, Path(tmp))
         finally:
             for proc in netlab.LIVE[before:]:
                 netlab.kill_group(proc, grace=1.0)
@@ -228,6 +229,7 @@ def test_a_real_lab_adds_at_least_the_round_trip_between_workers():
             assert lab.destroy() == []
     # A lower bound only: each request and reply waited rtt / 2 in the delay line.
     assert measured["min_ms"] >= rtt and len(measured["samples_ms"]) == 5
+    assert goodput["bytes"] == int(100 * 1e6 / 8)  # every byte crossed the delay line
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert lab.hub not in names and not any(n in names for n in lab.names)
 
