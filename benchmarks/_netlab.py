@@ -3,10 +3,12 @@
 ``benchmarks/netem.py`` (time to accuracy) and ``benchmarks/netem_steps.py`` (seconds per step)
 build the same lab here: one network namespace per worker and a hub namespace holding a
 bridge, each worker joined to the bridge with a veth pair, every link capped in both
-directions with ``tc`` (``tbf`` for bandwidth; ``netem`` on each worker's egress for delay when
-``--delay-ms`` > 0). This module also holds the rights check, the signal handling around the
-cleanup, the worker processes it starts and kills, and the goodput check of a shaped link;
-what the launchers and workers share around it is in ``benchmarks/_netlab_launch.py``.
+directions with ``tc tbf``. With ``--rtt-ms`` > 0 the hub routes instead of bridging and holds
+every packet in a user-space delay line for half the round trip (``benchmarks/netem_delay.py``:
+no ``netem`` qdisc needed). This module also holds the rights check, the signal handling
+around the cleanup, and the worker processes it starts and kills; what the launchers and
+workers share around it (the goodput and round-trip checks among it) is in
+``benchmarks/_netlab_launch.py``.
 
 What it touches, and nothing else:
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import json
 import logging
 import os
 import re
@@ -40,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._common import module_command, package_env
+from . import netem_delay as delay
+from ._common import module_command
 
 log = logging.getLogger("netlab")
 
@@ -105,19 +107,13 @@ def tbf_burst_bytes(rate_mbit: float) -> int:
     return max(32 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))
 
 
-def shaping_commands(ns: str, dev: str, rate_mbit: float, delay_ms: float) -> list[list[str]]:
-    """``tc`` commands capping egress of ``dev`` in ``ns``: tbf, under a netem delay if any."""
+def shaping_commands(ns: str, dev: str, rate_mbit: float) -> list[list[str]]:
+    """``tc`` commands capping egress of ``dev`` in ``ns`` with tbf (the first deletes what
+    was there, and may fail)."""
     tbf = ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(tbf_burst_bytes(rate_mbit)),
            "latency", "100ms"]
     base = ["tc", "-n", ns, "qdisc"]
-    cmds = [[*base, "del", "dev", dev, "root"]]  # may fail (nothing there): run unchecked
-    if delay_ms > 0:
-        cmds += [[*base, "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                  f"{delay_ms:g}ms"],
-                 [*base, "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf]]
-    else:
-        cmds += [[*base, "add", "dev", dev, "root", "handle", "1:", *tbf]]
-    return cmds
+    return [[*base, "del", "dev", dev, "root"], [*base, "add", "dev", dev, "root", "handle", "1:", *tbf]]
 
 
 def topology_commands(hub: str, workers: Sequence[str], addresses: Sequence[str],
@@ -173,6 +169,8 @@ class Lab:
         subnet: private IPv4 network for the worker addresses.
         runner: runs one command; ``None`` is :func:`run_command` (tests pass a recorder).
         pid: names the namespaces (this process's id by default).
+        rtt_ms: round trip added between any two workers (> 0: the hub routes through the
+            delay line of ``netem_delay.py``, which :meth:`delay_command` starts).
     """
 
     workers: int
@@ -180,12 +178,16 @@ class Lab:
     runner: Runner | None = None
     pid: int = field(default_factory=os.getpid)
     created: list[str] = field(default_factory=list)
+    rtt_ms: float = 0.0
 
     def __post_init__(self) -> None:
         self.runner = self.runner or run_command
         self.hub, self.names = namespace_names(self.pid, self.workers)
         self.addresses = worker_addresses(self.subnet, self.workers)
         self.prefixlen = ipaddress.ip_network(self.subnet).prefixlen
+        if not 0 <= self.rtt_ms <= 10_000:
+            raise ValueError(f"`rtt_ms` must be in [0, 10000], got {self.rtt_ms!r}")
+        self.gateway = delay.hub_address(self.subnet, self.workers) if self.rtt_ms else None
 
     def existing(self) -> set[str]:
         """Names of every network namespace now on the machine."""
@@ -214,30 +216,34 @@ class Lab:
                 if i == 0:
                     raise RightsError(f"cannot create network namespaces ({exc}); nothing was created") from None
                 raise
-        for cmd in topology_commands(self.hub, self.names, self.addresses, self.prefixlen):
+        if self.gateway is None:
+            cmds = topology_commands(self.hub, self.names, self.addresses, self.prefixlen)
+        else:
+            cmds = delay.routed_topology_commands(self.hub, self.names, self.addresses,
+                                                  self.prefixlen, self.gateway)
+        for cmd in cmds:
             self.runner(cmd)
 
-    def shape(self, rate_mbit: float, delay_ms: float) -> None:
+    def delay_command(self, ready: Path, stats: Path) -> list[str]:
+        """The delay line's command, run in the hub: holds each packet ``rtt_ms / 2``."""
+        return netns_exec(self.hub, [*module_command("netem_delay"), "serve", "--tun",
+                                     delay.TUN_NAME, "--one-way-ms", f"{self.rtt_ms / 2:g}",
+                                     "--ready", str(ready), "--stats", str(stats)])
+
+    def shape(self, rate_mbit: float) -> None:
         """Cap both directions of every worker's link: its egress, and the hub's port to it.
 
         Raises:
-            LabError: a ``tc`` command failed (e.g. a kernel without ``sch_netem``).
+            LabError: a ``tc`` command failed.
         """
-        # The delay sits on the worker's egress only, so worker-to-worker one-way latency
-        # grows by delay_ms (a packet crosses its sender's egress and the receiver's port).
-        links = [(ns, WORKER_IFNAME, delay_ms) for ns in self.names]
-        links += [(self.hub, f"h{i}", 0.0) for i in range(self.workers)]
-        for ns, dev, delay in links:
-            delete, *rest = shaping_commands(ns, dev, rate_mbit, delay)
+        links = [(ns, WORKER_IFNAME) for ns in self.names]
+        links += [(self.hub, f"h{i}") for i in range(self.workers)]
+        for ns, dev in links:
+            delete, *rest = shaping_commands(ns, dev, rate_mbit)
             with contextlib.suppress(LabError):
                 self.runner(delete)
             for cmd in rest:
-                try:
-                    self.runner(cmd)
-                except LabError as exc:
-                    hint = (" (this kernel lacks the qdisc; for netem use --delay-ms 0)"
-                            if "unknown" in str(exc).lower() else "")
-                    raise LabError(f"{exc}{hint}") from None
+                self.runner(cmd)
 
     def destroy(self) -> list[str]:
         """Delete every namespace this lab created (veths and qdiscs go with them).
@@ -365,24 +371,6 @@ def spawn(argv: list[str], env: dict[str, str] | None, log_path: Path) -> subpro
                                 start_new_session=True)
     LIVE.append(proc)
     return proc
-
-
-def measure_goodput(lab: Lab, rate_mbit: float, tmp: Path) -> dict[str, Any]:
-    """Send about a second's worth of bytes from worker 1 to worker 0 over the shaped path."""
-    count = max(1 << 20, int(rate_mbit * 1e6 / 8))
-    where = f"{lab.addresses[0]}:29400"
-    # netem_worker's goodput-recv / goodput-send modes check what a shaped link delivers.
-    recv = spawn(netns_exec(lab.names[0], [*module_command("netem_worker"), "goodput-recv",
-                                          "--bind", where, "--bytes", str(count)]),
-                 package_env(), tmp / "goodput-recv.log")
-    send = spawn(netns_exec(lab.names[1], [*module_command("netem_worker"), "goodput-send",
-                                          "--to", where, "--bytes", str(count)]),
-                 package_env(), tmp / "goodput-send.log")
-    problem = wait_all([recv, send], timeout=60)
-    if problem:
-        raise LabError(f"goodput check {problem}: {(tmp / 'goodput-recv.log').read_text()[-500:]}")
-    lines = (tmp / "goodput-recv.log").read_text().splitlines()
-    return json.loads(lines[-1])
 
 
 def machine_info() -> dict[str, Any]:

@@ -15,16 +15,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 from . import _netlab as netlab
-from ._common import package_env
+from . import netem_delay as delay
+from ._common import module_command, package_env
+
+#: The largest round trip ``--rtt-ms`` takes, ms.
+MAX_RTT_MS = 2000.0
 
 # --------------------------------------------------------------------------- starting workers
 
@@ -126,9 +132,10 @@ def add_lab_arguments(p: argparse.ArgumentParser, *, workers: int, run_timeout: 
     take, the output file, dry run, cleanup, verbosity."""
     p.add_argument("--workers", type=int, default=workers)
     p.add_argument("--subnet", default="10.77.0.0/24")
-    p.add_argument("--delay-ms", type=float, default=0.0,
-                   help="one-way delay added between any two workers (netem on each worker's "
-                        "egress; needs a kernel with sch_netem)")
+    p.add_argument("--rtt-ms", type=float, default=0.0,
+                   help="round trip added between any two workers, ms (half each way, in a "
+                        "user-space delay line the hub routes every packet through; "
+                        "benchmarks/netem_delay.py)")
     p.add_argument("--run-timeout", type=float, default=run_timeout,
                    help="seconds per worker run")
     p.add_argument("--out", type=Path, default=out)
@@ -168,30 +175,99 @@ def validate_lab(args: argparse.Namespace) -> list[str]:
     out = []
     if not 2 <= args.workers <= 64:
         out.append(f"`--workers` must be in [2, 64], got {args.workers}")
-    if not 0 <= args.delay_ms <= 1000:
-        out.append(f"`--delay-ms` must be in [0, 1000], got {args.delay_ms:g}")
+    if not 0 <= args.rtt_ms <= MAX_RTT_MS:
+        out.append(f"`--rtt-ms` must be in [0, {MAX_RTT_MS:g}], got {args.rtt_ms:g}")
     out += bound_problems(args, positive=("run_timeout",))
     try:
         netlab.worker_addresses(args.subnet, max(args.workers, 1))
+        if args.rtt_ms > 0:
+            delay.hub_address(args.subnet, max(args.workers, 1))
     except ValueError as exc:
         out.append(str(exc))
     return out
 
 
 @contextlib.contextmanager
-def recorded_lab(workers: int, subnet: str) -> Iterator[tuple[netlab.Lab, list[list[str]]]]:
+def recorded_lab(workers: int, subnet: str,
+                 rtt_ms: float = 0.0) -> Iterator[tuple[netlab.Lab, list[list[str]]]]:
     """A lab that records its commands instead of running them (``--dry-run``): yields it,
-    created, with the list of commands so far; destroys it on leaving."""
+    created (and its delay line started, with ``rtt_ms`` > 0), with the list of commands so
+    far; destroys it on leaving."""
     cmds: list[list[str]] = []
 
     def record(argv: Sequence[str]) -> str:
         cmds.append(list(argv))
         return ""
 
-    lab = netlab.Lab(workers, subnet, runner=record)
+    lab = netlab.Lab(workers, subnet, runner=record, rtt_ms=rtt_ms)
     lab.create()
+    if rtt_ms > 0:
+        cmds.append(lab.delay_command(Path("READY"), Path("STATS")))
     yield lab, cmds
     lab.destroy()
+
+
+# --------------------------------------------------------------------------- the delay line
+
+
+def start_delay(lab: netlab.Lab, tmp: Path, timeout: float = 30.0) -> None:
+    """Start the lab's delay line in the hub (it runs until the cleanup kills it) and wait
+    until it holds its TUN device; nothing to do when ``lab.rtt_ms`` is 0.
+
+    Raises:
+        netlab.LabError: it exited or did not attach within ``timeout`` seconds.
+    """
+    if not lab.rtt_ms:
+        return
+    ready, log_path = tmp / "delay.ready", tmp / "delay.log"
+    proc = netlab.spawn(lab.delay_command(ready, tmp / "delay.json"), package_env(), log_path)
+    deadline = time.monotonic() + timeout
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise netlab.LabError(f"the delay line did not start: {log_path.read_text()[-800:]}")
+        time.sleep(0.05)
+
+
+def delay_stats(tmp: Path) -> dict[str, Any] | None:
+    """The delay line's latest record (packets, backlog, lateness), if it wrote one."""
+    path = tmp / "delay.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def measure_goodput(lab: netlab.Lab, rate_mbit: float, tmp: Path) -> dict[str, Any]:
+    """Send about a second's worth of bytes from worker 1 to worker 0 over the shaped path."""
+    count = max(1 << 20, int(rate_mbit * 1e6 / 8))
+    where = f"{lab.addresses[0]}:29400"
+    # netem_worker's goodput-recv / goodput-send modes check what a shaped link delivers.
+    worker = module_command("netem_worker")
+    recv = netlab.spawn(netlab.netns_exec(lab.names[0], [*worker, "goodput-recv", "--bind", where,
+                                                         "--bytes", str(count)]),
+                        package_env(), tmp / "goodput-recv.log")
+    send = netlab.spawn(netlab.netns_exec(lab.names[1], [*worker, "goodput-send", "--to", where,
+                                                         "--bytes", str(count)]),
+                        package_env(), tmp / "goodput-send.log")
+    problem = netlab.wait_all([recv, send], timeout=60)
+    if problem:
+        raise netlab.LabError(f"goodput check {problem}: {(tmp / 'goodput-recv.log').read_text()[-500:]}")
+    lines = (tmp / "goodput-recv.log").read_text().splitlines()
+    return json.loads(lines[-1])
+
+
+def measure_rtt(lab: netlab.Lab, tmp: Path, count: int = 20) -> dict[str, Any]:
+    """Time ``count`` small TCP request/reply round trips from worker 1 to worker 0."""
+    where = f"{lab.addresses[0]}:29399"
+    echo = netlab.spawn(netlab.netns_exec(lab.names[0], [*module_command("netem_delay"),
+                                                         "rtt-echo", "--bind", where,
+                                                         "--count", str(count)]),
+                        package_env(), tmp / "rtt-echo.log")
+    ping = netlab.spawn(netlab.netns_exec(lab.names[1], [*module_command("netem_delay"),
+                                                         "rtt-ping", "--to", where,
+                                                         "--count", str(count)]),
+                        package_env(), tmp / "rtt-ping.log")
+    problem = netlab.wait_all([echo, ping], timeout=60)
+    if problem:
+        raise netlab.LabError(f"round-trip check {problem}: {(tmp / 'rtt-ping.log').read_text()[-500:]}")
+    return json.loads((tmp / "rtt-ping.log").read_text().splitlines()[-1])
 
 
 def main_with_lab(args: argparse.Namespace, *, prog: str, tmp_prefix: str,
@@ -231,11 +307,12 @@ def main_with_lab(args: argparse.Namespace, *, prog: str, tmp_prefix: str,
             netlab.run_command(["ip", "netns", "del", ns])
             print(f"deleted {ns}")
         return 0
-    lab = netlab.Lab(args.workers, args.subnet)
+    lab = netlab.Lab(args.workers, args.subnet, rtt_ms=args.rtt_ms)
     status = 1
     with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp, netlab.signals_raise():
         try:
             lab.create()
+            start_delay(lab, Path(tmp))
             status = body(args, lab, Path(tmp))
         except netlab.RightsError as exc:
             print(f"{prog}: {exc}", file=sys.stderr)

@@ -9,7 +9,9 @@ writes a JSON record and a CSV summary.
 Seconds per step of DDP hooks side by side over the same kind of link (native DDP, PyTorch's
 hooks, gradzip's, the no-DDP floor) are ``benchmarks/netem_steps.py``, on the same lab.
 
-It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and refuses with a message otherwise.
+``--rtt-ms R`` adds a round trip of R ms between the workers (the lab's delay line,
+``benchmarks/netem_delay.py``). It needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and refuses
+with a message otherwise.
 ``--dry-run`` prints the commands it would run, as any user.
 
 Example (the run behind BENCHMARKS.md section 3, about 18 minutes on 2 cores):
@@ -296,9 +298,9 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 def dry_run(args: argparse.Namespace) -> list[list[str]]:
     """Every command a real run would issue, in order (workers shown for rank 0 only)."""
-    with launch.recorded_lab(args.workers, args.subnet) as (lab, cmds):
+    with launch.recorded_lab(args.workers, args.subnet, args.rtt_ms) as (lab, cmds):
         for rate in args.bandwidth_mbit:
-            lab.shape(rate, args.delay_ms)
+            lab.shape(rate)
             for method in args.methods:
                 cmds.append(netlab.netns_exec(lab.names[0], worker_argv(args, method, "RESULT")))
     return cmds
@@ -308,12 +310,13 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> dict[str,
     """Every (bandwidth, method) run; returns the JSON document."""
     meta: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v)
                                      for k, v in vars(args).items()},
-                            "machine": netlab.machine_info(), "goodput": {},
+                            "machine": netlab.machine_info(), "goodput": {}, "rtt": {},
                             "loadavg_start": os.getloadavg()}
     runs, port = [], 29500
     for rate in args.bandwidth_mbit:
-        lab.shape(rate, args.delay_ms)
-        meta["goodput"][f"{rate:g}"] = netlab.measure_goodput(lab, rate, tmp)
+        lab.shape(rate)
+        meta["goodput"][f"{rate:g}"] = launch.measure_goodput(lab, rate, tmp)
+        meta["rtt"][f"{rate:g}"] = launch.measure_rtt(lab, tmp)
         log.info("%g Mbit/s: measured goodput %.1f Mbit/s", rate,
                  meta["goodput"][f"{rate:g}"]["mbit_per_s"])
         for method in args.methods:
@@ -326,6 +329,7 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> dict[str,
                      row.get("error") or f"{row['seconds_per_step']:.3f} s/step, target at "
                      f"step {row['steps_to_target']}, {record['wall_seconds']:.0f} s wall")
     meta["loadavg_end"] = os.getloadavg()
+    meta["delay_line"] = launch.delay_stats(tmp)
     rows = [summarize(r, r["bandwidth_mbit"], args.window) for r in runs]
     add_speedups(rows)
     return {"meta": meta, "runs": runs, "rows": rows}

@@ -18,7 +18,9 @@ in series with compute) minus the floor, over the floor; and a dense all-reduce 
 The table, the ratios, the verdicts and the report are made by ``_netem_steps_report.py``
 beside this file.
 
-It needs root, like ``netem.py``; ``--dry-run`` prints the commands as any user.
+``--rtt-ms R`` adds a round trip of R ms between the workers (the lab's delay line,
+``benchmarks/netem_delay.py``). It needs root, like ``netem.py``; ``--dry-run`` prints the
+commands as any user.
 
 Example (2 workers, 40 rounds of 3 steps; about 5 minutes on 2 quiet cores, 7 with the
 synchronous variants of the gradzip hook):
@@ -155,13 +157,15 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> dict[str,
     else:
         rate = float(args.bandwidth_mbit)
     meta["bandwidth_mbit"] = rate
-    lab.shape(rate, args.delay_ms)
-    meta["goodput"] = netlab.measure_goodput(lab, rate, tmp)
+    lab.shape(rate)
+    meta["goodput"] = launch.measure_goodput(lab, rate, tmp)
+    meta["rtt"] = launch.measure_rtt(lab, tmp)
     log.info("%g Mbit/s: measured goodput %.1f Mbit/s", rate, meta["goodput"]["mbit_per_s"])
     started = time.perf_counter()
     record = run_workers(lab, args, args.configs, args.rounds, 29502, tmp, "steps")
     meta["wall_seconds"] = time.perf_counter() - started
     meta["loadavg_end"] = os.getloadavg()
+    meta["delay_line"] = launch.delay_stats(tmp)
     rows, times = summarise(record)
     ranks = record["ranks"]
     dense = dense_serial_config(record["configs"], record["sync_keyword"])
@@ -234,12 +238,11 @@ def validate(args: argparse.Namespace) -> list[str]:
 def dry_run(args: argparse.Namespace) -> list[list[str]]:
     """Every command a real run would issue, in order (workers shown for rank 0 only; with
     ``auto``, the shaping shows 1000 Mbit/s in place of the rate the probe will choose)."""
-    with launch.recorded_lab(args.workers, args.subnet) as (lab, cmds):
+    with launch.recorded_lab(args.workers, args.subnet, args.rtt_ms) as (lab, cmds):
         if args.bandwidth_mbit == "auto":
             cmds.append(netlab.netns_exec(lab.names[0], worker_argv(args, ["floor"],
                                                                     args.probe_rounds, "PROBE")))
-        lab.shape(1000.0 if args.bandwidth_mbit == "auto" else args.bandwidth_mbit,
-                  args.delay_ms)
+        lab.shape(1000.0 if args.bandwidth_mbit == "auto" else args.bandwidth_mbit)
         cmds.append(netlab.netns_exec(lab.names[0], worker_argv(args, args.configs, args.rounds,
                                                                 "RESULT")))
     return cmds

@@ -15,6 +15,9 @@ The runner evaluates every ``--eval-every`` steps for per-step methods and every
 records carry ``train_seconds``, the seconds of training so far with evaluations left out.
 Time to target is the ``train_seconds`` of the first evaluation at or below ``--target``.
 With ``--stop-at-target`` a run is stopped once rank 0 has written that evaluation.
+``--rtt-ms R`` adds a round trip of R ms between the workers (the lab's delay line,
+``benchmarks/netem_delay.py``); ``--limit-train N`` trains on the first N tokens only, for
+short runs that time steps (``benchmarks/netem_rtt.py`` reads them).
 
 Needs root; ``--dry-run`` prints the commands as any user. Example (BENCHMARKS.md, section 5)::
 
@@ -69,6 +72,8 @@ def train_argv(args: argparse.Namespace, method: str, out: Path) -> list[str]:
     # and time would count as training. An outer mode is evaluated at its synchronisations.
     overrides = {"launcher": "procs", "workers": args.workers, "epochs": args.epochs,
                  "checkpoint-every": 0, "eval-every": h or args.eval_every}
+    if args.limit_train:  # short step-time runs: the first N training tokens only
+        overrides["limit-train"] = args.limit_train
     cfg = outer.Config(method, METHODS[method][0], options)
     return outer.command(cfg, args.seed, args.corpus, out, overrides)
 
@@ -147,13 +152,14 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
     args.runs.mkdir(parents=True, exist_ok=True)
     meta: dict[str, Any] = {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "base": outer.BASE, "machine": netlab.machine_info(), "goodput": {},
+        "base": outer.BASE, "machine": netlab.machine_info(), "goodput": {}, "rtt": {},
         "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                   time.gmtime())}
     runs, port = [], 29600
     for rate in args.bandwidth_mbit:
-        lab.shape(rate, 0.0)
-        meta["goodput"][f"{rate:g}"] = netlab.measure_goodput(lab, rate, tmp)
+        lab.shape(rate)
+        meta["goodput"][f"{rate:g}"] = launch.measure_goodput(lab, rate, tmp)
+        meta["rtt"][f"{rate:g}"] = launch.measure_rtt(lab, tmp)
         for method in args.methods:
             port += 1
             record = run_one(lab, args, rate, method, port, tmp)
@@ -164,6 +170,7 @@ def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
                 f"(step {row['steps_to_target']}), {record['wall_seconds']:.0f} s wall, "
                 f"load {record['loadavg_after'][0]:.1f}"))
     meta["loadavg_end"] = os.getloadavg()
+    meta["delay_line"] = launch.delay_stats(tmp)
     doc = write_outputs(args.out, meta, runs, args.target)
     print(markdown(doc))
     return 1 if any("error" in r for r in runs) else 0
@@ -186,6 +193,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="parent of the run directories (each must not exist yet)")
     p.add_argument("--epochs", type=int, default=int(outer.BASE["epochs"]))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit-train", type=int, default=0,
+                   help="train on the first N tokens only (0: all); for short step-time runs")
     p.add_argument("--eval-every", type=int, default=10,
                    help="steps between evaluations of per-step methods (outer modes: H)")
     p.add_argument("--target", type=float, default=650.0, help="validation perplexity")
@@ -197,8 +206,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def validate(args: argparse.Namespace) -> list[str]:
     """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
     out = launch.validate_lab(args)
-    if args.delay_ms:
-        out.append(f"`--delay-ms` must be 0 (bandwidth only here), got {args.delay_ms:g}")
     if any(not 0 < b <= 100_000 for b in args.bandwidth_mbit):
         out.append(f"`--bandwidth-mbit` values must be in (0, 100000], got {args.bandwidth_mbit}")
     unknown = [m for m in args.methods if m not in METHODS]
@@ -209,6 +216,8 @@ def validate(args: argparse.Namespace) -> list[str]:
     if not args.target > 1:
         out.append(f"`--target` must be > 1 (a perplexity), got {args.target:g}")
     out += launch.bound_problems(args, at_least_one=("epochs", "eval_every", "valid_words"))
+    if args.limit_train < 0:
+        out.append(f"`--limit-train` must be >= 0, got {args.limit_train}")
     if args.seed < 0:
         out.append(f"`--seed` must be >= 0, got {args.seed}")
     return out
@@ -216,9 +225,9 @@ def validate(args: argparse.Namespace) -> list[str]:
 
 def dry_run(args: argparse.Namespace) -> list[list[str]]:
     """Every command a real run would issue, in order (workers shown for rank 0 only)."""
-    with launch.recorded_lab(args.workers, args.subnet) as (lab, cmds):
+    with launch.recorded_lab(args.workers, args.subnet, args.rtt_ms) as (lab, cmds):
         for rate in args.bandwidth_mbit:
-            lab.shape(rate, 0.0)
+            lab.shape(rate)
             for method in args.methods:
                 out = args.runs / f"{method}-{rate:g}mbit"
                 cmds.append(netlab.netns_exec(lab.names[0], train_argv(args, method, out)))

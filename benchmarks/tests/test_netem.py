@@ -25,7 +25,10 @@ from benchmarks import netem_worker as worker
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "1"], "`--workers` must be in [2, 64]"),
     (["--bandwidth-mbit", "0"], "`--bandwidth-mbit` values must be in (0, 100000]"),
-    (["--delay-ms", "-1"], "`--delay-ms` must be in [0, 1000]"),
+    (["--rtt-ms", "-1"], "`--rtt-ms` must be in [0, 2000], got -1"),
+    (["--rtt-ms", "2500"], "`--rtt-ms` must be in [0, 2000], got 2500"),
+    (["--rtt-ms", "100", "--workers", "2", "--subnet", "10.1.0.0/30"],
+     "`subnet` must hold 3 hosts with `--rtt-ms` > 0"),
     (["--target", "1.5"], "`--target` must be in (0, 1]"),
     (["--subnet", "192.0.2.0/24"], "private IPv4"),
     (["--methods", "none", "none"], "must not repeat"),

@@ -74,14 +74,11 @@ def test_namespace_names_match_the_cleanup_pattern_and_nothing_else():
     assert found == ["gzn17-hub", "gzn17-w1"]
 
 
-def test_shaping_is_tbf_alone_without_delay_and_under_netem_with_delay():
-    delete, add = netlab.shaping_commands("ns", "eth0", 100, 0)
+def test_shaping_is_tbf_alone():
+    delete, add = netlab.shaping_commands("ns", "eth0", 100)
     assert delete == ["tc", "-n", "ns", "qdisc", "del", "dev", "eth0", "root"]
     assert add[:9] == ["tc", "-n", "ns", "qdisc", "add", "dev", "eth0", "root", "handle"]
     assert add[10:13] == ["tbf", "rate", "100mbit"] and "netem" not in add
-    _, netem_cmd, tbf_cmd = netlab.shaping_commands("ns", "h1", 50, 2.5)
-    assert netem_cmd[-3:] == ["netem", "delay", "2.5ms"] and netem_cmd[7:10] == ["root", "handle", "1:"]
-    assert tbf_cmd[7:10] == ["parent", "1:", "handle"] and "50mbit" in tbf_cmd
     assert netlab.tbf_burst_bytes(10) == 32 * 1024
     assert netlab.tbf_burst_bytes(1000) == 250_000
 
@@ -187,21 +184,15 @@ def test_failed_deletion_is_reported_and_the_rest_still_deleted():
     assert fake.deleted() == ["gzn15-w1", "gzn15-w0", "gzn15-hub"]
 
 
-def test_shaping_a_kernel_without_the_qdisc_says_so():
-    fake = FakeRunner(fail_on="netem", exc=netlab.LabError("Specified qdisc kind is unknown."))
-    lab = netlab.Lab(2, runner=fake, pid=16)
-    with pytest.raises(netlab.LabError, match="use --delay-ms 0"):
-        lab.shape(100, 1.0)
-    fake = FakeRunner()
-    netlab.Lab(2, runner=fake, pid=16).shape(100, 0)
-    shaped = {(c[2], c[6]) for c in fake.calls if c[4] == "add"}
-    assert shaped == {("gzn16-w0", "eth0"), ("gzn16-w1", "eth0"),
-                      ("gzn16-hub", "h0"), ("gzn16-hub", "h1")}
-    fake = FakeRunner()
-    netlab.Lab(2, runner=fake, pid=16).shape(100, 3)
-    delayed = {(c[2], c[6]) for c in fake.calls if "netem" in c}
-    assert delayed == {("gzn16-w0", "eth0"), ("gzn16-w1", "eth0")}  # one delay per path
-    assert sum("tbf" in c for c in fake.calls) == 4
+def test_shaping_caps_both_directions_of_every_link_with_or_without_a_round_trip():
+    for rtt in (0.0, 100.0):
+        fake = FakeRunner()
+        netlab.Lab(2, runner=fake, pid=16, rtt_ms=rtt).shape(100)
+        shaped = {(c[2], c[6]) for c in fake.calls if c[4] == "add"}
+        assert shaped == {("gzn16-w0", "eth0"), ("gzn16-w1", "eth0"),
+                          ("gzn16-hub", "h0"), ("gzn16-hub", "h1")}
+        assert sum("tbf" in c for c in fake.calls) == 4
+        assert not any("netem" in c for c in fake.calls)
 
 
 @pytest.mark.parametrize("exc, status", [(netlab.Interrupted("SIGTERM"), 130),

@@ -24,7 +24,7 @@ from gradzip.cli import build_parser
 
 @pytest.mark.parametrize("argv, message", [
     (["--workers", "1"], "`--workers` must be in [2, 64]"),
-    (["--delay-ms", "50"], "`--delay-ms` must be 0 (bandwidth only here), got 50"),
+    (["--rtt-ms", "-5"], "`--rtt-ms` must be in [0, 2000], got -5"),
     (["--methods", "none", "sign"], "`--methods` entries must be among"),
     (["--methods", "none", "none"], "must not repeat"),
     (["--target", "1"], "`--target` must be > 1 (a perplexity), got 1"),
