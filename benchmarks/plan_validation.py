@@ -133,8 +133,8 @@ def netem(name: str, cache: TimingCache) -> list[dict[str, Any]]:
         method, link = s["method"], s["bandwidth_mbit"]
         bw = meta["goodput"][f"{link:g}"]["mbit_per_s"]
         compute = 1e3 * s["compute_seconds"]
-        # The measured latency of one tiny all-reduce (2 (W-1) hops) as the round trip.
-        rtt = 1e3 * s["allreduce_latency_seconds"] / (w - 1)
+        # The measured latency of one tiny all-reduce (2 (W-1) hops of a round trip each).
+        rtt = 1e3 * s["allreduce_latency_seconds"] / (2 * (w - 1))
         setting = Setting(w, bw, rtt, compute, buckets=buckets)
         if method.startswith("accordion"):
             cf = s["critical_fraction"]

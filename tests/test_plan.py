@@ -72,21 +72,21 @@ def test_a_large_model_is_simulated_with_fewer_workers_and_says_so() -> None:
 
 
 def test_alpha_beta_on_hand_computed_examples() -> None:
-    # 6 hops of 5 ms + 1 MB at 100 Mbit/s (80 ms).
-    assert comm_seconds(1_000_000, 6, 100, 10) == pytest.approx(0.110)
+    # 6 hops of a 10 ms round trip each + 1 MB at 100 Mbit/s (80 ms).
+    assert comm_seconds(1_000_000, 6, 100, 10) == pytest.approx(0.140)
     assert comm_seconds(0, 0, 1, 0) == 0
     ring = Traffic(4, (Call("all_reduce", 4000, 4000),))
     assert (ring.wire_bytes, ring.hops) == (6000, 6)  # 2 (W-1)/W * 4000, 2 (W-1)
     gather = Traffic(4, (Call("all_gather", 100, 90),))
     assert (gather.wire_bytes, gather.hops, gather.payload_bytes) == (300, 3, 90)
     per_step = Candidate("x", "none", "lossless")
-    # 8 Mbit/s = 1 byte/us; rtt 2 ms; two buckets: 2 * 6 hops * 1 ms + 6000 B * 1 us = 18 ms.
-    setting = Setting(4, 8.0, 2.0, 90.0, buckets=2)
+    # 8 Mbit/s = 1 byte/us; rtt 1 ms per hop; two buckets: 2 * 6 hops * 1 ms + 6000 B * 1 us = 18 ms.
+    setting = Setting(4, 8.0, 1.0, 90.0, buckets=2)
     assert setting.overlap_window_ms == pytest.approx(30.0)  # 2/3 * 90 * 1/2
     p = predict_candidate(per_step, ring, setting, 0.004)
     assert (p.calls, p.comm_ms, p.exposed_comm_ms) == (2, pytest.approx(18.0), 0.0)
     assert p.step_ms == pytest.approx(94.0)
-    synchronous = Setting(4, 8.0, 2.0, 90.0, buckets=2, overlap=False)
+    synchronous = Setting(4, 8.0, 1.0, 90.0, buckets=2, overlap=False)
     assert predict_candidate(per_step, ring, synchronous, 0.004).step_ms == pytest.approx(112.0)
     outer = Candidate("o", "none", "outer", outer_steps=10)
     q = predict_candidate(outer, ring, synchronous, 0.004)  # one exchange per 10 steps

@@ -254,9 +254,10 @@ def test_the_comparison_predicts_what_the_round_trip_adds_from_the_cost_model(tm
     for spec in ("none", "powersgd:rank=4"):
         cache.put(timing_key(spec, shapes), 0.0)
     # DiLoCo's row with the round trip is slower by its one exchange's round trip over H = 30
-    # steps (a ring all-reduce between 2 workers: 2 hops of rtt / 2), so compute is the same.
+    # steps (a ring all-reduce between 2 workers: 2 hops of a round trip each), so compute is
+    # the same.
     paths = []
-    for rtt, diloco in ((0.0, 0.3), (100.0, 0.3 + 0.1 / 30)):
+    for rtt, diloco in ((0.0, 0.3), (100.0, 0.3 + 0.2 / 30)):
         paths.append(tmp_path / f"rtt{rtt:g}.json")
         paths[-1].write_text(json.dumps(_outer_doc(rtt, {"none": 1.2, "diloco30": diloco})))
     doc = netem_rtt.compare(paths, cache)
@@ -265,9 +266,9 @@ def test_the_comparison_predicts_what_the_round_trip_adds_from_the_cost_model(tm
                for r in calib)
     assert calib[0]["compute_ms"] == pytest.approx(calib[1]["compute_ms"])
     added = {a["method"]: a for a in doc["added"]}
-    assert added["none"]["predicted_added_ms"] == pytest.approx(100.0)
+    assert added["none"]["predicted_added_ms"] == pytest.approx(200.0)
     assert added["none"]["measured_added_ms"] == pytest.approx(0.0)
-    assert added["diloco30"]["predicted_added_ms"] == pytest.approx(100.0 / 30)
+    assert added["diloco30"]["predicted_added_ms"] == pytest.approx(200.0 / 30)
     text = netem_rtt.markdown(doc)
     assert "| 100 | per-step none |" in text and "calibration" in text
     paths[0].write_text(json.dumps(_outer_doc(50.0, {"none": 1.2, "diloco30": 0.3})))
@@ -282,12 +283,12 @@ def test_the_probe_predicts_each_exchange_with_the_cost_models_link_time():
         "diloco30": {"calls": [["all_reduce", 5_000_000]], "outer_steps": 30,
                      "exchange_seconds": [1.0], "step_seconds": [0.3] * 30}}}
     rows = {r["method"]: r for r in netem_rtt_probe.summarise(record, 40.0, 100.0, 300.0)}
-    # 2 workers: a ring all-reduce sends the message once and pays 2 hops of rtt / 2.
+    # 2 workers: a ring all-reduce sends the message once and pays 2 hops of a round trip.
     assert rows["none"]["wire_bytes"] == 5_000_000 and rows["none"]["hops"] == 2
-    assert rows["none"]["exchange_ms_predicted"] == pytest.approx(100.0 + 1000.0)
+    assert rows["none"]["exchange_ms_predicted"] == pytest.approx(200.0 + 1000.0)
     assert rows["none"]["exchange_ms_measured"] == pytest.approx(1200.0)
-    assert rows["none"]["step_ms_predicted"] == pytest.approx(1400.0)
-    assert rows["diloco30"]["step_ms_predicted"] == pytest.approx(300.0 + 1100.0 / 30)
+    assert rows["none"]["step_ms_predicted"] == pytest.approx(1500.0)
+    assert rows["diloco30"]["step_ms_predicted"] == pytest.approx(300.0 + 1200.0 / 30)
     with pytest.raises(SystemExit):
         netem_rtt_probe.parse_args(["--compute-ms", "-1"])
     words = [" ".join(c) for c in netem_rtt_probe.dry_run(netem_rtt_probe.parse_args(
@@ -310,7 +311,7 @@ def test_the_probe_comparison_counts_the_round_trips_an_exchange_paid(tmp_path):
     rows = netem_rtt.compare_probes(paths[::-1])
     late = next(r for r in rows if r["rtt_ms"] == 100.0)
     assert late["measured_added_ms"] == pytest.approx(400.0)
-    assert late["predicted_added_ms"] == pytest.approx(200.0)  # 2 all-reduces, 2 hops each
+    assert late["predicted_added_ms"] == pytest.approx(400.0)  # 2 all-reduces, 2 hops each
     text = netem_rtt.markdown({"meta": {"workers": 2, "link_mbit": 40.0, "bandwidth_mbit": 40.0,
                                         "runs": []}, "rows": [], "added": [], "probes": rows})
     assert "| 100 | powersgd4 | 2 (4) | 3 | 450 |" in text and "| 4.00 |" in text

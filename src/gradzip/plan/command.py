@@ -19,8 +19,8 @@ __all__ = ["EPILOG", "add_parser", "model_shapes", "run"]
 EPILOG = f"""\
 Predicts, for each candidate (none, fp16/bf16, PowerSGD ranks 1-8, Top-k, the hard threshold,
 QSGD, sign, and outer-step DiLoCo at H = 10, 30, 100 with an fp32 or 8-bit exchange), the wire
-bytes and collective calls per step, the link time (alpha-beta: rtt/2 per ring hop plus bytes
-at the bandwidth), the compression time and the step time, then names its choice. Bytes come
+bytes and collective calls per step, the link time (alpha-beta: one round trip per ring hop, as
+gloo waits for the receiver before each send, plus bytes at the bandwidth), the compression time and the step time, then names its choice. Bytes come
 from running each compressor once in the simulator on the model's shapes. Compression times
 are measured once on this machine and cached (${ENV_VAR} or --timings names the file).
 

@@ -35,7 +35,7 @@ def fit_link(small: tuple[int, float], large: tuple[int, float], hops: int) -> t
     """The alpha-beta link (as :func:`~gradzip.plan.model.comm_seconds` reads it) from two
     all-reduces of different sizes.
 
-    ``seconds = hops x rtt / 2 + wire x 8 / bandwidth``: the difference of the two gives the
+    ``seconds = hops x rtt + wire x 8 / bandwidth``: the difference of the two gives the
     bandwidth, the smaller one what is left for latency.
 
     Args:
@@ -61,7 +61,7 @@ def fit_link(small: tuple[int, float], large: tuple[int, float], hops: int) -> t
     per_byte = (t_l - t_s) / (w_l - w_s)
     bandwidth = UNBOUNDED_MBIT if per_byte <= 8 / (UNBOUNDED_MBIT * 1e6) else 8 / (per_byte * 1e6)
     latency = max(0.0, t_s - w_s * max(per_byte, 0.0)) / hops
-    return bandwidth, 2e3 * latency
+    return bandwidth, 1e3 * latency
 
 
 def probe_link(comm: Collective, probe_bytes: int, clock: Callable[[], float],

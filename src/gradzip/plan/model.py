@@ -3,11 +3,11 @@
 A step of a per-step candidate costs, per worker::
 
     step = compute + compress + max(0, comm - overlap_window)
-    comm = buckets * hops * rtt / 2 + wire_bytes * 8 / bandwidth          (alpha-beta)
+    comm = buckets * hops * rtt + wire_bytes * 8 / bandwidth              (alpha-beta)
     overlap_window = backward_fraction * compute * (buckets - 1) / buckets  (overlap on)
 
 ``wire_bytes`` and ``hops`` come from simulating the compressor (:mod:`.traffic`): a ring
-all-reduce among ``W`` workers pays ``2 (W - 1)`` latency terms of ``rtt / 2`` each and sends
+all-reduce among ``W`` workers pays ``2 (W - 1)`` latency terms of one round trip each and sends
 ``2 (W - 1) / W`` of its message, an all-gather ``W - 1`` terms and ``(W - 1)`` messages. The
 overlap assumption is the DDP hook's: a bucket's exchange starts when its gradients are ready,
 so every bucket but the last can hide behind the rest of the backward pass (taken as
@@ -76,7 +76,14 @@ class Setting:
 
 
 def comm_seconds(wire_bytes: float, hops: float, bandwidth_mbit: float, rtt_ms: float) -> float:
-    """Alpha-beta link time: ``hops`` latency terms of ``rtt / 2`` plus the bytes at line rate.
+    """Alpha-beta link time: ``hops`` latency terms of one round trip each, plus the bytes at
+    line rate.
+
+    A hop costs a whole round trip, not the half a packet's one-way trip would suggest: gloo's
+    TCP transport sends a message only after the receiver has said it is ready for it, so every
+    sequential transfer waits one round trip before its bytes move. Measured through a 100 ms
+    delay line (two workers, ``benchmarks/netem_rtt_probe.py``): PowerSGD's two all-reduces
+    added 4.0-4.1 round trips per step, which half a round trip per hop put at 2.
 
     Args:
         wire_bytes: bytes one worker sends.
@@ -91,7 +98,7 @@ def comm_seconds(wire_bytes: float, hops: float, bandwidth_mbit: float, rtt_ms: 
     check_real("hops", hops, low=0)
     check_real("bandwidth_mbit", bandwidth_mbit, low=0, low_open=True)
     check_real("rtt_ms", rtt_ms, low=0)
-    return hops * rtt_ms / 2e3 + wire_bytes * 8 / (bandwidth_mbit * 1e6)
+    return hops * rtt_ms / 1e3 + wire_bytes * 8 / (bandwidth_mbit * 1e6)
 
 
 @dataclass(frozen=True)
