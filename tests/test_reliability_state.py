@@ -80,11 +80,12 @@ def test_accordion_level_with_an_unknown_name_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("path", "value"), [
-    (("step",), -1), (("interval",), -2), (("counts", "switches"), -1),
-    (("counts", "critical_steps"), -5), (("counts", "reasons", "lr_drop"), -1),
+    (("step",), -1), (("step",), torch.tensor(-1)), (("interval",), -2),
+    (("counts", "switches"), -1), (("tally", "critical_steps"), torch.tensor(-5)),
+    (("offset",), -1), (("counts", "reasons", "lr_drop"), -1),
     (("counts", "decisions"), 0),
 ])
-def test_accordion_negative_counters_are_refused(path: tuple[str, ...], value: int) -> None:
+def test_accordion_negative_counters_are_refused(path: tuple[str, ...], value: Any) -> None:
     def edit(state: dict[str, Any]) -> None:
         node = ctrl(state)
         for key in path[:-1]:
@@ -100,11 +101,12 @@ def test_accordion_hold_interval_other_than_the_configuration_is_refused(interva
             "controller.hold", f"'interval': {interval}")
 
 
-@pytest.mark.parametrize("nxt", [0, 5, 9])
+@pytest.mark.parametrize("nxt", [0, 4, 9])
 def test_accordion_next_decision_out_of_reach_is_refused(nxt: int) -> None:
-    # At step 5 with interval 3 the next decision must fall in (5, 8]; at or below the step
-    # it would never come, and no decision would be taken again.
-    refused(trained(ACCORDION), lambda s: ctrl(s).update(next=nxt), "controller.next", "(5, 8]")
+    # At step 5 with interval 3 the next decision must fall in [5, 8] (at 5: due, taken at
+    # the next call); below the step it would never come, and no decision would be taken
+    # again.
+    refused(trained(ACCORDION), lambda s: ctrl(s).update(next=nxt), "controller.next", "[5, 8]")
 
 
 @pytest.mark.parametrize("norm", [-1.0, float("nan"), float("inf"), "big", True])
@@ -130,7 +132,8 @@ def test_accordion_other_consistency_problems_are_refused() -> None:
     refused(engine, lambda s: ctrl(s).update(log=[{"level": "critical"}]), "controller.log[0]")
     sent = trained(gradzip.Accordion("topk:ratio=0.05", "topk:ratio=0.2", interval=3,
                                      signal="sent"))
-    refused(sent, lambda s: ctrl(s).update(pending=True), "controller.pending")
+    # With signal="sent" a decision is taken at the end of the step that makes it due.
+    refused(sent, lambda s: ctrl(s).update(next=5), "controller.next", "[6, 8]")
 
 
 def test_schedule_level_with_an_unknown_name_is_refused() -> None:

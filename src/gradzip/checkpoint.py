@@ -117,13 +117,17 @@ def validate_checkpoint(
     residuals = _residuals(state["residuals"], shapes, dense_names, workers, feedback_names)
     if "parameters" in state:  # absent from older checkpoints
         _parameters(state["parameters"], shapes)
-    mismatch = check_tree(fresh_state, state["compressor_state"], "compressor_state")
+    compressor_state = state["compressor_state"]
+    if router is not None:  # an earlier version's layout, brought to this one's
+        compressor_state = router.compressor.upgrade_state(
+            compressor_state, fresh=fresh_state, step=int(step))
+    mismatch = check_tree(fresh_state, compressor_state, "compressor_state")
     if mismatch:
         raise ValueError(f"checkpoint does not match this engine: {mismatch}")
     rule_states = _rule_states(state.get("rule_states", []), fresh_rule_states or [])
     _residual_set(state.get("without_residual"), residuals, feedback_names)
     if router is not None:
-        _check_values(router, state["compressor_state"], fresh_state, rule_states,
+        _check_values(router, compressor_state, fresh_state, rule_states,
                       fresh_rule_states or [], workers)
     meter = state["meter"]
     counters = {"dense_payload": state["dense_payload"], "dense_wire": state["dense_wire"]}
@@ -141,7 +145,7 @@ def validate_checkpoint(
         skipped_steps=int(skipped),
         residual_scale=None if scale is None else float(scale),
         residuals=residuals,
-        compressor_state=state["compressor_state"],
+        compressor_state=compressor_state,
         rule_states=rule_states,
         meter={"payload": [int(v) for v in meter["payload"]], "wire": [int(v) for v in meter["wire"]],
                "calls": int(meter["calls"])},

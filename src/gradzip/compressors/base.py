@@ -230,6 +230,38 @@ class Compressor(ABC):
         """
         return None
 
+    def upgrade_state(self, state: Any, *, fresh: Mapping[str, Any], step: int) -> Any:
+        """A loaded state in an earlier version's layout, brought to this one's (before the
+        engine checks it against ``fresh``); any other state unchanged. Never mutates
+        ``state``.
+
+        Args:
+            state: the loaded state, as found in the checkpoint (not yet validated).
+            fresh: this compressor's fresh state for the engine loading it.
+            step: the engine's step count recorded in the checkpoint.
+
+        Returns:
+            The state in the current layout (``state`` itself where nothing changes).
+        """
+        return state
+
+    def host_call(self, state: Mapping[str, Any], ctx: StepContext, *, finish_step: bool) -> bool:
+        """Whether the next call must read its non-finite decision on the host: it will change
+        a plain (non-tensor) value of ``state``, which a device rollback cannot undo (a
+        controller's decision). Only consulted for compressors with ``device_decisions``;
+        decided from ``state`` and ``ctx``, identical on every worker, so every worker takes
+        the same path.
+
+        Args:
+            state: this compressor's state before the call.
+            ctx: the call's step context.
+            finish_step: whether the call completes the optimizer step (``end_step`` runs in it).
+
+        Returns:
+            ``False`` by default.
+        """
+        return False
+
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
         """Called once per optimizer step, after every tensor of the step was reduced.
 

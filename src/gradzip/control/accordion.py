@@ -4,8 +4,13 @@ State layout (plain data inside the engine's ``compressor_state``, so ``Engine.s
 checkpoints it)::
 
     {"steady": <steady level's state>, "critical": <critical level's state>,
-     "controller": {"per_layer", "step", "interval", "next", "level", "fixed", "acc",
-                    "prev_norm", "held", "drop_step", "pending", "last_lr", "log", "counts"}}
+     "controller": {"per_layer", "step", "offset", "tally", "interval", "next", "level",
+                    "fixed", "acc", "prev_norm", "held", "drop_step", "last_lr", "log",
+                    "counts"}}
+
+What changes every step (``step``, ``tally``, ``acc``) is tensors, read on the host only at a
+decision (see :mod:`gradzip.control.accordion_state`), so the engine can keep every other
+call's non-finite decision on the device.
 
 Each level keeps its own state (PowerSGD's warm-start ``Q`` of rank 1 and of rank 4 live side
 by side and each resumes where it stopped); the error-feedback residual lives in the engine,
@@ -28,6 +33,15 @@ import torch
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.control.accordion_state import (
+    TALLY,
+    add_tally,
+    counted_step,
+    fresh_tally,
+    upgrade_controller,
+    weighted_sums,
+    zeroed,
+)
 from gradzip.control.level_order import check_level_order
 from gradzip.control.records import (
     LOG_POINTS,
@@ -157,26 +171,53 @@ class Accordion(TwoLevel):
 
     # -- state -----------------------------------------------------------------------------
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
+        """Fresh state; the window sums are made at the first call (the engine's
+        :meth:`init_group_state` makes them at once, as zeros)."""
         fixed = set(self.fixed_names(shapes))
         names = [n for n in shapes if n not in fixed]
         keys = names if self.per_layer else [MODEL]
         first = [record(0, 0, k, None, None, None, CRITICAL, "first") for k in keys]
         state = self._pair_state(shapes, first, CRITICAL)
         ctrl = state["controller"]
+        ctrl["counts"] = {k: v for k, v in ctrl["counts"].items() if k not in TALLY}
         ctrl.update(
             per_layer=self.per_layer,
+            # The optimizer steps counted, skipped steps not: a tensor, so that a step rolled
+            # back on the device is uncounted with the rest (see control.accordion_state).
+            step=torch.zeros((), dtype=torch.int64),
+            offset=0,  # the engine's step minus `step`, as of the last read
+            tally=fresh_tally(),
             interval=0,  # decisions taken after the first one
-            next=self.window,  # the step count at which the next decision falls due
-            # Window sums: None until the window's first step (a checkpoint may hold either;
-            # with signal="raw" they carry the local worker axis).
+            next=self.window,  # the counted step at which the next decision falls due
+            # Window sums (with signal="raw" they carry the local worker axis).
             acc={n: None for n in names},
             prev_norm={k: None for k in keys},
             hold={"lr_hold": self.lr_hold, "interval": self.interval},
             held=False,  # a drop holds every tensor critical until the next decision
-            drop_step=None,  # the step whose drop was last recorded (one record per step)
-            pending=False,  # a decision due, taken at the next reduce (signal="raw")
+            drop_step=None,  # the counted step whose drop was last recorded (once per step)
+            host_step=None,  # the engine step whose calls changed plain values (see host_call)
         )
         return state
+
+    def init_group_state(
+        self, shapes: Mapping[str, torch.Size], world_size: int, local_workers: int
+    ) -> dict[str, Any]:
+        """:meth:`init_state` with the window sums made (zeros), so that no call but the
+        decisions changes a plain value of the state."""
+        state = super().init_group_state(shapes, world_size, local_workers)
+        ctrl = state["controller"]
+        lead = (local_workers,) if self.signal == "raw" else ()
+        made = {n: torch.empty(*lead, *shapes[n]) for n in ctrl["acc"]}
+        ctrl["acc"] = zeroed(made)
+        return state
+
+    def upgrade_state(self, state: Any, *, fresh: Mapping[str, Any], step: int) -> Any:
+        """A state saved by the earlier layout (plain step count, ``pending``) in this one."""
+        if not isinstance(state, Mapping) or not isinstance(fresh.get("controller"), Mapping):
+            return state
+        ctrl = upgrade_controller(state.get("controller"), fresh=fresh["controller"],
+                                  step=step, interval=self.interval)
+        return state if ctrl is state.get("controller") else {**state, "controller": ctrl}
 
     def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
                     shapes: Mapping[str, torch.Size], workers: int) -> str | None:
@@ -186,78 +227,155 @@ class Accordion(TwoLevel):
                                  shapes=shapes, workers=workers) or self._levels_problem(
             state, fresh, shapes, workers)
 
+    # -- where the engine reads the call's decision --------------------------------------------
+    @property
+    def device_decisions(self) -> bool:  # type: ignore[override]
+        """Both levels allow it: every call but a decision's changes tensors only."""
+        steady, critical = self.level_compressors
+        return bool(steady.device_decisions and critical.device_decisions)
+
+    def host_call(self, state: Mapping[str, Any], ctx: StepContext, *, finish_step: bool) -> bool:
+        """The calls that change plain values: a decision that may be due (the read that
+        tells), a learning-rate drop, a new learning rate recorded at the step's end, and
+        window sums not made yet."""
+        ctrl = state["controller"]
+        if ctrl["host_step"] == ctx.step:
+            # A call of this step changed plain values already: the rest of the step stays on
+            # the host, so that a rollback of the step undoes them with everything else.
+            return True
+        guess = ctx.step - ctrl["offset"]  # >= the counted step (see control.accordion_state)
+        if self.signal == "raw" and guess >= ctrl["next"]:
+            return True
+        if self._drop_due(ctrl, ctx) or any(t is None for t in ctrl["acc"].values()):
+            return True
+        if finish_step:
+            if ctx.lr is not None and ctrl["last_lr"] != float(ctx.lr):
+                return True
+            if self.signal == "sent" and guess + 1 >= ctrl["next"]:
+                return True
+        return self._levels_host_call(state, ctx, finish_step)
+
     # -- the step --------------------------------------------------------------------------
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
         ctrl = state["controller"]
-        if ctrl["pending"]:
-            self._decide(ctrl, self._raw_norms(ctrl, comm), ctx.step, ctx)
+        if self.host_call(state, ctx, finish_step=False):
+            ctrl["host_step"] = ctx.step  # the same in every path: the state's bits agree
+        device = jobs[0].tensor.device if jobs else torch.device("cpu")
+        if ctrl["step"].device != device:
+            ctrl["step"] = ctrl["step"].to(device)
+        # Why a guess is enough: it is never below the counted step, so a decision due now
+        # is always looked at; the read then says whether it is (steps skipped since the
+        # last read make the guess run ahead). The guess is the same on every worker, so
+        # all issue the norms' all-reduce together.
+        if self.signal == "raw" and ctx.step - ctrl["offset"] >= ctrl["next"]:
+            norms, counted = self._raw_norms(ctrl, comm)
+            ctrl["offset"] = ctx.step - counted
+            if counted >= ctrl["next"]:
+                self._decide(ctrl, norms, counted, ctx.step, ctx)
         self._check_drop(ctrl, ctx)
         self._run_levels(jobs, state, comm, ctx)
-        if ctrl["step"] >= ctrl["next"] - self.window:
-            acc = dict(ctrl["acc"])
-            for job in jobs:
-                if job.name not in acc:
-                    continue  # sent dense at both levels: no decision to take
-                if self.signal == "raw":
-                    value = job.raw if job.raw is not None else job.tensor
-                else:
-                    assert job.averaged is not None, job.name
-                    value = job.averaged
-                value = value.detach().to(torch.float32)
-                old = acc[job.name]
-                acc[job.name] = value.clone() if old is None else old + value  # new tensors
-            ctrl["acc"] = acc
+        if ctx.step - ctrl["offset"] >= ctrl["next"] - self.window:
+            self._accumulate(ctrl, jobs, device)
+
+    def _accumulate(self, ctrl: dict[str, Any], jobs: Sequence[Job], device: torch.device) -> None:
+        """Add this call's tensors to the window sums where the counted step lies in the
+        window (decided on the device: the host's guess may run ahead of it)."""
+        names, values = [], []
+        for job in jobs:
+            if job.name not in ctrl["acc"]:
+                continue  # sent dense at both levels: no decision to take
+            if self.signal == "raw":
+                value = job.raw if job.raw is not None else job.tensor
+            else:
+                assert job.averaged is not None, job.name
+                value = job.averaged
+            names.append(job.name)
+            values.append(value.detach().to(torch.float32))
+        if not names:
+            return
+        inside = (ctrl["step"] >= ctrl["next"] - self.window).to(torch.float32)
+        acc = dict(ctrl["acc"])
+        summed = weighted_sums([acc[n] for n in names], values, inside)
+        acc.update(zip(names, summed, strict=True))
+        ctrl["acc"] = acc
+
+    def _count_levels(self, ctrl: dict[str, Any], added: Mapping[str, int],
+                      device: torch.device | None) -> None:
+        ctrl["tally"] = add_tally(ctrl["tally"], added, device or torch.device("cpu"))
+
+    def _count_step(self, ctrl: dict[str, Any]) -> None:
+        ctrl["step"] = ctrl["step"] + 1
+
+    def _drop_due(self, ctrl: Mapping[str, Any], ctx: StepContext) -> bool:
+        """Whether this call's learning rate is a drop not yet acted on in this step."""
+        if not (self.lr_drop and is_lr_drop(ctrl["last_lr"], ctx.lr)):
+            return False
+        # Once per step: a drop acted on read the counted step, so the guess is exact.
+        if ctrl["drop_step"] is not None and ctrl["drop_step"] == ctx.step - ctrl["offset"]:
+            return False
+        return not (self.lr_hold == "boundary" and ctrl["held"])
 
     def _check_drop(self, ctrl: dict[str, Any], ctx: StepContext) -> None:
         """Hold every tensor critical after a learning-rate drop seen in ``ctx.lr``."""
         # last_lr changes only in end_step, so every call of a step (one per DDP bucket)
         # sees the same drop; _hold acts once per step.
-        if self.lr_drop and is_lr_drop(ctrl["last_lr"], ctx.lr):
-            _hold(ctrl, ctx.step)
+        if self._drop_due(ctrl, ctx):
+            counted = counted_step(ctrl)
+            ctrl["offset"] = ctx.step - counted
+            _hold(ctrl, ctx.step, counted)
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
         self._end_levels(state, ctx)
         ctrl = state["controller"]
-        if ctrl["step"] == ctrl["next"]:
-            ctrl["next"] += self.interval
-            if self.signal == "sent":
-                self._decide(ctrl, self._sent_norms(ctrl), ctx.step + 1, ctx)
-            else:
-                ctrl["pending"] = True
+        if self.signal == "sent" and ctx.step + 1 - ctrl["offset"] >= ctrl["next"]:
+            norms, counted = self._sent_norms(ctrl)
+            ctrl["offset"] = ctx.step + 1 - counted
+            if counted >= ctrl["next"]:
+                self._decide(ctrl, norms, counted, ctx.step + 1, ctx)
 
     # -- decisions -------------------------------------------------------------------------
-    def _sent_norms(self, ctrl: dict[str, Any]) -> dict[str, float]:
-        """Norms of the window sums of the averaged gradient (identical on every worker)."""
-        sq = {n: 0.0 if t is None else float(torch.linalg.vector_norm(t.to(torch.float64))) ** 2
-              for n, t in ctrl["acc"].items()}
+    def _sent_norms(self, ctrl: dict[str, Any]) -> tuple[dict[str, float], int]:
+        """Norms of the window sums of the averaged gradient (identical on every worker) and
+        the counted step: one host read."""
+        step = ctrl["step"]
+        parts = [torch.linalg.vector_norm(t.to(torch.float64)).reshape(1).to(step.device)
+                 for t in ctrl["acc"].values() if t is not None]
+        read = torch.cat([*parts, step.to(torch.float64).reshape(1)]).tolist()
+        it = iter(read[:-1])
+        sq = {n: 0.0 if t is None else next(it) ** 2 for n, t in ctrl["acc"].items()}
+        counted = int(read[-1])
         if self.per_layer:
-            return {n: math.sqrt(v) for n, v in sq.items()}
-        return {MODEL: math.sqrt(sum(sq.values()))}
+            return {n: math.sqrt(v) for n, v in sq.items()}, counted
+        return {MODEL: math.sqrt(sum(sq.values()))}, counted
 
-    def _raw_norms(self, ctrl: dict[str, Any], comm: Collective) -> dict[str, float]:
-        """Mean over workers of each worker's norm of its raw window sum: one all-reduce of
-        a ``[workers, keys]`` float64 tensor, whose sum is identical on every worker."""
+    def _raw_norms(self, ctrl: dict[str, Any], comm: Collective) -> tuple[dict[str, float], int]:
+        """Mean over workers of each worker's norm of its raw window sum (one all-reduce of
+        a ``[workers, keys]`` float64 tensor, whose sum is identical on every worker) and the
+        counted step: one host read."""
         workers = comm.local_workers
         tensors = [t for t in ctrl["acc"].values() if t is not None]
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = tensors[0].device if tensors else ctrl["step"].device
         sq = torch.zeros(workers, len(ctrl["acc"]), dtype=torch.float64, device=device)
         for col, t in enumerate(ctrl["acc"].values()):
             if t is not None:
                 sq[:, col] = torch.linalg.vector_norm(
                     t.reshape(workers, -1).to(torch.float64), dim=1) ** 2
         local = sq.sqrt() if self.per_layer else sq.sum(dim=1, keepdim=True).sqrt()
-        mean = (comm.all_reduce(local) / comm.world_size).tolist()
+        mean = comm.all_reduce(local) / comm.world_size
+        step = ctrl["step"].to(torch.float64).reshape(1).to(mean.device)
+        read = torch.cat([mean.reshape(-1), step]).tolist()
         keys = list(ctrl["acc"]) if self.per_layer else [MODEL]
-        return dict(zip(keys, mean, strict=True))
+        return dict(zip(keys, read[:-1], strict=True)), int(read[-1])
 
-    def _decide(self, ctrl: dict[str, Any], norms: dict[str, float], step: int,
+    def _decide(self, ctrl: dict[str, Any], norms: dict[str, float], counted: int, step: int,
                 ctx: StepContext) -> None:
-        """Apply the rule to the window norms; the levels apply from ``step``."""
+        """Apply the rule to the window norms (at the counted step ``counted``); the levels
+        apply from engine step ``step``."""
         # A drop signalled between the step that made this decision due and now (only
         # possible with lr_hold="boundary": "interval" cancels the decision) wins.
-        dropped = ctrl["held"] and ctrl["drop_step"] == ctrl["step"]
+        dropped = ctrl["held"] and ctrl["drop_step"] == counted
         interval = ctrl["interval"] + 1
         records, chosen = [], {}
         for key, norm in norms.items():
@@ -266,8 +384,8 @@ class Accordion(TwoLevel):
             chosen[key] = decision.level
             records.append(record(step, interval, key, norm, prev,
                                   decision.rel_change, decision.level, decision.reason))
-        ctrl.update(prev_norm=norms, acc={n: None for n in ctrl["acc"]}, held=dropped,
-                    pending=False, interval=interval)
+        ctrl.update(prev_norm=norms, acc=zeroed(ctrl["acc"]), held=dropped, interval=interval,
+                    next=ctrl["next"] + self.interval)
         set_levels(ctrl, chosen, records, ctx)
 
     # -- user signals ----------------------------------------------------------------------
@@ -281,22 +399,24 @@ class Accordion(TwoLevel):
         Args:
             state: ``engine.compressor_state`` of an engine using Accordion (or the engine).
         """
-        _hold(controller(state), None)
+        ctrl = controller(state)
+        counted = counted_step(ctrl)
+        _hold(ctrl, counted, counted)
 
 
-def _hold(ctrl: dict[str, Any], step: int | None) -> None:
-    """A learning-rate drop: every deciding tensor critical from ``step`` (``None``: the
-    controller's step count), held as ``ctrl["hold"]`` says; once per step."""
+def _hold(ctrl: dict[str, Any], step: int, counted: int) -> None:
+    """A learning-rate drop: every deciding tensor critical from engine step ``step``, held
+    as ``ctrl["hold"]`` says; once per counted step (``counted``)."""
     hold = ctrl["hold"]
-    if ctrl["drop_step"] == ctrl["step"] or (hold["lr_hold"] == "boundary" and ctrl["held"]):
+    if ctrl["drop_step"] == counted or (hold["lr_hold"] == "boundary" and ctrl["held"]):
         return
     force_critical(ctrl, step)
     ctrl["held"] = True
-    ctrl["drop_step"] = ctrl["step"]
+    ctrl["drop_step"] = counted
     if hold["lr_hold"] == "interval":
-        # A whole interval from here, which no decision interrupts; the window summed before
-        # the next decision then lies after the drop, and prev_norm (kept) was measured
-        # before it: a clean comparison, as in the paper's code.
-        ctrl["next"] = ctrl["step"] + hold["interval"]
-        ctrl["acc"] = {n: None for n in ctrl["acc"]}
-        ctrl["pending"] = False
+        # A whole interval from here, which no decision interrupts (a decision due now is
+        # cancelled); the window summed before the next decision then lies after the drop,
+        # and prev_norm (kept) was measured before it: a clean comparison, as in the
+        # paper's code.
+        ctrl["next"] = counted + hold["interval"]
+        ctrl["acc"] = zeroed(ctrl["acc"])

@@ -19,7 +19,7 @@ import torch
 from gradzip.control.rule import CRITICAL, STEADY
 from gradzip.statecheck import nonneg_int
 
-__all__ = ["accordion_problem", "schedule_problem", "two_level_problem"]
+__all__ = ["accordion_problem", "schedule_problem", "step_count", "two_level_problem"]
 
 
 
@@ -36,6 +36,17 @@ def _norm_ok(value: Any) -> bool:
     )
 
 
+def step_count(value: Any) -> int | None:
+    """A step count held as an integer or as a 0-d int64 tensor (Accordion's, see
+    :mod:`gradzip.control.accordion_state`), or ``None`` where ``value`` is neither or is
+    negative."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype != torch.int64:
+            return None
+        value = int(value)
+    return int(value) if nonneg_int(value) else None
+
+
 def two_level_problem(ctrl: Mapping[str, Any], fresh: Mapping[str, Any]) -> str | None:
     """What every two-level controller's sub-state must satisfy.
 
@@ -44,7 +55,7 @@ def two_level_problem(ctrl: Mapping[str, Any], fresh: Mapping[str, Any]) -> str 
         fresh: the fresh one (``init_state``) for the same tensors.
     """
     path = "controller"
-    if not nonneg_int(ctrl["step"]):
+    if step_count(ctrl["step"]) is None:
         return f"{path}.step: must be an integer >= 0, got {ctrl['step']!r}"
     fixed = fresh["fixed"]
     if ctrl["fixed"] != fixed:
@@ -99,18 +110,26 @@ def accordion_problem(
     for key in ("per_layer", "hold"):
         if ctrl[key] != fresh[key]:
             return f"{path}.{key}: must be {fresh[key]!r} (this Accordion's configuration), got {ctrl[key]!r}"
-    step, interval = ctrl["step"], fresh["hold"]["interval"]
+    step, interval = step_count(ctrl["step"]), fresh["hold"]["interval"]
+    assert step is not None  # checked by two_level_problem
     if not nonneg_int(ctrl["interval"]):
         return f"{path}.interval: must be an integer >= 0 (decisions taken), got {ctrl['interval']!r}"
-    # The next decision falls due after this step and at most one interval later: a value
-    # at or below the step would never be reached, and no decision would ever be taken again.
+    if not nonneg_int(ctrl["offset"]):
+        return f"{path}.offset: must be an integer >= 0 (engine steps not counted), got {ctrl['offset']!r}"
+    if ctrl["host_step"] is not None and not nonneg_int(ctrl["host_step"]):
+        return f"{path}.host_step: must be None or an integer >= 0, got {ctrl['host_step']!r}"
+    for key, value in ctrl["tally"].items():
+        if step_count(value) is None:
+            return f"{path}.tally.{key}: must be an integer >= 0, got {value!r}"
+    # The next decision falls due at most one interval later, and not before this step: a
+    # value below the step would never be reached, and no decision would ever be taken
+    # again. With signal="raw" a decision due at this step is taken at its first call.
     nxt = ctrl["next"]
-    if not nonneg_int(nxt) or not step < nxt <= step + interval:
-        return f"{path}.next: must be an integer in ({step}, {step + interval}], got {nxt!r}"
+    low = step if signal == "raw" else step + 1
+    if not nonneg_int(nxt) or not low <= nxt <= step + interval:
+        return f"{path}.next: must be an integer in [{low}, {step + interval}], got {nxt!r}"
     if not _optional_step(ctrl["drop_step"], step):
         return f"{path}.drop_step: must be None or an integer in [0, {step}], got {ctrl['drop_step']!r}"
-    if ctrl["pending"] and signal != "raw":
-        return f"{path}.pending: must be False with signal={signal!r}, got True"
     for key, norm in ctrl["prev_norm"].items():
         if not _norm_ok(norm):
             return f"{path}.prev_norm.{key}: must be None or a finite number >= 0, got {norm!r}"

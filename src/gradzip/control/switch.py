@@ -192,12 +192,21 @@ class TwoLevel(Compressor):
             steady.reduce(low, state[STEADY], comm, ctx)
         if high:
             critical.reduce(high, state[CRITICAL], comm, ctx)
-        counts = dict(ctrl["counts"])
         dense = sum(level[j.name] == DENSE for j in jobs)
-        counts["steady_steps"] += len(low)
-        counts["critical_steps"] += len(high) - dense
-        counts["dense_steps"] += dense
+        self._count_levels(ctrl, {"steady_steps": len(low), "critical_steps": len(high) - dense,
+                                  "dense_steps": dense}, jobs[0].tensor.device if jobs else None)
+
+    def _count_levels(self, ctrl: dict[str, Any], added: Mapping[str, int],
+                      device: torch.device | None) -> None:
+        """Count the tensor-steps a call reduced at each level (plain counts here)."""
+        counts = dict(ctrl["counts"])
+        for key, n in added.items():
+            counts[key] += n
         ctrl["counts"] = counts
+
+    def _count_step(self, ctrl: dict[str, Any]) -> None:
+        """Count one optimizer step (a plain count here)."""
+        ctrl["step"] += 1
 
     def _end_levels(self, state: dict[str, Any], ctx: StepContext) -> None:
         """Both levels' ``end_step``; the step count and the last learning rate."""
@@ -205,9 +214,15 @@ class TwoLevel(Compressor):
         steady.end_step(state[STEADY], ctx)
         critical.end_step(state[CRITICAL], ctx)
         ctrl = state["controller"]
-        if ctx.lr is not None:
-            ctrl["last_lr"] = float(ctx.lr)
-        ctrl["step"] += 1
+        if ctx.lr is not None and ctrl["last_lr"] != float(ctx.lr):
+            ctrl["last_lr"] = float(ctx.lr)  # set only when it changes (a plain value)
+        self._count_step(ctrl)
+
+    def _levels_host_call(self, state: Mapping[str, Any], ctx: StepContext,
+                          finish_step: bool) -> bool:
+        """Whether either level's own state needs the host in this call."""
+        return any(level.host_call(state[key], ctx, finish_step=finish_step)
+                   for level, key in zip(self.level_compressors, (STEADY, CRITICAL), strict=True))
 
     # -- observability ---------------------------------------------------------------------
     def tensor_levels(self, state: Mapping[str, Any]) -> dict[str, str] | None:
@@ -271,5 +286,9 @@ class TwoLevel(Compressor):
         decision key per decision), level ``switches``, tensor-steps reduced at each level
         (``critical_steps``/``steady_steps``; ``dense_steps`` for tensors both levels send
         dense) and choices per reason."""
-        counts = controller(state)["counts"]
-        return {**counts, "reasons": dict(counts["reasons"])}
+        ctrl = controller(state)
+        counts = ctrl["counts"]
+        # Counts kept on the device (Accordion's, see gradzip.control.accordion_state): one
+        # host read each, here only.
+        tally = {k: int(v) for k, v in ctrl.get("tally", {}).items()}
+        return {**counts, **tally, "reasons": dict(counts["reasons"])}

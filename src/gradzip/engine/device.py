@@ -47,6 +47,9 @@ def decides_on_device(engine: EngineBase, step: Step, call: Call) -> bool:
         return False
     if not (call.same_layout or engine.comm.simulated or engine.comm.world_size == 1):
         return False
+    if engine.compressor.host_call(engine.compressor_state, engine._context(),
+                                   finish_step=call.finish_step):
+        return False  # a controller's decision changes plain state: read on the host
     if step.poisoned:  # decided on the host already: the host path goes on
         return False
     if not engine.error_feedback:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from itertools import accumulate
 
 import torch
 
@@ -20,11 +21,11 @@ __all__ = ["matrix_index", "per_matrix_absmax"]
 
 @lru_cache(maxsize=64)
 def _index(sizes: tuple[int, ...], counts: tuple[int, ...], device: str) -> torch.Tensor:
-    parts = [torch.arange(c, dtype=torch.int64).repeat_interleave(s // c)
-             for s, c in zip(sizes, counts, strict=True)]
-    offsets = torch.tensor([0, *counts[:-1]], dtype=torch.int64).cumsum(0)
-    index = torch.cat([p + int(o) for p, o in zip(parts, offsets, strict=True)])
-    return index.to(device)
+    # Offsets summed in Python: no tensor is read back (an op counter would see each read).
+    offsets = [0, *accumulate(counts[:-1])]
+    parts = [torch.arange(o, o + c, dtype=torch.int64).repeat_interleave(s // c)
+             for s, c, o in zip(sizes, counts, offsets, strict=True)]
+    return torch.cat(parts).to(device)
 
 
 def matrix_index(sizes: Sequence[int], counts: Sequence[int], device: torch.device) -> torch.Tensor:
