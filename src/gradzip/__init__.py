@@ -38,6 +38,8 @@ def __getattr__(name: str) -> Any:
     # (DDP, the simulator, the runner) never need: it is loaded on first use.
     if name == "fsdp":
         return importlib.import_module("gradzip.fsdp")
+    if name == "ShardedOuter":  # outer-step training of FSDP2 models: imports FSDP2 too
+        return importlib.import_module("gradzip.outer.sharded").ShardedOuter
     raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
 
 
@@ -66,6 +68,7 @@ __all__ = [
     "Schedule",
     "ScatterQuant",
     "Sign",
+    "ShardedOuter",
     "SimulatedGroup",
     "TopK",
     "__version__",
