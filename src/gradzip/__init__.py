@@ -1,7 +1,7 @@
 """gradzip: compressed gradient communication for data-parallel PyTorch training."""
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradzip import (
     ddp,  # the DDP hook adapter: gradzip.ddp.register
@@ -29,6 +29,9 @@ from gradzip.options import EngineOptions, Rule
 from gradzip.outer import Outer, OuterOptimizer
 from gradzip.plan import Auto
 from gradzip.spec import compressor_from_spec, describe_compressors
+
+if TYPE_CHECKING:  # loaded on first use (see __getattr__): it imports torch's FSDP2
+    from gradzip.outer.sharded import ShardedOuter
 
 __version__ = "0.1.0"
 
