@@ -300,3 +300,15 @@ def test_sharded_outer_equals_the_unsharded_loop_and_keeps_state_per_shard(
         for message, start in zip(out["errors"], expected, strict=True):
             assert message.startswith(start), message
             assert "\n" not in message
+
+
+# -- without processes -------------------------------------------------------------------------
+def test_what_is_refused_before_any_process_group_is_needed() -> None:
+    with pytest.raises(TypeError, match=r"^`collective` is not taken by ShardedOuter"):
+        gradzip.ShardedOuter(Net(1), mesh=None, inner_steps=1, collective=None)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="needs an initialised torch.distributed"):
+            gradzip.ShardedOuter(Net(1), mesh=None, inner_steps=1)
+    for wrong in (Net(1), object()):  # a module has state_dict too, but is not gradzip state
+        with pytest.raises(TypeError, match=r"^`state` must be an FSDPHookState or a ShardedOuter"):
+            gradzip.fsdp.DCPEntry(wrong)
