@@ -55,7 +55,7 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2)")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3)")
     parser.add_argument("--out", type=Path, default=RESULTS / "hsdp_quality.json")
     args = parser.parse_args(argv)
     if args.seeds < 1:
