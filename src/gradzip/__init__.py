@@ -1,7 +1,7 @@
 """gradzip: compressed gradient communication for data-parallel PyTorch training."""
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradzip import (
     ddp,  # the DDP hook adapter: gradzip.ddp.register
@@ -30,6 +30,9 @@ from gradzip.outer import Outer, OuterOptimizer
 from gradzip.plan import Auto
 from gradzip.spec import compressor_from_spec, describe_compressors
 
+if TYPE_CHECKING:  # loaded on first use (see __getattr__): it imports torch's FSDP2
+    from gradzip.outer.sharded import ShardedOuter
+
 __version__ = "0.1.0"
 
 
@@ -38,6 +41,8 @@ def __getattr__(name: str) -> Any:
     # (DDP, the simulator, the runner) never need: it is loaded on first use.
     if name == "fsdp":
         return importlib.import_module("gradzip.fsdp")
+    if name == "ShardedOuter":  # outer-step training of FSDP2 models: imports FSDP2 too
+        return importlib.import_module("gradzip.outer.sharded").ShardedOuter
     raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
 
 
@@ -66,6 +71,7 @@ __all__ = [
     "Schedule",
     "ScatterQuant",
     "Sign",
+    "ShardedOuter",
     "SimulatedGroup",
     "TopK",
     "__version__",

@@ -1,4 +1,5 @@
-"""An HSDP hook state inside a ``torch.distributed.checkpoint`` (DCP) checkpoint.
+"""An HSDP hook state or a sharded outer loop inside a ``torch.distributed.checkpoint`` (DCP)
+checkpoint.
 
 ``dcp.save({"model": model.state_dict(), "gradzip": DCPEntry(state)}, checkpoint_id=folder)``
 and the same dict for ``dcp.load``: DCP calls the entry's ``state_dict`` and
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gradzip.ddp.params import tree_to
 from gradzip.fsdp.state import FSDPHookState
@@ -21,7 +23,8 @@ __all__ = ["DCPEntry"]
 
 
 class DCPEntry:
-    """An :class:`FSDPHookState` as a ``torch.distributed.checkpoint`` ``Stateful`` entry.
+    """Per-rank gradzip state as a ``torch.distributed.checkpoint`` ``Stateful`` entry: an
+    :class:`FSDPHookState` or a :class:`~gradzip.ShardedOuter`.
 
     Every rank's state goes under its own key (``rank00003``: the global rank), serialised as
     one opaque bytes value. Why: DCP keeps one copy of a value saved under the same key by
@@ -31,12 +34,20 @@ class DCPEntry:
     in the checkpoint makes ``dcp.load`` fail.
 
     Args:
-        state: the hook state.
+        state: the hook state, or a :class:`~gradzip.ShardedOuter` (any object whose per-rank
+            ``state_dict()``/``load_state_dict()`` hold tensors and plain values).
+
+    Raises:
+        TypeError: ``state`` is neither.
     """
 
-    def __init__(self, state: FSDPHookState) -> None:
-        if not isinstance(state, FSDPHookState):
-            raise TypeError(f"`state` must be an FSDPHookState, got {type(state).__name__}")
+    def __init__(self, state: FSDPHookState | Any) -> None:
+        # Checked by what it does, not by class: the sharded outer loop lives above this
+        # package (it imports gradzip.fsdp), so naming its class here would be an import cycle.
+        if isinstance(state, nn.Module) or not all(
+                callable(getattr(state, m, None)) for m in ("state_dict", "load_state_dict")):
+            raise TypeError(f"`state` must be an FSDPHookState or a ShardedOuter, got "
+                            f"{type(state).__name__}")
         self.state = state
 
     @staticmethod
@@ -54,8 +65,8 @@ class DCPEntry:
 
         Raises:
             TypeError: ``state`` is not a mapping.
-            ValueError: this rank's entry is missing or not bytes, or what
-                :meth:`FSDPHookState.load_state_dict` refuses.
+            ValueError: this rank's entry is missing or not bytes, or what the state's
+                ``load_state_dict`` refuses.
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"`state` must be a mapping, got {type(state).__name__}")

@@ -136,7 +136,7 @@ class Outer:
         self.models = check_models(models, self.comm.local_workers)
         self.params = self._parameters()
         self.names = list(self.params)
-        self.fragments = split_fragments(self.names, self.plan.fragments)
+        self.fragments = self._split_fragments()
         self.inner_optimizers = check_optimizers(inner_optimizers, len(self.models))
         self.offload = offload
         first = {n: ps[0] for n, ps in self.params.items()}
@@ -189,6 +189,10 @@ class Outer:
                     raise ValueError(f"`models` must start from identical parameters, got `{n}` "
                                      f"differing between model 0 and model {w}")
         return {n: [params[n] for params in per_model] for n in first}
+
+    def _split_fragments(self) -> list[tuple[str, ...]]:
+        """The tensors of each fragment (a sharded model restricts them to its shards)."""
+        return split_fragments(self.names, self.plan.fragments)
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self) -> bool:

@@ -23,6 +23,7 @@ from gradzip.options import EngineOptions, Rule
 from gradzip.spec import compressor_from_spec, parse_level_schedule
 from gradzip.train.events import require_tensorboard
 from gradzip.train.fields import ACCORDION, OPTIM, SCHEDULE, Option, int_at_least, option, real_in
+from gradzip.train.hsdp_fields import HSDPFields, check_hsdp
 from gradzip.train.idle import ETA_DEFAULT, check_idle_options, idle_options
 from gradzip.train.outer_fields import OuterFields
 from gradzip.train.rundir import check_out_dir
@@ -47,7 +48,7 @@ NON_RESULT_FIELDS = ("out", "cache_dir", "timeout", "threads", "checkpoint_every
 POSITIVE, NON_NEGATIVE = real_in(low=0, low_open=True), real_in(low=0)
 
 @dataclasses.dataclass
-class RunConfig(OuterFields):
+class RunConfig(OuterFields, HSDPFields):
     """Everything that defines one run; ``None`` fields take the task's defaults.
 
     Every field is documented where it is declared (its :class:`Option`'s ``help``, the line
@@ -356,7 +357,9 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
         if world != cfg.workers:
             log.info("torchrun world size %d replaces workers=%d", world, cfg.workers)
         cfg = dataclasses.replace(cfg, workers=world)
-    return dataclasses.replace(cfg, launcher=launcher, out=str(cfg.out))
+    cfg = dataclasses.replace(cfg, launcher=launcher, out=str(cfg.out))
+    check_hsdp(cfg)
+    return cfg
 
 
 def _check_schedule(cfg: RunConfig) -> None:

@@ -154,10 +154,14 @@ class TrainLoop:
     def _evaluate(self) -> Tensor:
         assert self.stepper is not None
         self.stepper.sync_buffers()
-        self.model.eval()
-        sums = sum(self.task.eval_sums(self.model, self.data, self.cfg, self.cfg.workers, r)
+        # A sharded model's forward is a collective of its island, and the ranks' test shards
+        # may take different numbers of batches: the HSDP steppers hand an unsharded copy.
+        eval_model = getattr(self.stepper, "eval_model", None)
+        model = self.model if eval_model is None else eval_model()
+        model.eval()
+        sums = sum(self.task.eval_sums(model, self.data, self.cfg, self.cfg.workers, r)
                    for r in self.stepper.local_ranks)
-        self.model.train()
+        model.train()
         return sums  # type: ignore[return-value]
 
     def _eval_record(self, epoch: float, step: int, lr: float) -> dict[str, Any]:
@@ -277,6 +281,12 @@ class TrainLoop:
         stepper_cls: Any = SimStepper if self.cfg.launcher == "sim" else DDPStepper
         if self.cfg.outer_steps:
             stepper_cls = OuterStepper
+        if self.cfg.hsdp:
+            # Imported here: torch's FSDP2 is slow to import and most runs never use it.
+            from gradzip.train import hsdp_stepper
+
+            stepper_cls = (hsdp_stepper.ShardedOuterStepper if self.cfg.outer_steps
+                           else hsdp_stepper.HSDPStepper)
         self.stepper = stepper_cls(self.model, self.task, self.compressor, self.cfg,
                                    self.optimizer, self.device)
 

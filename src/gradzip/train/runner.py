@@ -181,15 +181,35 @@ def _preflight(cfg: RunConfig, directory: RunDirectory) -> torch.nn.Module:
     _check_rules(cfg, model)
     _check_outer_steps(cfg, spe)
     build_compressor(cfg, spe)
+    if cfg.hsdp:
+        # An HSDP run's rank files hold DTensors, which a weights-only load reads once this
+        # module has registered them.
+        import torch.distributed.tensor  # noqa: F401
     for rank in range(cfg.workers if directory.plan.manifest is not None else 0):
         state = directory.load_rank(rank)
         assert state is not None
         try:
-            model.load_state_dict(state["model"])
+            if cfg.hsdp:  # sharded values: their global shapes are checked
+                _check_shapes(model, state["model"])
+            else:
+                model.load_state_dict(state["model"])
         except (KeyError, RuntimeError) as exc:
             raise ValueError(f"--resume: rank {rank}'s checkpoint does not fit the model: "
                              f"{' '.join(str(exc).split())}") from None
     return model
+
+
+def _check_shapes(model: torch.nn.Module, saved: dict[str, Any]) -> None:
+    """That ``saved`` (a sharded model's state dict) has ``model``'s keys and global shapes.
+
+    Raises:
+        RuntimeError: a key missing or extra, or a shape that differs.
+    """
+    own = {n: tuple(v.shape) for n, v in model.state_dict().items()}
+    got = {n: tuple(v.shape) for n, v in saved.items()}
+    if own != got:
+        differ = sorted(n for n in own.keys() | got.keys() if own.get(n) != got.get(n))
+        raise RuntimeError(f"keys or shapes differ at {differ[:3]}")
 
 
 def _proc_main(rank: int, world: int, cfg_dict: dict[str, Any], progress: bool,
