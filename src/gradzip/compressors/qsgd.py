@@ -27,10 +27,11 @@ from gradzip.ops.branches import cpu_form
 from gradzip.ops.checks import check_on_device
 from gradzip.ops.flat import reinterpret
 from gradzip.ops.segquant import (
+    UNIT,
     SegmentLayout,
     join_rows,
     key32,
-    keyed_uniform,
+    keyed_draws,
     segment_layout,
     segment_sums,
 )
@@ -123,10 +124,11 @@ class QSGD(ExchangeStateCheck, Compressor):
         return norms + packed_size(sum(numels), self.bits)
 
     def _quantise(
-        self, x: torch.Tensor, noise: torch.Tensor, layout: SegmentLayout
+        self, x: torch.Tensor, draws: torch.Tensor, layout: SegmentLayout
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x[L, n]`` (a call's tensors side by side, cut into the buckets of ``layout``) with
-        uniform ``noise[L, n]`` -> (norms ``[L, buckets]`` fp32, signed levels ``[L, n]`` fp32
+        draws ``[L, n]`` (:func:`~gradzip.ops.segquant.keyed_draws`, ``u = draws * UNIT``
+        uniform in ``[0, 1)``) -> (norms ``[L, buckets]`` fp32, signed levels ``[L, n]`` fp32
         in ``[-levels, levels]``), a fixed number of ops whatever the number of tensors.
 
         A bucket's norm is the square root of its float64 sum of squares, rounded to float32
@@ -137,7 +139,8 @@ class QSGD(ExchangeStateCheck, Compressor):
         norms = squares.sqrt_().to(torch.float32)  # [L, buckets]
         # A zero norm gives an infinite factor, and its bucket's entries (all zero) NaN levels.
         factor = self.levels / norms
-        level = torch.floor(x * factor.index_select(1, layout.segment) + noise)
+        scaled = x * factor.index_select(1, layout.segment)
+        level = torch.add(scaled, draws, alpha=UNIT).floor_()  # u folded in (exact product)
         # NaN levels (a zero bucket, or a non-finite input) become 0 so every code stays in
         # range (the engine discards a non-finite call's result, but the message must still
         # decode).
@@ -172,10 +175,11 @@ class QSGD(ExchangeStateCheck, Compressor):
         return self._decode(reinterpret(messages[:, :head], torch.float32), codes, count)
 
     def part_draws(self, key: tuple[Any, ...], count: int, device: torch.device) -> torch.Tensor:
-        """``count`` uniform draws keyed by ``(seed, *key)``, made on ``device`` (the same
-        bits on every device; never the global generator)."""
+        """``count`` draws keyed by ``(seed, *key)`` (:func:`~gradzip.ops.segquant.keyed_draws`:
+        integers, ``draws * UNIT`` uniform in ``[0, 1)``), made on ``device`` (the same bits on
+        every device; never the global generator)."""
         layout = segment_layout((count,), 0, device)
-        return keyed_uniform([[key32("qsgd", self.seed, *key)]], layout, device)[0]
+        return keyed_draws([[key32("qsgd", self.seed, *key)]], layout, device)[0]
 
     def _decode(self, norms: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
         """(norms ``[..., R, buckets]``, codes ``[..., R, n]``) -> values ``[..., R, n]``."""
@@ -243,8 +247,8 @@ class QSGD(ExchangeStateCheck, Compressor):
         device = jobs[0].tensor.device
         layout = segment_layout(numels, self.bucket_size, device)
         x = join_rows([job.tensor for job in jobs], workers)  # [L, total]
-        noise = keyed_uniform(self._keys(jobs, ctx), layout, device)
-        norms, level = self._quantise(x, noise, layout)
+        draws = keyed_draws(self._keys(jobs, ctx), layout, device)
+        norms, level = self._quantise(x, draws, layout)
         decoded = level * (norms / self.levels).index_select(1, layout.segment)
         for job, part in zip(jobs, torch.split(decoded, list(numels), dim=1), strict=True):
             job.decoded = part.reshape(job.tensor.shape)

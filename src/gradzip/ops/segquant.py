@@ -40,14 +40,17 @@ from gradzip.ops.branches import cpu_form
 from gradzip.ops.flat import pack, to_device
 from gradzip.ops.random import stable_hash
 
-__all__ = ["SegmentLayout", "join_rows", "key32", "keyed_uniform", "segment_layout", "segment_sums"]
+__all__ = [
+    "UNIT", "SegmentLayout", "join_rows", "key32", "keyed_draws", "keyed_uniform",
+    "segment_layout", "segment_sums",
+]
 
 _MASK = 0xFFFFFFFF
 # The two multipliers of the 32-bit finaliser: odd and below 2**31, so that a 32-bit word
 # times one of them stays below 2**63 in torch's int64 (no signed overflow anywhere).
 _M1, _M2 = 0x21F0AAAD, 0x735A2D97
-# Uniform draws take the top 24 bits of the hash: exact in float32 after scaling by 2**-24.
-_SCALE = 2.0**-24
+#: Uniform draws take the top 24 bits of the hash: exact in float32 after scaling by this.
+UNIT = 2.0**-24
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: layouts are cached
@@ -211,12 +214,46 @@ def _mixed_positions(position: torch.Tensor) -> torch.Tensor:
     return _hash_torch((position & _MASK) ^ 0x9E3779B9)
 
 
-def keyed_uniform(keys: torch.Tensor | Sequence[Sequence[int]], layout: SegmentLayout,
+def keyed_draws(keys: Sequence[Sequence[int]], layout: SegmentLayout,
+                device: torch.device | str) -> torch.Tensor:
+    """``[L, total]`` int64 draws, uniform in ``[0, 2**24)``: entry ``i`` of tensor ``t`` in
+    row ``r`` draws ``h(keys[r][t], i)``, a hash of its tensor's key (:func:`key32`) and its
+    position in its tensor, so a draw depends neither on the other tensors of the call nor on
+    the device. ``draws * UNIT`` are uniform floats in ``[0, 1)`` (exact in float32); a
+    consumer may fold that product into its next op (``torch.add(x, draws, alpha=UNIT)``).
+
+    Args:
+        keys: ``[L][T]`` 32-bit keys, one per row and tensor of ``layout``.
+        layout: the call's layout (:func:`segment_layout`).
+        device: where the draws are made.
+
+    Returns:
+        The draws, on ``device``.
+
+    Raises:
+        ValueError: ``keys`` is not one row of one key per tensor of ``layout``.
+    """
+    device = torch.device(device)
+    rows = [[int(k) & _MASK for k in row] for row in keys]
+    if not rows or any(len(row) != len(layout.numels) for row in rows):
+        raise ValueError(f"`keys` must hold rows of {len(layout.numels)} keys (one per tensor), "
+                         f"got {[len(row) for row in rows]}")
+    if cpu_form(device):
+        host = layout if layout.position.device.type == "cpu" else layout.on(torch.device("cpu"))
+        mixed = _mixed_positions_host(host.position)
+        owner = host.owner.numpy()
+        out = np.empty((len(rows), mixed.shape[0]), dtype=np.int64)
+        for r, row in enumerate(rows):
+            out[r] = _hash_numpy(mixed ^ np.asarray(row, dtype=np.uint32)[owner]) >> np.uint32(8)
+        return torch.from_numpy(out)
+    here = layout.on(device)
+    key_rows = to_device(torch.tensor(rows, dtype=torch.int64), device)  # queued, no host wait
+    return _hash_torch(_mixed_positions(here.position) ^ key_rows.index_select(1, here.owner)) >> 8
+
+
+def keyed_uniform(keys: Sequence[Sequence[int]], layout: SegmentLayout,
                   device: torch.device | str) -> torch.Tensor:
-    """``[L, total]`` float32 uniform draws in ``[0, 1)`` (multiples of ``2**-24``): entry
-    ``i`` of tensor ``t`` in row ``r`` draws ``h(keys[r][t], i)``, a hash of its tensor's key
-    (:func:`key32`) and its position in its tensor, so a draw does not depend on the other
-    tensors of the call or on the device.
+    """:func:`keyed_draws` as float32 in ``[0, 1)`` (multiples of ``2**-24``).
 
     Args:
         keys: ``[L][T]`` 32-bit keys, one per row and tensor of ``layout``.
@@ -226,18 +263,4 @@ def keyed_uniform(keys: torch.Tensor | Sequence[Sequence[int]], layout: SegmentL
     Returns:
         The draws, on ``device``.
     """
-    device = torch.device(device)
-    rows = [[int(k) & _MASK for k in row] for row in keys]
-    if cpu_form(device):
-        host = layout if layout.position.device.type == "cpu" else layout.on(torch.device("cpu"))
-        mixed = _mixed_positions_host(host.position)
-        owner = host.owner.numpy()
-        out = np.empty((len(rows), mixed.shape[0]), dtype=np.float32)
-        for r, row in enumerate(rows):
-            words = _hash_numpy(mixed ^ np.asarray(row, dtype=np.uint32)[owner])
-            out[r] = (words >> np.uint32(8)).astype(np.float32) * np.float32(_SCALE)
-        return torch.from_numpy(out)
-    here = layout.on(device)
-    key_rows = to_device(torch.tensor(rows, dtype=torch.int64), device)  # queued, no host wait
-    words = _hash_torch(_mixed_positions(here.position) ^ key_rows.index_select(1, here.owner))
-    return (words >> 8) * _SCALE
+    return keyed_draws(keys, layout, device).to(torch.float32).mul_(UNIT)
