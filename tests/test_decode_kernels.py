@@ -12,8 +12,8 @@ from gradzip.compressors import qsgd as qsgd_module
 from gradzip.compressors import sign as sign_module
 from gradzip.compressors.base import Job, StepContext
 from gradzip.compressors.qsgd import QSGD
-from gradzip.ops.segquant import segment_layout
 from gradzip.ops.bits import bit_keys, keys_per_byte, pack_bits
+from gradzip.ops.segquant import segment_layout
 
 FAST = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
