@@ -125,26 +125,27 @@ class QSGD(ExchangeStateCheck, Compressor):
 
     def _quantise(
         self, x: torch.Tensor, draws: torch.Tensor, layout: SegmentLayout
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x[L, n]`` (a call's tensors side by side, cut into the buckets of ``layout``) with
         draws ``[L, n]`` (:func:`~gradzip.ops.segquant.keyed_draws`, ``u = draws * UNIT``
         uniform in ``[0, 1)``) -> (norms ``[L, buckets]`` fp32, signed levels ``[L, n]`` fp32
-        in ``[-levels, levels]``), a fixed number of ops whatever the number of tensors.
+        in ``[-levels, levels]``, what they decode to ``[L, n]``), a fixed number of ops
+        whatever the number of tensors.
 
         A bucket's norm is the square root of its float64 sum of squares, rounded to float32
-        once; an entry's level is ``floor(x * (levels / norm) + u)``: each entry sees the same
-        operations whichever tensors share its call.
+        once; with its step ``norm / levels``, an entry's level is ``floor(x / step + u)`` and
+        it decodes to ``level * step``: each entry sees the same operations whichever tensors
+        share its call.
         """
         squares = segment_sums(x * x, layout.segment, layout.segments)
         norms = squares.sqrt_().to(torch.float32)  # [L, buckets]
-        # A zero norm gives an infinite factor, and its bucket's entries (all zero) NaN levels.
-        factor = self.levels / norms
-        scaled = x * factor.index_select(1, layout.segment)
-        level = torch.add(scaled, draws, alpha=UNIT).floor_()  # u folded in (exact product)
-        # NaN levels (a zero bucket, or a non-finite input) become 0 so every code stays in
-        # range (the engine discards a non-finite call's result, but the message must still
-        # decode).
-        return norms, level.nan_to_num_(0.0).clamp_(-self.levels, self.levels)
+        steps = (norms / self.levels).index_select(1, layout.segment)  # [L, n]
+        # A zero bucket (all its entries zero) gives 0 / 0: NaN levels, like a non-finite input.
+        level = torch.add(x / steps, draws, alpha=UNIT).floor_()  # u folded in (exact product)
+        # NaN levels become 0 so every code stays in range (the engine discards a non-finite
+        # call's result, but the message must still decode).
+        level = level.nan_to_num_(0.0).clamp_(-self.levels, self.levels)
+        return norms, level, level * steps
 
     def _keys(self, jobs: Sequence[Job], ctx: StepContext) -> list[list[int]]:
         """Every local worker's noise key of every job: ``(seed, step, name, rank)``."""
@@ -160,7 +161,7 @@ class QSGD(ExchangeStateCheck, Compressor):
         """``x[R, m]`` -> messages ``[R, part_bytes(m)]``, each row with its own norms."""
         assert draws is not None, "QSGD rounds at random: it needs draws"
         layout = segment_layout((x.shape[1],), self.bucket_size, x.device)
-        norms, level = self._quantise(x, draws, layout)
+        norms, level, _ = self._quantise(x, draws, layout)
         codes = (level + self.levels).to(torch.uint8)
         # Codes are clamped to [0, 2 * levels] by _quantise: no range test (a host sync).
         return torch.cat([norms.view(torch.uint8),
@@ -248,8 +249,7 @@ class QSGD(ExchangeStateCheck, Compressor):
         layout = segment_layout(numels, self.bucket_size, device)
         x = join_rows([job.tensor for job in jobs], workers)  # [L, total]
         draws = keyed_draws(self._keys(jobs, ctx), layout, device)
-        norms, level = self._quantise(x, draws, layout)
-        decoded = level * (norms / self.levels).index_select(1, layout.segment)
+        norms, level, decoded = self._quantise(x, draws, layout)
         for job, part in zip(jobs, torch.split(decoded, list(numels), dim=1), strict=True):
             job.decoded = part.reshape(job.tensor.shape)
         # One message per call: every tensor's norms, then all codes as one packed stream.
