@@ -58,6 +58,10 @@ def test_layout_validates_and_is_cached() -> None:
     with pytest.raises(ValueError, match="`segment_size` must be >= 0, got -2"):
         segment_layout([3], -2)
     assert segment_layout([4, 5], 2) is segment_layout((4, 5), 2)
+    # int32 indices, one tensor for both where every segment is a whole tensor (memory).
+    whole = segment_layout([4, 5])
+    assert whole.segment is whole.owner and whole.owner.dtype == torch.int32
+    assert segment_layout([4, 5], 2).segment is not segment_layout([4, 5], 2).owner
 
 
 @FAST

@@ -55,14 +55,15 @@ UNIT = 2.0**-24
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: layouts are cached
 class SegmentLayout:
-    """How a call's entries map to tensors and segments (host tensors, int64).
+    """How a call's entries map to tensors and segments.
 
     Attributes:
         numels: entries of each tensor, in call order.
         segments: segments in the call (each tensor's, in order).
-        segment: ``[total]``: each entry's segment.
-        owner: ``[total]``: each entry's tensor.
-        position: ``[total]``: each entry's index within its tensor.
+        segment: ``[total]`` int32: each entry's segment (the same tensor as ``owner``
+            where every segment is a whole tensor).
+        owner: ``[total]`` int32: each entry's tensor.
+        position: ``[total]`` int32, on the host: each entry's index within its tensor.
         lengths: ``[segments]`` float64: each segment's entry count (at least 1).
         per_tensor: segments of each tensor.
     """
@@ -101,9 +102,13 @@ def _host_layout(numels: tuple[int, ...], segment_size: int) -> SegmentLayout:
     segment = first[owner] + position // size[owner] if owner.size else owner
     lengths = np.minimum(size.repeat(per_tensor),
                          np.repeat(counts, per_tensor) - _local_starts(per_tensor, size))
+    # int32 indices (index_select and index_add_ take them): half the memory of int64, and
+    # one tensor serves as both where every segment is a whole tensor.
+    owner_t = torch.from_numpy(owner.astype(np.int32))
+    segment_t = owner_t if np.array_equal(segment, owner) else torch.from_numpy(segment.astype(np.int32))
     return SegmentLayout(
-        numels, int(per_tensor.sum()), torch.from_numpy(segment), torch.from_numpy(owner),
-        torch.from_numpy(position),
+        numels, int(per_tensor.sum()), segment_t, owner_t,
+        torch.from_numpy(position.astype(np.int32)),
         torch.from_numpy(np.maximum(lengths, 1).astype(np.float64)),
         tuple(int(p) for p in per_tensor),
     )
@@ -118,10 +123,11 @@ def _local_starts(per_tensor: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=64)
 def _layout_on(layout: SegmentLayout, device: str) -> SegmentLayout:
-    return SegmentLayout(
-        layout.numels, layout.segments, layout.segment.to(device), layout.owner.to(device),
-        layout.position.to(device), layout.lengths.to(device), layout.per_tensor,
-    )
+    owner = layout.owner.to(device)
+    segment = owner if layout.segment is layout.owner else layout.segment.to(device)
+    # Positions stay on the host: only the draws read them, through their hashed copy.
+    return SegmentLayout(layout.numels, layout.segments, segment, owner, layout.position,
+                         layout.lengths.to(device), layout.per_tensor)
 
 
 def segment_layout(
@@ -205,13 +211,15 @@ def _hash_numpy(x: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=64)
 def _mixed_positions_host(position: torch.Tensor) -> np.ndarray:
-    return _hash_numpy((position.numpy() & _MASK).astype(np.uint32) ^ np.uint32(0x9E3779B9))
+    """Each position hashed once (independent of the keys), uint32: cached per layout."""
+    return _hash_numpy(position.numpy().astype(np.uint32) ^ np.uint32(0x9E3779B9))
 
 
 @lru_cache(maxsize=64)
-def _mixed_positions(position: torch.Tensor) -> torch.Tensor:
-    """Each position hashed once (independent of the keys): cached per layout and device."""
-    return _hash_torch((position & _MASK) ^ 0x9E3779B9)
+def _mixed_positions(position: torch.Tensor, device: str) -> torch.Tensor:
+    """:func:`_mixed_positions_host` on ``device``, its 32 bits held in int32 (half the
+    memory of int64; the hash masks them back to unsigned)."""
+    return torch.from_numpy(_mixed_positions_host(position).view(np.int32)).to(device)
 
 
 def keyed_draws(keys: Sequence[Sequence[int]], layout: SegmentLayout,
@@ -239,16 +247,18 @@ def keyed_draws(keys: Sequence[Sequence[int]], layout: SegmentLayout,
         raise ValueError(f"`keys` must hold rows of {len(layout.numels)} keys (one per tensor), "
                          f"got {[len(row) for row in rows]}")
     if cpu_form(device):
-        host = layout if layout.position.device.type == "cpu" else layout.on(torch.device("cpu"))
-        mixed = _mixed_positions_host(host.position)
-        owner = host.owner.numpy()
+        mixed = _mixed_positions_host(layout.position)
+        owner = (layout.owner if layout.owner.device.type == "cpu" else layout.owner.cpu()).numpy()
         out = np.empty((len(rows), mixed.shape[0]), dtype=np.int64)
         for r, row in enumerate(rows):
             out[r] = _hash_numpy(mixed ^ np.asarray(row, dtype=np.uint32)[owner]) >> np.uint32(8)
         return torch.from_numpy(out)
     here = layout.on(device)
     key_rows = to_device(torch.tensor(rows, dtype=torch.int64), device)  # queued, no host wait
-    return _hash_torch(_mixed_positions(here.position) ^ key_rows.index_select(1, here.owner)) >> 8
+    mixed = _mixed_positions(here.position, str(device))
+    # int32 ^ int64 sign-extends the int32 word: the mask keeps its 32 bits, unsigned.
+    words = (mixed ^ key_rows.index_select(1, here.owner)) & _MASK
+    return _hash_torch(words) >> 8
 
 
 def keyed_uniform(keys: Sequence[Sequence[int]], layout: SegmentLayout,
