@@ -158,13 +158,20 @@ def segment_layout(
 
 
 def segment_sums(values: torch.Tensor, index: torch.Tensor, count: int) -> torch.Tensor:
-    """``[L, count]`` float64: for every row of ``values[L, total]``, the sum of the entries
-    whose ``index`` (``[total]`` int64, each in ``[0, count)``: a layout's ``segment`` or
-    ``owner``) is each value (0 where none is).
+    """Per-segment float64 sums of every row.
 
     Each row is one indexed add into float64 (the squares and magnitudes of float32 values
     lose nothing on the way in); on the CPU the entries of a segment are added in order, so a
     segment's sum depends on its own entries only.
+
+    Args:
+        values: ``[L, total]``.
+        index: ``[total]`` int32 or int64, each in ``[0, count)`` (a layout's ``segment`` or
+            ``owner``).
+        count: the number of segments.
+
+    Returns:
+        ``[L, count]`` float64: the sum of the entries of each segment (0 where it has none).
     """
     rows = values.shape[0]
     wide = values.to(torch.float64)
@@ -175,9 +182,17 @@ def segment_sums(values: torch.Tensor, index: torch.Tensor, count: int) -> torch
 
 
 def join_rows(tensors: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
-    """``[rows, total]``: the ``[rows, ...]`` tensors side by side. With one row, where the
-    tensors already lie one after another in one storage (a bucket's views), a view of it (no
-    op); otherwise one concatenation (a new tensor)."""
+    """A call's tensors side by side.
+
+    Args:
+        tensors: at least one ``[rows, ...]`` tensor, all of one dtype and device.
+        rows: the length of their first axis (the local workers).
+
+    Returns:
+        ``[rows, total]``: with one row, where the tensors already lie one after another in
+        one storage (a bucket's views), a view of it (no op; never written to here);
+        otherwise one concatenation (a new tensor).
+    """
     if rows == 1:
         flat = [t.reshape(-1) for t in tensors]
         if all(f.data_ptr() == t.data_ptr() for f, t in zip(flat, tensors, strict=True)):
@@ -186,8 +201,14 @@ def join_rows(tensors: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
 
 
 def key32(*keys: object) -> int:
-    """A 32-bit key derived from ``keys`` (:func:`~gradzip.ops.random.stable_hash`): the
-    same on every process."""
+    """A 32-bit key derived from ``keys``.
+
+    Args:
+        *keys: values with a stable ``repr`` (:func:`~gradzip.ops.random.stable_hash`).
+
+    Returns:
+        An integer in ``[0, 2**32)``, the same on every process.
+    """
     return stable_hash(*keys) & _MASK
 
 
