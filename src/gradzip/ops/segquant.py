@@ -245,11 +245,14 @@ def _mixed_positions(position: torch.Tensor, device: str) -> torch.Tensor:
 
 def keyed_draws(keys: Sequence[Sequence[int]], layout: SegmentLayout,
                 device: torch.device | str) -> torch.Tensor:
-    """``[L, total]`` int64 draws, uniform in ``[0, 2**24)``: entry ``i`` of tensor ``t`` in
+    """``[L, total]`` integer draws, uniform in ``[0, 2**24)``: entry ``i`` of tensor ``t`` in
     row ``r`` draws ``h(keys[r][t], i)``, a hash of its tensor's key (:func:`key32`) and its
     position in its tensor, so a draw depends neither on the other tensors of the call nor on
     the device. ``draws * UNIT`` are uniform floats in ``[0, 1)`` (exact in float32); a
     consumer may fold that product into its next op (``torch.add(x, draws, alpha=UNIT)``).
+    The values are held in int64 (the torch form, whose add casts them on the fly) or, in
+    the CPU's NumPy form, in float32 (exact below ``2**24``; no cast left for the add): the
+    same numbers either way.
 
     Args:
         keys: ``[L][T]`` 32-bit keys, one per row and tensor of ``layout``.
@@ -269,10 +272,11 @@ def keyed_draws(keys: Sequence[Sequence[int]], layout: SegmentLayout,
                          f"got {[len(row) for row in rows]}")
     if cpu_form(device):
         mixed = _mixed_positions_host(layout.position)
-        owner = (layout.owner if layout.owner.device.type == "cpu" else layout.owner.cpu()).numpy()
-        out = np.empty((len(rows), mixed.shape[0]), dtype=np.int64)
+        counts = np.asarray(layout.numels, dtype=np.int64)
+        out = np.empty((len(rows), mixed.shape[0]), dtype=np.float32)
         for r, row in enumerate(rows):
-            out[r] = _hash_numpy(mixed ^ np.asarray(row, dtype=np.uint32)[owner]) >> np.uint32(8)
+            words = mixed ^ np.repeat(np.asarray(row, dtype=np.uint32), counts)
+            out[r] = _hash_numpy(words) >> np.uint32(8)
         return torch.from_numpy(out)
     here = layout.on(device)
     key_rows = to_device(torch.tensor(rows, dtype=torch.int64), device)  # queued, no host wait
@@ -294,4 +298,4 @@ def keyed_uniform(keys: Sequence[Sequence[int]], layout: SegmentLayout,
     Returns:
         The draws, on ``device``.
     """
-    return keyed_draws(keys, layout, device).to(torch.float32).mul_(UNIT)
+    return keyed_draws(keys, layout, device).to(torch.float32) * UNIT
