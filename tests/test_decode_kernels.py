@@ -13,6 +13,7 @@ from gradzip.compressors import sign as sign_module
 from gradzip.compressors.base import Job, StepContext
 from gradzip.compressors.qsgd import QSGD
 from gradzip.ops.bits import bit_keys, keys_per_byte, pack_bits
+from gradzip.ops.segquant import segment_layout
 
 FAST = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -112,7 +113,10 @@ def _decode_sum_whole(q: QSGD, norms: torch.Tensor, codes: torch.Tensor, numel: 
     total = torch.zeros(buckets, size, dtype=torch.float32)
     for row in range(rows):
         total.addcmul_(padded[row], steps[row])
-    total.sub_(norms.sum(dim=0).unsqueeze(1))
+    offsets = norms[0].clone()
+    for row in range(1, rows):  # the norms' sum, added in rank order
+        offsets += norms[row]
+    total.sub_(offsets.unsqueeze(1))
     return total.reshape(-1)[:numel].div_(divisor)
 
 
@@ -155,25 +159,28 @@ def test_qsgd_decode_of_a_large_tensor_matches_at_the_default_chunk() -> None:
 @FAST
 @given(
     workers=st.integers(1, 9),
-    group=st.integers(1, 5),
     levels=st.integers(1, 127),
     bucket_size=st.sampled_from([0, 1, 7, 100]),
-    numel=st.integers(1, 700),
+    numels=st.lists(st.integers(0, 700), min_size=1, max_size=6),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_qsgd_decode_of_tensors_of_one_size_together_equals_each_alone(
-    workers: int, group: int, levels: int, bucket_size: int, numel: int, seed: int
+def test_qsgd_decode_of_a_whole_call_equals_each_tensor_alone(
+    workers: int, levels: int, bucket_size: int, numels: list[int], seed: int
 ) -> None:
-    """The batched sum (off the CPU, tensors of one size decoded together) gives each tensor
-    the bits its own whole-tensor sum gives."""
+    """The whole-call sum (off the CPU: every tensor of a call decoded at once) gives each
+    tensor the bits its own whole-tensor sum gives."""
     gen = torch.Generator().manual_seed(seed)
     q = QSGD(levels=levels, bucket_size=bucket_size)
-    buckets, _ = q._layout(numel)
-    codes = torch.randint(0, 2 * levels + 1, (group, workers, numel), generator=gen, dtype=torch.uint8)
-    norms = torch.rand(group, workers, buckets, generator=gen) * 100
-    got = q._decode_sums(norms, codes, numel, workers + 1)
-    for g in range(group):
-        assert _same_bits(got[g], _decode_sum_whole(q, norms[g], codes[g], numel, workers + 1))
+    layout = segment_layout(numels, bucket_size)
+    codes = torch.randint(0, 2 * levels + 1, (workers, sum(numels)), generator=gen, dtype=torch.uint8)
+    norms = torch.rand(workers, layout.segments, generator=gen) * 100
+    got = q._decode_sum_whole(norms, codes, layout, workers + 1)
+    start, first = 0, 0
+    for numel, buckets in zip(numels, layout.per_tensor, strict=True):
+        want = _decode_sum_whole(q, norms[:, first : first + buckets], codes[:, start : start + numel],
+                                 numel, workers + 1)
+        assert _same_bits(got[start : start + numel], want)
+        start, first = start + numel, first + buckets
 
 
 @FAST

@@ -68,7 +68,7 @@ def test_qsgd_kernel_equals_unpack_then_decode_sum(
     want = q._decode_sum(norms, unpack_bits(packed, q.bits, total)[:, first : first + numel], numel, workers + 1)
     got, top = jit.qsgd_sum(
         packed.numpy(), q.bits, first, numel, size, (norms / levels).numpy(),
-        norms.sum(dim=0).numpy(), workers + 1,
+        qsgd_module._rank_sum(norms).numpy(), workers + 1,
     )
     assert _same_bits(torch.from_numpy(got), want)
     assert top == int(codes[:, first : first + numel].max())

@@ -24,9 +24,17 @@ from gradzip.compressors.sharded_codes import (
 from gradzip.ops import jit
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
 from gradzip.ops.branches import cpu_form
-from gradzip.ops.checks import check_range
-from gradzip.ops.flat import reinterpret, to_device
-from gradzip.ops.random import generator_for
+from gradzip.ops.checks import check_on_device
+from gradzip.ops.flat import reinterpret
+from gradzip.ops.segquant import (
+    UNIT,
+    SegmentLayout,
+    join_rows,
+    key32,
+    keyed_draws,
+    segment_layout,
+    segment_sums,
+)
 
 __all__ = ["QSGD"]
 
@@ -42,7 +50,12 @@ class QSGD(ExchangeStateCheck, Compressor):
 
     Codes ``sign * l + levels`` take ``ceil(log2(2 * levels + 1))`` bits each; the codes of
     all tensors reduced in one call are packed densely as one stream, after their norms.
-    Per-worker randomness comes from generators seeded by ``(seed, step, name, rank)``.
+    The rounding noise is drawn where the tensors live, for a whole call at once, by a keyed
+    integer hash of ``(seed, step, name, rank)`` and each entry's position in its tensor
+    (:func:`~gradzip.ops.segquant.keyed_uniform`): the same bits on every device and in every
+    grouping of tensors into calls, never the global generator. Each entry rounds its scaled
+    value ``x * levels / norm`` down or up as ``floor(scaled + u)`` does with its draw ``u``:
+    up with probability its fraction, so the code is unbiased.
 
     Quantised values cannot be summed without decoding, so a tensor travels in one of three
     forms (:func:`~gradzip.compressors.sharded_codes.choose_exchange`, from its size, the world size
@@ -110,41 +123,34 @@ class QSGD(ExchangeStateCheck, Compressor):
         norms = sum(4 * self._layout(n)[0] for n in numels)
         return norms + packed_size(sum(numels), self.bits)
 
-    def _encode(
-        self, x: torch.Tensor, names: Sequence[str], ctx: StepContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x[G, L, n]`` (``G`` tensors of ``n`` entries, named ``names``) -> (norms
-        ``[G, L, buckets]`` fp32, codes ``[G, L, n]`` uint8). Every entry sees the operations
-        it would see in a tensor of its own; the rounding noise of each tensor and rank comes
-        from its own keyed generator."""
-        group, workers, numel = x.shape
-        buckets, size = self._layout(numel)
-        noise = torch.stack([
-            torch.rand(buckets, size, generator=generator_for("qsgd", self.seed, ctx.step, name, r))
-            for name in names for r in ctx.ranks
-        ]).reshape(group, workers, buckets * size)
-        # Page-locked and queued: a plain ``.to`` of host memory would make the host wait.
-        return self._quantise(x, to_device(noise, x.device))
+    def _quantise(
+        self, x: torch.Tensor, draws: torch.Tensor, layout: SegmentLayout
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x[L, n]`` (a call's tensors side by side, cut into the buckets of ``layout``) with
+        draws ``[L, n]`` (:func:`~gradzip.ops.segquant.keyed_draws`, ``u = draws * UNIT``
+        uniform in ``[0, 1)``) -> (norms ``[L, buckets]`` fp32, signed levels ``[L, n]`` fp32
+        in ``[-levels, levels]``, what they decode to ``[L, n]``), a fixed number of ops
+        whatever the number of tensors.
 
-    def _quantise(self, x: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x[G, R, n]`` with uniform ``noise[G, R, buckets * size]`` -> (norms
-        ``[G, R, buckets]``, codes ``[G, R, n]``): each bucket scaled by its norm, each entry
-        rounded up where its noise falls below its fraction."""
-        group, workers, numel = x.shape
-        buckets, size = self._layout(numel)
-        padded = torch.nn.functional.pad(x, (0, buckets * size - numel))
-        padded = padded.reshape(group, workers, buckets, size)
-        norms = padded.norm(dim=3)
-        scaled = padded.abs() / torch.where(norms > 0, norms, 1.0).unsqueeze(3) * self.levels
-        lower = scaled.floor()
-        noise = noise.reshape(group, workers, buckets, size)
-        level = lower + (noise < (scaled - lower)).to(x.dtype)
-        # A non-finite input gives NaN levels; they become 0 so every code stays in range
-        # (the engine discards such a call's result, but the message must still decode).
-        level = level.nan_to_num_(0.0).clamp_(0, self.levels)
-        level = level.reshape(group, workers, -1)[..., :numel]
-        codes = (torch.sign(x) * level + self.levels).to(torch.uint8)
-        return norms, codes
+        A bucket's norm is the square root of its float64 sum of squares, rounded to float32
+        once; with its step ``norm / levels``, an entry's level is ``floor(x / step + u)`` and
+        it decodes to ``level * step``: each entry sees the same operations whichever tensors
+        share its call.
+        """
+        squares = segment_sums(x * x, layout.segment, layout.segments)
+        norms = squares.sqrt_().to(torch.float32)  # [L, buckets]
+        steps = (norms / self.levels).index_select(1, layout.segment)  # [L, n]
+        # A zero bucket (all its entries zero) gives 0 / 0: NaN levels, like a non-finite input.
+        level = torch.add(x / steps, draws, alpha=UNIT).floor_()  # u folded in (exact product)
+        # NaN levels become 0 so every code stays in range (the engine discards a non-finite
+        # call's result, but the message must still decode).
+        level = level.nan_to_num_(0.0).clamp_(-self.levels, self.levels)
+        return norms, level, level * steps
+
+    def _keys(self, jobs: Sequence[Job], ctx: StepContext) -> list[list[int]]:
+        """Every local worker's noise key of every job: ``(seed, step, name, rank)``."""
+        return [[key32("qsgd", self.seed, ctx.step, job.name, r) for job in jobs]
+                for r in ctx.ranks]
 
     # -- the code of one part, for the sharded exchange (gradzip.compressors.sharded_codes) ------
     def part_bytes(self, count: int) -> int:
@@ -154,25 +160,27 @@ class QSGD(ExchangeStateCheck, Compressor):
     def encode_parts(self, x: torch.Tensor, draws: torch.Tensor | None) -> torch.Tensor:
         """``x[R, m]`` -> messages ``[R, part_bytes(m)]``, each row with its own norms."""
         assert draws is not None, "QSGD rounds at random: it needs draws"
-        buckets, size = self._layout(x.shape[1])
-        noise = torch.nn.functional.pad(draws, (0, buckets * size - x.shape[1]))
-        norms, codes = self._quantise(x[None], noise[None])
+        layout = segment_layout((x.shape[1],), self.bucket_size, x.device)
+        norms, level, _ = self._quantise(x, draws, layout)
+        codes = (level + self.levels).to(torch.uint8)
         # Codes are clamped to [0, 2 * levels] by _quantise: no range test (a host sync).
-        return torch.cat([norms[0].contiguous().view(torch.uint8),
-                          pack_bits(codes[0], self.bits, checked=False)], dim=1)
+        return torch.cat([norms.view(torch.uint8),
+                          pack_bits(codes, self.bits, checked=False)], dim=1)
 
     def decode_parts(self, messages: torch.Tensor, count: int) -> torch.Tensor:
         """Messages ``[R, part_bytes(count)]`` -> values ``[R, count]``."""
         head = 4 * self._layout(count)[0]
         codes = unpack_bits(messages[:, head:], self.bits, count)
         # Asserted on the device: a host read of the codes would stall a CUDA stream per call.
-        check_range(codes, 2 * self.levels, "message codes")
+        _check_codes(codes, 2 * self.levels)
         return self._decode(reinterpret(messages[:, :head], torch.float32), codes, count)
 
     def part_draws(self, key: tuple[Any, ...], count: int, device: torch.device) -> torch.Tensor:
-        """``count`` uniform draws keyed by ``(seed, *key)`` (never the global generator)."""
-        noise = torch.rand(count, generator=generator_for("qsgd", self.seed, *key))
-        return to_device(noise, device)
+        """``count`` draws keyed by ``(seed, *key)`` (:func:`~gradzip.ops.segquant.keyed_draws`:
+        integers, ``draws * UNIT`` uniform in ``[0, 1)``), made on ``device`` (the same bits on
+        every device; never the global generator)."""
+        layout = segment_layout((count,), 0, device)
+        return keyed_draws([[key32("qsgd", self.seed, *key)]], layout, device)[0]
 
     def _decode(self, norms: torch.Tensor, codes: torch.Tensor, numel: int) -> torch.Tensor:
         """(norms ``[..., R, buckets]``, codes ``[..., R, n]``) -> values ``[..., R, n]``."""
@@ -198,7 +206,7 @@ class QSGD(ExchangeStateCheck, Compressor):
         rows = codes.shape[0]
         buckets, size = self._layout(numel)
         steps = norms / self.levels  # [R, buckets]
-        offsets = norms.sum(dim=0)  # [buckets]
+        offsets = _rank_sum(norms)  # [buckets]
         # On the CPU only: elsewhere the whole-tensor form below is fewer kernel launches.
         if cpu_form(codes.device) and (size >= _CHUNK or buckets == 1):
             total = torch.empty(numel, dtype=torch.float32, device=codes.device)
@@ -230,71 +238,60 @@ class QSGD(ExchangeStateCheck, Compressor):
         sharded_reduce(forms["sharded"], state, comm, ctx, self, "sharded", owner_feedback=False)
 
     def _reduce_gathered(self, jobs: Sequence[Job], comm: Collective, ctx: StepContext) -> None:
-        """Every worker's message of ``jobs`` all-gathered, each decoded and averaged."""
+        """Every worker's message of ``jobs`` all-gathered, each decoded and averaged; the
+        whole call's encoding and decoding take a fixed number of ops (one per worker for
+        the sum), whatever the number and sizes of its tensors."""
         if not jobs:
             return
         workers = comm.local_workers
-        # Tensors of one size are encoded together: the work grows with the number of
-        # distinct sizes, not of tensors.
-        groups = _by_size(jobs)
-        norm_parts: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
-        code_parts: list[torch.Tensor] = [torch.empty(0)] * len(jobs)
-        for numel, members in groups.items():
-            x = torch.stack([jobs[i].tensor.reshape(workers, numel) for i in members])
-            norms, codes = self._encode(x, [jobs[i].name for i in members], ctx)
-            decoded = self._decode(norms, codes, numel)
-            for g, i in enumerate(members):
-                jobs[i].decoded = decoded[g].reshape(jobs[i].tensor.shape)
-                norm_parts[i] = norms[g].contiguous().view(torch.uint8)
-                code_parts[i] = codes[g]
+        numels = tuple(job.numel for job in jobs)
+        device = jobs[0].tensor.device
+        layout = segment_layout(numels, self.bucket_size, device)
+        x = join_rows([job.tensor for job in jobs], workers)  # [L, total]
+        draws = keyed_draws(self._keys(jobs, ctx), layout, device)
+        norms, level, decoded = self._quantise(x, draws, layout)
+        for job, part in zip(jobs, torch.split(decoded, list(numels), dim=1), strict=True):
+            job.decoded = part.reshape(job.tensor.shape)
         # One message per call: every tensor's norms, then all codes as one packed stream.
-        total = sum(job.numel for job in jobs)
-        # Codes are clamped to [0, 2 * levels] by _encode: no range test (a host sync).
-        packed = pack_bits(torch.cat(code_parts, dim=1), self.bits, checked=False)
-        gathered = comm.all_gather(torch.cat([*norm_parts, packed], dim=1))  # [W, bytes] uint8
+        total = layout.total
+        # Codes are clamped to [0, 2 * levels] by _quantise: no range test (a host sync).
+        packed = pack_bits((level + self.levels).to(torch.uint8), self.bits, checked=False)
+        gathered = comm.all_gather(torch.cat([norms.view(torch.uint8), packed], dim=1))
         # Every tensor's norms reinterpreted at once, then split (views).
-        counts = [self._layout(job.numel)[0] for job in jobs]
-        offset = 4 * sum(counts)
-        all_norms = list(torch.split(reinterpret(gathered[:, :offset], torch.float32), counts, dim=1))
+        offset = 4 * layout.segments
+        all_norms = reinterpret(gathered[:, :offset], torch.float32)  # [W, buckets]
         if total and cpu_form(gathered.device) and 2 <= self.bits <= 7 and _jit_usable():
-            self._average_compiled(jobs, all_norms, gathered[:, offset:], comm.world_size)
+            self._average_compiled(jobs, _per_tensor(all_norms, layout), gathered[:, offset:],
+                                   comm.world_size)
             return
         codes = unpack_bits(gathered[:, offset:], self.bits, total)
         # Asserted on the device: a host read of the codes would stall a CUDA stream per call.
-        check_range(codes, 2 * self.levels, "message codes")
-        starts = [0]
-        for job in jobs:
-            starts.append(starts[-1] + job.numel)
-        for numel, members in groups.items():
-            if cpu_form(codes.device):  # the CPU's chunked sum, tensor by tensor
-                for i in members:
-                    mine = codes[:, starts[i] : starts[i + 1]]
-                    averaged = self._decode_sum(all_norms[i], mine, numel, comm.world_size)
-                    jobs[i].averaged = averaged.reshape(jobs[i].shape)
-                continue
-            mine = torch.stack([codes[:, starts[i] : starts[i + 1]] for i in members])
-            totals = self._decode_sums(torch.stack([all_norms[i] for i in members]), mine, numel,
-                                       comm.world_size)
-            for g, i in enumerate(members):
-                jobs[i].averaged = totals[g].reshape(jobs[i].shape)
+        _check_codes(codes, 2 * self.levels)
+        if cpu_form(codes.device):  # the CPU's chunked sum, tensor by tensor
+            start = 0
+            for job, norms_t in zip(jobs, _per_tensor(all_norms, layout), strict=True):
+                mine = codes[:, start : start + job.numel]
+                averaged = self._decode_sum(norms_t, mine, job.numel, comm.world_size)
+                job.averaged = averaged.reshape(job.shape)
+                start += job.numel
+            return
+        averaged = self._decode_sum_whole(all_norms, codes, layout, comm.world_size)
+        for job, part in zip(jobs, torch.split(averaged, list(numels)), strict=True):
+            job.averaged = part.reshape(job.shape)
 
-    def _decode_sums(
-        self, norms: torch.Tensor, codes: torch.Tensor, numel: int, divisor: int
+    def _decode_sum_whole(
+        self, norms: torch.Tensor, codes: torch.Tensor, layout: SegmentLayout, divisor: int
     ) -> torch.Tensor:
-        """:meth:`_decode_sum`'s whole-tensor form for ``G`` tensors of one size at once:
-        (norms ``[G, R, buckets]``, codes ``[G, R, n]``) -> ``[G, n]``, each the bits
-        :meth:`_decode_sum` gives for its tensor (every entry sees the same operations)."""
-        group, rows = codes.shape[:2]
-        buckets, size = self._layout(numel)
-        steps = norms / self.levels  # [G, R, buckets]
-        offsets = norms.sum(dim=1)  # [G, buckets]
-        codes = torch.nn.functional.pad(codes, (0, buckets * size - numel))
-        codes = codes.reshape(group, rows, buckets, size)
-        total = torch.zeros(group, buckets, size, dtype=torch.float32, device=codes.device)
-        for row in range(rows):
-            total.addcmul_(codes[:, row], steps[:, row].unsqueeze(2))
-        total.sub_(offsets.unsqueeze(2)).div_(divisor)
-        return total.reshape(group, -1)[:, :numel]
+        """:meth:`_decode_sum` of a whole call at once: (norms ``[R, buckets]``, codes
+        ``[R, total]``) -> ``[total]``, each tensor's entries the bits :meth:`_decode_sum`
+        gives for it alone (every entry sees the same operations: its rows' codes times
+        their bucket's step added in rank order, its bucket's offset taken off, the division)."""
+        steps = norms / self.levels  # [R, buckets]
+        total = torch.zeros(codes.shape[1], dtype=torch.float32, device=codes.device)
+        for row in range(codes.shape[0]):
+            total.addcmul_(codes[row], steps[row].index_select(0, layout.segment))
+        offsets = _rank_sum(norms)  # [buckets]
+        return total.sub_(offsets.index_select(0, layout.segment)).div_(divisor)
 
     def _average_compiled(
         self, jobs: Sequence[Job], all_norms: list[torch.Tensor], packed: torch.Tensor, world_size: int
@@ -316,7 +313,7 @@ class QSGD(ExchangeStateCheck, Compressor):
             _, size = self._layout(job.numel)
             # The steps and offsets exactly as _decode_sum computes them.
             steps = (norms / self.levels).numpy()
-            offsets = norms.sum(dim=0).numpy()
+            offsets = _rank_sum(norms).numpy()
             out, job_top = jit.qsgd_sum(
                 stream, self.bits, start, job.numel, size, steps, offsets, world_size
             )
@@ -329,12 +326,29 @@ class QSGD(ExchangeStateCheck, Compressor):
             job.averaged = torch.from_numpy(out).reshape(job.shape)
 
 
-def _by_size(jobs: Sequence[Job]) -> dict[int, list[int]]:
-    """``numel -> positions of the jobs of that size``, in order of first appearance."""
-    groups: dict[int, list[int]] = {}
-    for i, job in enumerate(jobs):
-        groups.setdefault(job.numel, []).append(i)
-    return groups
+def _rank_sum(norms: torch.Tensor) -> torch.Tensor:
+    """``norms[R, buckets]`` summed over the rows, added in rank order (the same on every
+    worker): the same bits for one tensor's buckets as for a whole call's, which a reduction
+    kernel does not promise."""
+    total = norms[0].clone()
+    for row in range(1, norms.shape[0]):
+        total += norms[row]
+    return total
+
+
+def _check_codes(codes: torch.Tensor, high: int) -> None:
+    """:func:`~gradzip.ops.checks.check_range` for unsigned codes (never below 0): only their
+    largest is compared, one reduction and one comparison on the device."""
+    if codes.numel() == 0:
+        return
+    top = codes.max()
+    check_on_device(top <= high, f"message codes must lie in [0, {high}]",
+                    lambda: f"message codes must lie in [0, {high}], got {int(top)}")
+
+
+def _per_tensor(norms: torch.Tensor, layout: SegmentLayout) -> list[torch.Tensor]:
+    """``norms[R, buckets]`` split into each tensor's buckets (views)."""
+    return list(torch.split(norms, list(layout.per_tensor), dim=1))
 
 
 @functools.cache
@@ -350,7 +364,7 @@ def _jit_checked() -> bool:
     want = q._decode_sum(norms, codes[:, first:], numel, 3)
     got, _ = jit.qsgd_sum(
         pack_bits(codes, q.bits).numpy(), q.bits, first, numel, 5000,
-        (norms / q.levels).numpy(), norms.sum(dim=0).numpy(), 3,
+        (norms / q.levels).numpy(), _rank_sum(norms).numpy(), 3,
     )
     return bool(torch.equal(want.view(torch.int32), torch.from_numpy(got).view(torch.int32)))
 

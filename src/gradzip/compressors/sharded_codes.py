@@ -69,8 +69,8 @@ class PartCodec(Protocol):
 
     def part_draws(self, key: tuple[Any, ...], count: int,
                    device: torch.device) -> torch.Tensor | None:
-        """``count`` uniform draws from a generator keyed by ``key``, or ``None`` for a
-        deterministic code."""
+        """``count`` random draws keyed by ``key`` (in the form the codec's
+        :meth:`encode_parts` reads them), or ``None`` for a deterministic code."""
 
 
 def shard_size(numel: int, world_size: int) -> int:

@@ -21,6 +21,7 @@ from gradzip.compressors.sharded_codes import (
     sharded_reduce,
     split_by_form,
 )
+from gradzip.feedback import residual_after
 from gradzip.ops.bits import (
     MAX_KEY_WORKERS,
     bit_keys,
@@ -30,42 +31,32 @@ from gradzip.ops.bits import (
     unpack_bits,
 )
 from gradzip.ops.branches import cpu_form
-from gradzip.ops.flat import reinterpret, to_device
+from gradzip.ops.flat import reinterpret
+from gradzip.ops.segquant import SegmentLayout, join_rows, segment_layout, segment_sums
 
 __all__ = ["Sign"]
 
 
+def _mean_abs(flat: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
+    """``mean(|x|)`` of every tensor laid end to end in the rows of ``flat[L, total]``: one
+    indexed float64 sum of the magnitudes per row (:func:`~gradzip.ops.segquant.segment_sums`),
+    a few ops per call whatever the number of tensors. In float64 the sums of float32
+    magnitudes cannot overflow (so no host test for an overflowed float32 sum is needed), and
+    each tensor's sum is its own entries' only (on the CPU, added in order), so a tensor's
+    scale does not depend on the tensors sharing its call; the mean is rounded to float32
+    once (it can differ from a float32 ``mean`` in the last bit). An empty tensor's is 0."""
+    sums = segment_sums(flat.abs(), layout.owner, len(layout.numels))
+    return (sums / _counts(layout.numels, flat.device)).to(torch.float32)  # [L, T]
+
+
 @functools.lru_cache(maxsize=64)
-def _host_layout(numels: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-    """For tensors of ``numels`` entries laid end to end: each entry's tensor (int64
-    ``[total]``), each tensor's first and last-plus-one entry (int64 ``[T]`` each) and its
-    entry count (float64 ``[T]``, at least 1). Made on the host from the shapes, so no size is
-    ever read from a device tensor."""
-    counts = np.asarray(numels, dtype=np.int64)
-    owner = torch.from_numpy(np.repeat(np.arange(len(numels), dtype=np.int64), counts))
-    ends = np.cumsum(counts)
-    return (owner, torch.from_numpy(ends - counts), torch.from_numpy(ends),
-            torch.from_numpy(np.maximum(counts, 1).astype(np.float64)))
+def _counts_on(numels: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor([max(n, 1) for n in numels], dtype=torch.float64, device=device)
 
 
-def _layout(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """:func:`_host_layout` on ``device`` (queued page-locked copies: the host never waits)."""
-    return tuple(to_device(t, device) for t in _host_layout(numels))
-
-
-def _mean_abs(
-    flat: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor, counts: torch.Tensor
-) -> torch.Tensor:
-    """``mean(|x|)`` of every tensor laid end to end in the rows of ``flat[L, total]``: a float64
-    prefix sum of the magnitudes read at each tensor's bounds, a few ops per call whatever the
-    number of tensors. In float64 the sums of float32 magnitudes cannot overflow (so no host
-    test for an overflowed float32 sum is needed) and the differences of prefix sums keep far
-    more than float32's precision; the mean is rounded to float32 once (it can differ from a
-    float32 ``mean`` in the last bit)."""
-    prefix = torch.cumsum(flat.abs(), dim=1, dtype=torch.float64)
-    prefix = torch.nn.functional.pad(prefix, (1, 0))  # [L, total + 1], a zero first
-    sums = prefix.index_select(1, ends) - prefix.index_select(1, starts)
-    return (sums / counts).to(torch.float32)  # [L, T]
+def _counts(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """float64 ``[T]``: each tensor's entry count (at least 1), cached per layout and device."""
+    return _counts_on(numels, str(device))
 
 
 @dataclass(frozen=True)
@@ -155,14 +146,22 @@ class Sign(ExchangeStateCheck, Compressor):
             return
         workers = comm.local_workers
         numels = tuple(job.numel for job in jobs)
-        owner, starts, ends, counts = _layout(numels, jobs[0].tensor.device)
+        layout = segment_layout(numels, 0, jobs[0].tensor.device)
+        owner = layout.owner
         # The call's tensors as one flat buffer: every step below is one op per call.
-        flat = torch.cat([job.tensor.reshape(workers, -1) for job in jobs], dim=1)
-        scale = _mean_abs(flat, starts, ends, counts)  # [L, T]; an empty tensor's scale is 0
-        bits = (flat >= 0).to(torch.uint8)
-        decoded = (bits.to(torch.float32) * 2 - 1) * scale.index_select(1, owner)
-        for job, part in zip(jobs, torch.split(decoded, list(numels), dim=1), strict=True):
+        flat = join_rows([job.tensor for job in jobs], workers)
+        scale = _mean_abs(flat, layout)  # [L, T]; an empty tensor's scale is 0
+        bits = flat >= 0
+        # +scale where the bit is set, -scale elsewhere: the decode's ``(2 b - 1) * scale``.
+        per_entry = scale.index_select(1, owner)
+        decoded = torch.where(bits, per_entry, -per_entry)
+        # What error feedback keeps, for the whole call in one subtraction (the contract's
+        # ``tensor - decoded``, recorded here where the call's buffer is at hand).
+        residual = residual_after(flat, decoded)
+        for job, part, rest in zip(jobs, torch.split(decoded, list(numels), dim=1),
+                                   torch.split(residual, list(numels), dim=1), strict=True):
             job.decoded = part.reshape(job.tensor.shape)
+            job.keep(rest.reshape(job.tensor.shape))
         # One message per call: every tensor's scale, then all sign bits as one packed stream.
         total = sum(job.numel for job in jobs)
         head = scale.contiguous().view(torch.uint8)  # [L, 4 T]
