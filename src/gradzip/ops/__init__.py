@@ -1,7 +1,8 @@
 """Pure tensor math: selection, bit packing, low rank, flat buffers, seeded generators.
 
 Nothing here holds state or talks to other processes, and randomness only ever comes from an
-explicit :class:`torch.Generator`.
+explicit key: a seeded :class:`torch.Generator`, or an integer hash of the key and each entry's
+position (QSGD's noise, Rand-k's draws), which gives the same bits on every device.
 """
 
 from gradzip.ops.bits import code_width, pack_bits, packed_size, unpack_bits
