@@ -12,9 +12,10 @@ from gradzip.compressors.base import Job
 from gradzip.feedback import residual_unsent
 from gradzip.ops.checks import check_on_device
 from gradzip.ops.flat import reinterpret, to_device
+from gradzip.ops.segmented import SegmentLayout, in_segments
 from gradzip.ops.select import index_dtype
 
-__all__ = ["gather_full", "gather_sparse", "index_bytes", "scatter_decode"]
+__all__ = ["gather_flat", "gather_full", "gather_sparse", "index_bytes", "scatter_decode"]
 
 
 def index_bytes(numel: int) -> int:
@@ -239,3 +240,67 @@ def gather_full(
         return "message indices must lie in their tensors"
 
     _average(jobs, received_val, received_idx, widths, comm, explain)
+
+
+def gather_flat(
+    jobs: Sequence[Job], flat: torch.Tensor, positions: torch.Tensor, layout: SegmentLayout,
+    comm: Collective, values: torch.Tensor | None = None,
+) -> None:
+    """All-gather one whole-message selection and decode every job's average, in a fixed
+    number of ops whatever the number of tensors.
+
+    The message of a local worker is its ``K`` values (fp32) then their positions in the
+    call's flat row (int32; :data:`~gradzip.ops.segmented.MAX_ENTRIES` bounds a layout), so
+    no per-tensor shift is needed on either side. The bytes counted are those of every
+    tensor's entries with int32 indices, as :func:`gather_full` counts them.
+
+    Args:
+        jobs: the tensors, in an order identical on every worker, laid end to end in ``flat``.
+        flat: ``[L, N]`` float32, the jobs' tensors laid end to end: a buffer of the
+            caller's, overwritten with the residuals (each job's residual is a view of it).
+        positions: ``[L, K]`` int64, each segment's selected positions in the row (segment
+            after segment, ``layout.picks[j]`` for job ``j``).
+        layout: the selection's :func:`~gradzip.ops.segmented.segment_layout`.
+        comm: the collective.
+        values: ``[L, K]``, what to send at ``positions`` where it is not ``flat``'s entries
+            there (the threshold's: zero where an entry is not sent); the residual then keeps
+            ``flat - values`` there. ``None``: ``flat``'s entries, all sent.
+
+    Raises:
+        ValueError: a received position lies outside its tensor (a corrupt message; checked
+            on the device, see :mod:`gradzip.ops.checks`: on CUDA the device asserts instead).
+    """
+    workers, count = positions.shape
+    device = flat.device
+    message = torch.empty(workers, 2 * count, dtype=torch.float32, device=device)
+    if values is None:
+        torch.gather(flat, 1, positions, out=message[:, :count])
+        flat.scatter_(1, positions, 0.0)  # what was sent leaves the residual
+    else:
+        message[:, :count] = values
+        flat.scatter_(1, positions, flat.gather(1, positions) - values)
+    message[:, count:].view(torch.int32).copy_(positions)
+    starts = layout.starts()
+    for j, job in enumerate(jobs):
+        job.keep(flat[:, starts[j] : starts[j + 1]].reshape(job.tensor.shape))
+    gathered = comm.all_gather(message, payload=[count * 8] * workers)
+    received_val = gathered[:, :count]
+    received_pos = gathered[:, count:].view(torch.int32).contiguous()  # rows of the buffer
+
+    def explain() -> str:  # the CPU's precise message: the first job whose range is bad
+        for j, job in enumerate(jobs):
+            a, b = sum(layout.picks[:j]), sum(layout.picks[: j + 1])
+            part = received_pos[:, a:b].to(torch.int64) - starts[j]
+            scatter_decode(received_val[:, a:b], part, job.numel)
+        return "message indices must lie in their tensors"
+
+    check_on_device(in_segments(received_pos, layout), "message indices must lie in their tensors",
+                    explain)
+    total = torch.zeros(layout.total, dtype=torch.float32, device=device)
+    # One worker's row at a time, in rank order: a row never holds a position twice, so even
+    # atomic GPU scatters add in a fixed order and every rank computes the same bits.
+    for row_pos, row_val in zip(received_pos, received_val, strict=True):
+        total.index_add_(0, row_pos, row_val)
+    total.div_(comm.world_size)
+    for j, job in enumerate(jobs):
+        job.averaged = total[starts[j] : starts[j + 1]].reshape(job.shape)
