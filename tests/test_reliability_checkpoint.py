@@ -98,7 +98,7 @@ def test_bad_values_are_refused_and_nothing_changes(change: Callable[[dict[str, 
 def test_bad_scalars_in_the_compressor_state_are_refused() -> None:
     source, target = trained("threshold:budget=0.05", steps=3), trained("threshold:budget=0.05")
     for key, value, fragment in (("lam", "abc", "expected a number"), ("lam", float("nan"), "holds NaN"),
-                                 ("sent", 1.5, "expected an integer"), ("sent", None, "expected a number")):
+                                 ("sent", 1.5, "expected a tensor"), ("sent", None, "expected a tensor")):
         state = copy.deepcopy(source.state_dict())
         state["compressor_state"][key] = value
         refused(target, state, f"compressor_state.{key}: {fragment}")

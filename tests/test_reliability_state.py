@@ -155,9 +155,13 @@ def test_threshold_budget_lam_not_positive_is_refused(lam: float) -> None:
 
 def test_threshold_counters_are_checked() -> None:
     engine = trained("threshold:budget=0.02")
-    refused(engine, lambda s: s["compressor_state"].update(sent=-1), "sent")
-    refused(engine, lambda s: s["compressor_state"].update(sent=10**12), "sent", "<= offered")
-    refused(engine, lambda s: s["compressor_state"].update(step_offered=5), "step_offered")
+    def count(v: float) -> torch.Tensor:  # the counters are 0-d float64 tensors
+        return torch.tensor(v, dtype=torch.float64)
+
+    refused(engine, lambda s: s["compressor_state"].update(sent=count(-1)), "sent")
+    refused(engine, lambda s: s["compressor_state"].update(sent=count(2.5)), "sent", "whole number")
+    refused(engine, lambda s: s["compressor_state"].update(sent=count(10**12)), "sent", "<= offered")
+    refused(engine, lambda s: s["compressor_state"].update(step_offered=count(5)), "step_offered")
     refused(engine, lambda s: s["compressor_state"].update(recent=1.5), "recent")
 
 

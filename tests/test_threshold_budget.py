@@ -104,7 +104,8 @@ def test_budget_levels_under_accordion_each_meet_their_budget(steady: str, criti
 
 @pytest.mark.slow
 def test_fixed_threshold_levels_under_accordion() -> None:
-    acc = Accordion("threshold:lam=3.0", "threshold:lam=1.0", interval=10)
+    # With lambda fixed, a message's size is its capacity: the critical level's is larger.
+    acc = Accordion("threshold:lam=3.0,capacity=0.02", "threshold:lam=1.0,capacity=0.1", interval=10)
     engine = Engine(SHAPES, acc, collective=SimulatedGroup(WORKERS))
     alone = {key: Engine(SHAPES, getattr(acc, key), collective=SimulatedGroup(WORKERS))
              for key in ("steady", "critical")}

@@ -17,9 +17,8 @@ from gradzip.compressors.sharded_sparse import (
     outside_own_part,
     sharded_reduce,
 )
-from gradzip.compressors.sparse import gather_flat, gather_full, index_bytes
-from gradzip.ops.branches import cpu_form
-from gradzip.ops.segmented import MAX_ENTRIES, segment_layout, segmented_topk
+from gradzip.compressors.sparse import gather_flat, gather_full, index_bytes, select_positions
+from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
 from gradzip.ops.select import topk_abs
 
 __all__ = ["TopK"]
@@ -104,39 +103,13 @@ class TopK(Compressor):
         if sum(numels) > MAX_ENTRIES:  # flat positions would not fit int32: per tensor
             self._reduce_per_size(sparse, comm)
             return
-        device = sparse[0].tensor.device
-        layout = segment_layout(numels, ks, device)
+        layout = segment_layout(numels, ks, sparse[0].tensor.device)
         # A fresh buffer (it becomes the residuals): the call's tensors laid end to end.
         flat = torch.cat([job.tensor.reshape(workers, -1) for job in sparse], dim=1)
-        if cpu_form(device):
-            positions = self._positions_per_size(flat, numels, ks)
-        else:
-            # One selection for the whole call, a fixed number of ops (a GPU launches a few
-            # kernels per call instead of a few per distinct tensor size). Each tensor's
-            # entries are ranked among its own only: the same choice whatever the grouping.
-            positions = segmented_topk(flat, layout)
-        gather_flat(sparse, flat, positions, layout, comm)
-
-    def _positions_per_size(self, flat: torch.Tensor, numels: Sequence[int],
-                            ks: Sequence[int]) -> torch.Tensor:
-        """The CPU's form of :func:`~gradzip.ops.segmented.segmented_topk`: one exact
-        selection per distinct tensor size (fast there for large tensors), as flat positions
-        segment after segment (the same entries; ties may be broken differently)."""
-        workers = flat.shape[0]
-        starts = [0]
-        for n in numels:
-            starts.append(starts[-1] + n)
-        groups: dict[int, list[int]] = {}
-        for i, numel in enumerate(numels):
-            groups.setdefault(numel, []).append(i)
-        picked: list[torch.Tensor] = [torch.empty(0)] * len(numels)
-        for members in groups.values():
-            parts = [flat[:, starts[i] : starts[i + 1]] for i in members]
-            rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-            _, idx = topk_abs(rows, ks[members[0]])
-            for g, i in enumerate(members):
-                picked[i] = idx[g * workers : (g + 1) * workers] + starts[i]
-        return torch.cat(picked, dim=1)
+        # One selection for the whole call off the CPU, a fixed number of ops (a GPU launches
+        # a few kernels per call instead of a few per distinct tensor size). Each tensor's
+        # entries are ranked among its own only: the same choice whatever the grouping.
+        gather_flat(sparse, flat, select_positions(flat, layout), layout, comm)
 
     def _reduce_per_size(self, sparse: Sequence[Job], comm: Collective) -> None:
         """Calls too large for int32 flat positions: one selection per distinct size, each
