@@ -137,3 +137,13 @@ def test_randk_draws_change_with_the_step_and_resume_exactly() -> None:
     for name in SHAPES:
         assert torch.equal(one[name][0], again[name][0])
     assert any(not torch.equal(one[n][0] != 0, later[n][0] != 0) for n in SHAPES)
+
+
+def test_threshold_capacity_is_validated_and_round_trips() -> None:
+    with pytest.raises(ValueError, match=r"`capacity` must be in \(0, 1\], got 0.0"):
+        gradzip.HardThreshold(lam=1.0, capacity=0.0)
+    comp = gradzip.compressor_from_spec("threshold:lam=0.5,capacity=0.1")
+    assert comp.capacity == 0.1 and comp.device_decisions and comp.slots_for(1000) == 100
+    assert gradzip.compressor_from_spec(comp.spec()) == comp
+    budget = gradzip.compressor_from_spec("threshold:budget=0.05")
+    assert not budget.device_decisions and budget.capacity_ratio == 0.1

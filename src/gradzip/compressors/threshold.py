@@ -48,11 +48,20 @@ _COUNTERS = ("sent", "offered", "step_sent", "step_offered")
 class HardThreshold(Compressor):
     """Send every entry with ``|g + residual| >= lam``; error feedback keeps the rest.
 
-    One constant threshold over the whole model: no sort (O(n)), and the density varies by step
-    and by worker (high early in training, tiny late). Workers first exchange how many entries
-    each tensor sends (4 bytes per tensor), then all-gather values and int32 indices padded to
-    the densest worker; a tensor whose densest worker would cost more than a dense all-reduce
-    goes dense.
+    One constant threshold over the whole model, and the density varies by step and by worker
+    (high early in training, tiny late). Two all-gather forms:
+
+    * **Fixed capacity** (``lam``, or any mode with ``capacity`` given): each worker's message
+      holds ``capacity * numel`` slots per tensor (values and int32 positions), sized from
+      shapes alone, so no worker reads a count on the host and the engine may decide on the
+      device. A worker sends exactly its entries at or above lambda when they fit; when a
+      tensor has more, it sends the largest of them and the rest stay in its error-feedback
+      residual (sent later, nothing lost). Free slots travel as padding (value 0). A tensor
+      whose capacity costs more than a dense all-reduce goes dense.
+    * **Exchanged sizes** (``budget`` without ``capacity``): workers first exchange how many
+      entries each tensor sends (4 bytes per tensor, read on the host), then all-gather
+      values and int32 indices padded to the densest worker; a tensor whose densest worker
+      would cost more than a dense all-reduce goes dense.
 
     Exactly one of ``lam`` and ``budget`` is given:
 
@@ -90,6 +99,9 @@ class HardThreshold(Compressor):
         lam: the absolute threshold (> 0), or ``None`` with ``budget``.
         budget: the target run density in (0, 1], or ``None`` with ``lam``.
         padded: count the padded volume against the budget (budget mode only).
+        capacity: slots per tensor of the fixed-capacity form, as a fraction of its entries,
+            in (0, 1]; ``None``: :data:`DEFAULT_CAPACITY` with ``lam``, the exchanged-sizes
+            form with ``budget``.
         exchange: ``"auto"``, ``"allgather"`` or ``"sharded"`` (the last needs ``budget``
             without ``padded``); see :data:`~gradzip.compressors.sharded_sparse.EXCHANGES`.
         owner_keep: in the sharded exchange, what each owner passes on, as a multiple of
