@@ -30,7 +30,10 @@ class TopK(Compressor):
 
     The message is the kept values (fp32) and their indices (int32 where they fit), all-gathered
     since different workers keep different entries. A tensor for which that costs more than a
-    dense all-reduce (``k`` above about ``numel / W``) is sent dense instead. Selection is exact.
+    dense all-reduce (``k`` above about ``numel / W``) is sent dense instead. Selection is exact:
+    on a GPU one sort covers the whole call (:func:`~gradzip.ops.segmented.segmented_topk`,
+    ties to the lower position), on the CPU one narrowed selection per distinct tensor size;
+    indices travel as int32 positions in the call's tensors laid end to end.
 
     Where it costs fewer wire bytes (from about three workers on), a tensor travels by the
     sharded exchange instead (:mod:`gradzip.compressors.sharded_sparse`): each worker sends each
