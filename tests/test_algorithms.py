@@ -78,6 +78,29 @@ def test_topk_bytes_count_values_and_int32_indices() -> None:
     assert engine.stats["wire_bytes"] == [allreduce_wire_bytes(FLAG, 4) + allgather_wire_bytes(80, 4)] * 4
 
 
+def test_threshold_counts_sizes_and_pads_to_the_densest_worker() -> None:
+    grads = torch.zeros(3, 100)
+    grads[0, :5] = 1.0  # worker 0 sends 5 entries, worker 1 sends 2, worker 2 none
+    grads[1, :2] = -1.0
+    engine = gradzip.Engine({"w": torch.Size([100])}, "threshold:lam=0.5",
+                            collective=gradzip.SimulatedGroup(3))
+    out = engine.reduce({"w": grads})["w"]
+    assert torch.allclose(out, grads.mean(0))
+    sizes = 4  # one int32 count per tensor
+    assert engine.stats["payload_bytes"] == [FLAG + sizes + 5 * 8, FLAG + sizes + 2 * 8, FLAG + sizes]
+    wire = allreduce_wire_bytes(FLAG, 3) + allgather_wire_bytes(4, 3) + allgather_wire_bytes(5 * 8, 3)
+    assert engine.stats["wire_bytes"] == [wire] * 3
+
+
+def test_threshold_goes_dense_when_sparse_costs_more() -> None:
+    engine = gradzip.Engine({"w": torch.Size([100])}, "threshold:lam=0.01",
+                            collective=gradzip.SimulatedGroup(4))
+    grads = torch.ones(4, 100)
+    engine.reduce({"w": grads})
+    want = allreduce_wire_bytes(FLAG, 4) + allgather_wire_bytes(4, 4) + allreduce_wire_bytes(400, 4)
+    assert engine.stats["wire_bytes"] == [want] * 4
+
+
 def test_threshold_sends_a_fixed_capacity_sized_from_shapes() -> None:
     grads = torch.zeros(3, 100)
     grads[0, :5] = 1.0  # worker 0 sends 5 entries, worker 1 sends 2, worker 2 none

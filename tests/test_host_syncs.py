@@ -43,7 +43,7 @@ def _host_reads(events: list) -> list[str]:
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.05", "randk:ratio=0.05", "qsgd:levels=4", "sign",
-                                  "threshold:lam=0.5"])
+                                  "threshold:lam=0.5,capacity=0.05"])
 def test_steady_steps_read_nothing_on_the_host(spec: str) -> None:
     engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2), decide_on="device")
     for step in range(2):  # the first step records the residuals (steady state after it)
@@ -111,11 +111,12 @@ def _threshold_run(spec: str, workers: int, monkeypatch: pytest.MonkeyPatch, per
 
 
 @pytest.mark.parametrize("workers", [1, 3])
-@pytest.mark.parametrize("spec", ["threshold:budget=0.05", "threshold:budget=0.05,padded=True"])
+@pytest.mark.parametrize("spec", ["threshold:lam=1.5", "threshold:budget=0.05",
+                                  "threshold:budget=0.05,padded=True"])
 def test_threshold_selection_per_call_equals_the_per_tensor_scan(
     spec: str, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off the CPU a budget's sized form selects every tensor of a call at once (one host
+    """Off the CPU the sized form selects every tensor of a call at once (one host
     read per call); forced here, it gives the CPU scan's averages, residuals and counts bit for bit."""
     scan = _threshold_run(spec, workers, monkeypatch, per_call=False)
     batched = _threshold_run(spec, workers, monkeypatch, per_call=True)
@@ -170,7 +171,7 @@ _NO_KERNEL = {"aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::res
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.05,exchange=allgather", "randk:ratio=0.05",
-                                  "threshold:lam=0.5,exchange=allgather"])
+                                  "threshold:lam=0.5,capacity=0.05,exchange=allgather"])
 def test_sparsifier_ops_do_not_grow_with_tensors_of_many_sizes(spec: str) -> None:
     """One whole-message selection per call: the ops are the same for 3 tensors of 3 sizes
     as for 24 tensors of 24 sizes (per tensor or per size before)."""

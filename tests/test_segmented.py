@@ -115,7 +115,7 @@ def _reduce(spec: str, names: list[list[str]], grads: dict[str, torch.Tensor], s
 
 
 @pytest.mark.parametrize("spec", ["topk:ratio=0.05,exchange=allgather", "randk:ratio=0.05",
-                                  "threshold:lam=1.0,exchange=allgather",
+                                  "threshold:lam=1.0,capacity=0.05,exchange=allgather",
                                   "threshold:lam=0.2,capacity=0.02,exchange=allgather"])
 @pytest.mark.parametrize("gpu_forms", [False, True])
 def test_sparsifier_results_do_not_depend_on_which_tensors_share_a_call(spec: str, gpu_forms: bool) -> None:
@@ -145,5 +145,7 @@ def test_threshold_capacity_is_validated_and_round_trips() -> None:
     comp = gradzip.compressor_from_spec("threshold:lam=0.5,capacity=0.1")
     assert comp.capacity == 0.1 and comp.device_decisions and comp.slots_for(1000) == 100
     assert gradzip.compressor_from_spec(comp.spec()) == comp
-    budget = gradzip.compressor_from_spec("threshold:budget=0.05")
-    assert not budget.device_decisions and budget.capacity_ratio == 0.1
+    budget = gradzip.compressor_from_spec("threshold:budget=0.05,capacity=0.1")
+    assert budget.fixed_capacity and not budget.device_decisions and budget.slots_for(1000) == 100
+    plain = gradzip.compressor_from_spec("threshold:lam=0.5")  # the default: exchanged sizes
+    assert not plain.fixed_capacity and not plain.device_decisions

@@ -14,7 +14,6 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
-    SLACK,
     choose_exchange,
     outside_own_part,
     sharded_reduce,
@@ -38,9 +37,6 @@ _MAX_STEP_FACTOR = 1.25
 _GAIN_RECENT = 0.3
 _GAIN_RUN = 0.3
 _SMOOTHING = 0.05
-#: The all-gathered message's slots per tensor, as a fraction of its entries, with ``lam``
-#: and no ``capacity`` given.
-DEFAULT_CAPACITY = 0.05
 _COUNTERS = ("sent", "offered", "step_sent", "step_offered")
 
 
@@ -51,17 +47,22 @@ class HardThreshold(Compressor):
     One constant threshold over the whole model, and the density varies by step and by worker
     (high early in training, tiny late). Two all-gather forms:
 
-    * **Fixed capacity** (``lam``, or any mode with ``capacity`` given): each worker's message
-      holds ``capacity * numel`` slots per tensor (values and int32 positions), sized from
-      shapes alone, so no worker reads a count on the host and the engine may decide on the
-      device. A worker sends exactly its entries at or above lambda when they fit; when a
-      tensor has more, it sends the largest of them and the rest stay in its error-feedback
-      residual (sent later, nothing lost). Free slots travel as padding (value 0). A tensor
-      whose capacity costs more than a dense all-reduce goes dense.
-    * **Exchanged sizes** (``budget`` without ``capacity``): workers first exchange how many
-      entries each tensor sends (4 bytes per tensor, read on the host), then all-gather
-      values and int32 indices padded to the densest worker; a tensor whose densest worker
-      would cost more than a dense all-reduce goes dense.
+    * **Exchanged sizes** (the default: no ``capacity``): workers first exchange how many
+      entries each tensor sends (4 bytes per tensor, read on the host once per call), then
+      all-gather values and int32 indices padded to the densest worker; a tensor whose densest
+      worker would cost more than a dense all-reduce goes dense. The message's size follows
+      the entries that pass lambda (dense early in training, tiny late), which is the paper's
+      point: the bytes adapt, with nothing sent that did not pass. The price is one host wait
+      per call, so the engine decides on the host.
+    * **Fixed capacity** (``capacity`` given): each worker's message holds
+      ``capacity * numel`` slots per tensor (values and int32 positions), sized from shapes
+      alone, so no worker reads a count on the host and, with ``lam``, the engine decides on
+      the device (the GPU form, no host wait). A worker sends exactly its entries at or above
+      lambda when they fit; when a tensor has more, it sends the largest of them and the rest
+      stay in its error-feedback residual (sent later, nothing lost, but delayed). Free slots
+      travel as padding (value 0), so the bytes no longer shrink when few entries pass lambda:
+      every step carries the capacity. A tensor whose capacity costs more than a dense
+      all-reduce goes dense.
 
     Exactly one of ``lam`` and ``budget`` is given:
 
@@ -100,8 +101,7 @@ class HardThreshold(Compressor):
         budget: the target run density in (0, 1], or ``None`` with ``lam``.
         padded: count the padded volume against the budget (budget mode only).
         capacity: slots per tensor of the fixed-capacity form, as a fraction of its entries,
-            in (0, 1]; ``None``: :data:`DEFAULT_CAPACITY` with ``lam``, the exchanged-sizes
-            form with ``budget``.
+            in (0, 1] (e.g. 0.05); ``None`` (the default): the exchanged-sizes form.
         exchange: ``"auto"``, ``"allgather"`` or ``"sharded"`` (the last needs ``budget``
             without ``padded``); see :data:`~gradzip.compressors.sharded_sparse.EXCHANGES`.
         owner_keep: in the sharded exchange, what each owner passes on, as a multiple of
@@ -159,29 +159,23 @@ class HardThreshold(Compressor):
     def slots_for(self, numel: int) -> int:
         """Entries one worker's all-gathered message holds for a tensor of ``numel`` entries:
         ``capacity * numel`` (at least one, at most ``numel``)."""
-        return max(1, min(numel, int(self.capacity_ratio * numel)))
-
-    @property
-    def capacity_ratio(self) -> float:
-        """``capacity``, or its default: ``2 * budget`` (at most 1) with a budget, else
-        :data:`DEFAULT_CAPACITY`."""
-        if self.capacity is not None:
-            return self.capacity
-        if self.budget is not None:
-            return min(1.0, SLACK * self.budget)
-        return DEFAULT_CAPACITY
+        if self.capacity is None:
+            raise ValueError(f"`capacity` must be given for slots, got {self.capacity!r}")
+        return max(1, min(numel, int(self.capacity * numel)))
 
     @property
     def fixed_capacity(self) -> bool:
-        """Whether the all-gather carries ``capacity`` slots per tensor (``lam``, or an
-        explicit ``capacity``), else exact sizes exchanged first (a budget without one)."""
-        return self.capacity is not None or self.budget is None
+        """Whether the all-gather carries ``capacity`` slots per tensor (``capacity`` given),
+        else exact sizes exchanged first (the default)."""
+        return self.capacity is not None
 
     @property
     def device_decisions(self) -> bool:  # type: ignore[override]
-        """With ``lam`` the step's work reads nothing on the host (message sizes from shapes,
-        counters kept on the device); a budget's control law reads the step's density."""
-        return self.budget is None
+        """``lam`` with ``capacity``: the step's work reads nothing on the host (message sizes
+        from shapes, counters kept on the device). The exchanged-sizes form reads its counts
+        on the host once per call, and a budget's control law reads the step's density, so
+        both keep host decisions."""
+        return self.budget is None and self.capacity is not None
 
     def _kept(self, numel: int) -> int:
         """Entries per worker the budget allows in a tensor of ``numel`` (1 with ``lam``)."""
@@ -189,13 +183,14 @@ class HardThreshold(Compressor):
 
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
         # lam < 0 marks "not calibrated yet" in budget mode; recent < 0 "no step seen yet".
-        # The counters are 0-d float64 tensors (exact integers up to 2**53): they stay where
-        # the messages are, so a step reads nothing on the host to count.
-        return {
-            "lam": float(self.lam) if self.lam is not None else -1.0,
-            "recent": -1.0,
-            **{key: torch.zeros((), dtype=torch.float64) for key in _COUNTERS},
-        }
+        # The exchanged-sizes form reads its counts on the host anyway: its counters are
+        # integers. With a capacity they are 0-d float64 tensors (exact integers up to 2**53)
+        # that stay where the messages are, so a step reads nothing on the host to count.
+        counters: dict[str, Any] = (
+            {key: torch.zeros((), dtype=torch.float64) for key in _COUNTERS}
+            if self.fixed_capacity else dict.fromkeys(_COUNTERS, 0)
+        )
+        return {"lam": float(self.lam) if self.lam is not None else -1.0, "recent": -1.0, **counters}
 
     def _calibrate(self, jobs: Sequence[Job], comm: Collective) -> float:
         assert self.budget is not None
@@ -227,10 +222,9 @@ class HardThreshold(Compressor):
             self._reduce_sharded(forms["sharded"], lam, state, comm)
         dense_reduce(forms["dense"], comm)
         if forms["allgather"] and not self.fixed_capacity:
-            # A budget's control law reads the step's density on the host at the step's
-            # end anyway: its all-gather sends exact sizes, exchanged first.
-            sent, offered = reduce_sized(forms["allgather"], lam, self.padded, comm)
-            _count(state, torch.tensor(float(sent), dtype=torch.float64), offered)
+            # The default: exact sizes exchanged first, so the message follows what passes
+            # lambda (the counts are read on the host once per call, the same on every rank).
+            _count(state, *reduce_sized(forms["allgather"], lam, self.padded, comm))
         elif forms["allgather"]:
             self._reduce_gathered(forms["allgather"], lam, state, comm)
 
@@ -314,8 +308,10 @@ class HardThreshold(Compressor):
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
         state["sent"] = state["sent"] + state["step_sent"]
         state["offered"] = state["offered"] + state["step_offered"]
+        step_sent = step_offered = 0.0
         if self.budget is not None:
-            # The control law reads the step's counts (one host read a step, at its end).
+            # The control law reads the step's counts (one host read a step, at its end, when
+            # they are tensors).
             step_sent, step_offered = float(state["step_sent"]), float(state["step_offered"])
         if self.budget is not None and step_offered > 0:
             step_density = step_sent / step_offered
@@ -330,13 +326,17 @@ class HardThreshold(Compressor):
             state["lam"] = float(state["lam"] * factor)
             if not math.isfinite(state["lam"]) or state["lam"] <= 0:
                 state["lam"] = float(torch.finfo(torch.float32).tiny)
-        state["step_sent"] = state["step_sent"].mul(0)
-        state["step_offered"] = state["step_offered"].mul(0)
+        state["step_sent"] = state["step_sent"] * 0
+        state["step_offered"] = state["step_offered"] * 0
 
 
-def _count(state: dict[str, Any], sent: torch.Tensor, offered: int) -> None:
-    """Add a call's entries sent (a 0-d tensor, on the messages' device: no host read) and
-    offered (from shapes) to the step's counters (new tensors: state is replaced, never
-    written into)."""
-    state["step_sent"] = state["step_sent"] + sent
+def _count(state: dict[str, Any], sent: torch.Tensor | int, offered: int) -> None:
+    """Add a call's entries sent and offered (from shapes) to the step's counters (new
+    values: state is replaced, never written into). With tensor counters (a capacity) ``sent``
+    stays a 0-d tensor on the messages' device (no host read); with integer counters (the
+    exchanged-sizes form, which reads its counts on the host anyway) it is read as an int."""
+    if isinstance(state["step_sent"], torch.Tensor):
+        state["step_sent"] = state["step_sent"] + sent
+    else:
+        state["step_sent"] = state["step_sent"] + int(sent)
     state["step_offered"] = state["step_offered"] + offered

@@ -1,12 +1,12 @@
-"""The hard threshold's all-gather with sizes exchanged first: its budget mode's form.
+"""The hard threshold's all-gather with sizes exchanged first: its default form.
 
 Each worker sends exactly its entries at or above lambda. Workers first all-gather how many
 entries each tensor sends (4 bytes per tensor; read on the host once per call, the documented
 wait: the padding depends on them), then all-gather values and int32 indices padded to the
 densest worker; a tensor whose densest worker would cost more than a dense all-reduce goes
-dense. The budget's control law reads the step's density at its end anyway, so this form's
-host read costs that mode little; ``lam`` mode takes the fixed-capacity form instead
-(:class:`~gradzip.compressors.threshold.HardThreshold`).
+dense. The message's size thus follows the entries that pass lambda (the paper's adaptive
+bytes). With a ``capacity`` the threshold takes the fixed-capacity form instead, with no
+host read (:class:`~gradzip.compressors.threshold.HardThreshold`).
 """
 
 from __future__ import annotations
