@@ -107,6 +107,8 @@ SCHEMES: dict[str, tuple[str, str]] = {
     "gradzip:qsgd:levels=16": ("gradzip", "qsgd:levels=16"),
     "gradzip:sign": ("gradzip", "sign"),
     "gradzip:threshold:lam=0.001": ("gradzip", "threshold:lam=0.001"),
+    # The threshold's GPU form: a fixed capacity per tensor, no sizes read on the host.
+    "gradzip:threshold:lam=0.001,capacity=0.05": ("gradzip", "threshold:lam=0.001,capacity=0.05"),
     f"gradzip:{ACCORDION}": ("gradzip", ACCORDION),
 }
 #: The targets: scheme -> (reference scheme, the largest allowed ratio of extra ops).
@@ -124,7 +126,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     # Accordion: against the larger of its levels' compressors alone.
     f"gradzip:{ACCORDION}": ("gradzip:powersgd:rank=4", 1.2),
 }
-#: Schemes allowed host syncs in steady state (the threshold's sizes; Accordion's decisions).
+#: Schemes allowed host syncs in steady state (the default threshold's exchanged sizes, not
+#: its fixed-capacity form; Accordion's decisions).
 SYNCS_ALLOWED = {"gradzip:threshold:lam=0.001", f"gradzip:{ACCORDION}"}
 
 

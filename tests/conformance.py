@@ -6,7 +6,7 @@ import torch
 
 from gradzip.spec import CONTROLLERS, REGISTRY, parse_spec
 
-# One entry per compressor (two for the two threshold modes). Values are chosen so that every
+# One entry per compressor (three for the threshold: its two modes and its fixed-capacity form). Values are chosen so that every
 # compressing spec really compresses the shapes below with 4 workers.
 EXAMPLES = [
     "none",
@@ -15,6 +15,7 @@ EXAMPLES = [
     "topk:ratio=0.05",
     "randk:ratio=0.05,seed=3",
     "threshold:lam=2.5",
+    "threshold:lam=2.5,capacity=0.05",
     "threshold:budget=0.02",
     "powersgd:rank=2",
     "qsgd:levels=4",

@@ -101,6 +101,49 @@ def test_threshold_goes_dense_when_sparse_costs_more() -> None:
     assert engine.stats["wire_bytes"] == [want] * 4
 
 
+def test_threshold_sends_a_fixed_capacity_sized_from_shapes() -> None:
+    grads = torch.zeros(3, 100)
+    grads[0, :5] = 1.0  # worker 0 sends 5 entries, worker 1 sends 2, worker 2 none
+    grads[1, :2] = -1.0
+    engine = gradzip.Engine({"w": torch.Size([100])}, "threshold:lam=0.5,capacity=0.05",
+                            collective=gradzip.SimulatedGroup(3))
+    out = engine.reduce({"w": grads})["w"]
+    assert torch.equal(out, grads.sum(0) / 3)
+    # Every worker's message holds 5 slots (no sizes exchanged, nothing read on the host).
+    assert engine.stats["payload_bytes"] == [FLAG + 5 * 8] * 3
+    wire = allreduce_wire_bytes(FLAG, 3) + allgather_wire_bytes(5 * 8, 3)
+    assert engine.stats["wire_bytes"] == [wire] * 3
+    assert engine.residuals["w"].abs().sum() == 0
+    assert engine.compressor.report(engine.compressor_state)["density_parts"] == (7, 300)
+
+
+def test_threshold_over_capacity_sends_the_largest_and_keeps_the_rest() -> None:
+    grads = torch.zeros(2, 100)
+    grads[0, :8] = torch.arange(1.0, 9.0)  # 8 entries above lambda, 5 slots
+    grads[1, 50] = 2.0
+    engine = gradzip.Engine({"w": torch.Size([100])}, "threshold:lam=0.5,capacity=0.05",
+                            collective=gradzip.SimulatedGroup(2))
+    out = engine.reduce({"w": grads})["w"]
+    sent = torch.zeros(100)
+    sent[3:8] = torch.arange(4.0, 9.0)
+    sent[50] = 2.0
+    assert torch.equal(out, sent / 2)
+    kept = torch.zeros(100)
+    kept[:3] = torch.arange(1.0, 4.0)  # over capacity: left to error feedback
+    assert torch.equal(engine.residuals["w"][0], kept)
+    assert torch.equal(engine.residuals["w"][1], torch.zeros(100))
+    assert engine.compressor.report(engine.compressor_state)["density_parts"] == (6, 200)
+
+
+def test_threshold_goes_dense_when_its_capacity_costs_more() -> None:
+    engine = gradzip.Engine({"w": torch.Size([100])}, "threshold:lam=0.01,capacity=0.3",
+                            collective=gradzip.SimulatedGroup(4))
+    grads = torch.ones(4, 100)
+    engine.reduce({"w": grads})
+    want = allreduce_wire_bytes(FLAG, 4) + allreduce_wire_bytes(400, 4)
+    assert engine.stats["wire_bytes"] == [want] * 4
+
+
 def test_qsgd_is_unbiased() -> None:
     """The mean of many independent quantisations approaches the input (fixed seeds)."""
     x = torch.randn(1, 500, generator=torch.Generator().manual_seed(1))

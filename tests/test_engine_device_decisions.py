@@ -25,7 +25,8 @@ from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.spec import compressor_from_spec
 
 DEVICE_SPECS = ["none", "fp16", "bf16", "randk:ratio=0.1", "powersgd:rank=2", "powersgd:rank=1",
-                "topk:ratio=0.05", "topk:ratio=0.05,exchange=sharded", "qsgd:levels=4", "sign"]
+                "topk:ratio=0.05", "topk:ratio=0.05,exchange=sharded", "qsgd:levels=4", "sign",
+                "threshold:lam=0.5,capacity=0.05", "threshold:lam=2.5,capacity=0.01"]
 NAMES = list(SHAPES)
 
 
@@ -96,7 +97,8 @@ def test_device_decisions_count_the_header_like_the_host_path_in_finite_steps() 
         assert stats[0] == stats[1], spec
 
 
-@pytest.mark.parametrize("spec", ["threshold:budget=0.05", "threshold:lam=2.5"])
+@pytest.mark.parametrize("spec", ["threshold:budget=0.05", "threshold:lam=2.5",
+                                  "threshold:budget=0.05,capacity=0.1"])
 def test_compressors_that_read_the_host_anyway_keep_host_decisions(spec: str) -> None:
     assert not compressor_from_spec(spec).device_decisions
     engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2), decide_on="device")

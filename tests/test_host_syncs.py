@@ -16,7 +16,9 @@ import gradzip
 from conformance import SHAPES, make_grads
 from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors import threshold as threshold_module
+from gradzip.compressors import threshold_sized
 from gradzip.compressors.base import Job, StepContext
+from gradzip.ops.branches import device_forms
 from gradzip.ops.checks import check_on_device, check_range
 from gradzip.spec import compressor_from_spec
 
@@ -40,7 +42,8 @@ def _host_reads(events: list) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "randk:ratio=0.05", "qsgd:levels=4", "sign"])
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05", "randk:ratio=0.05", "qsgd:levels=4", "sign",
+                                  "threshold:lam=0.5,capacity=0.05"])
 def test_steady_steps_read_nothing_on_the_host(spec: str) -> None:
     engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(2), decide_on="device")
     for step in range(2):  # the first step records the residuals (steady state after it)
@@ -96,7 +99,7 @@ def test_work_per_call_does_not_grow_with_the_number_of_tensors(spec: str) -> No
 
 
 def _threshold_run(spec: str, workers: int, monkeypatch: pytest.MonkeyPatch, per_call: bool) -> list:
-    monkeypatch.setattr(threshold_module, "_selects_per_call", lambda device: per_call)
+    monkeypatch.setattr(threshold_sized, "_selects_per_call", lambda device: per_call)
     engine = gradzip.Engine(SHAPES, spec, collective=SimulatedGroup(workers))
     out = []
     for step in range(4):
@@ -113,8 +116,8 @@ def _threshold_run(spec: str, workers: int, monkeypatch: pytest.MonkeyPatch, per
 def test_threshold_selection_per_call_equals_the_per_tensor_scan(
     spec: str, workers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Off the CPU the threshold selects every tensor of a call at once (one host read per
-    call); forced here, it gives the CPU scan's averages, residuals and counts bit for bit."""
+    """Off the CPU the sized form selects every tensor of a call at once (one host
+    read per call); forced here, it gives the CPU scan's averages, residuals and counts bit for bit."""
     scan = _threshold_run(spec, workers, monkeypatch, per_call=False)
     batched = _threshold_run(spec, workers, monkeypatch, per_call=True)
     for a, b in zip(scan[0], batched[0], strict=True):
@@ -125,13 +128,53 @@ def test_threshold_selection_per_call_equals_the_per_tensor_scan(
 
 
 def test_threshold_selection_per_call_reads_the_host_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(threshold_module, "_selects_per_call", lambda device: True)
-    comp = compressor_from_spec("threshold:lam=0.5")
+    monkeypatch.setattr(threshold_sized, "_selects_per_call", lambda device: True)
+    comp = compressor_from_spec("threshold:budget=0.05,exchange=allgather")
     gen = torch.Generator().manual_seed(0)
     jobs = [Job(f"t{i}", torch.randn(2, 300, generator=gen)) for i in range(12)]
     state = comp.init_state({job.name: job.tensor.shape[1:] for job in jobs})
+    state["lam"] = 0.5  # calibrated already (the first step's one read)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         threshold_module.HardThreshold.reduce(comp, jobs, state, SimulatedGroup(2),
                                               StepContext(0, (0, 1), 2))
     assert _host_reads(prof.events()) == []  # the counts' read is a .tolist(): no op shows
     assert sum(ev.name == "aten::nonzero_static" for ev in prof.events()) == 1
+
+
+def _all_ops_of_one_call(spec: str, sizes: list[int]) -> int:
+    """Every compute op one call of ``spec`` runs over tensors of ``sizes`` (two simulated
+    workers), in the forms a GPU takes."""
+    comp = compressor_from_spec(spec)
+    gen = torch.Generator().manual_seed(len(sizes))
+    jobs = [Job(f"t{i}", torch.randn(2, n, generator=gen)) for i, n in enumerate(sizes)]
+    state = comp.init_state({job.name: job.tensor.shape[1:] for job in jobs})
+    with device_forms():  # the steady state: the layout's shape-only tensors built once
+        comp.reduce([Job(j.name, j.tensor.clone()) for j in jobs], dict(state), SimulatedGroup(2),
+                    StepContext(2, (0, 1), 2))
+    with device_forms(), torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        comp.reduce(jobs, state, SimulatedGroup(2), StepContext(3, (0, 1), 2))
+    assert all(job.averaged is not None and job.residual is not None for job in jobs)
+    return sum(1 for ev in prof.events()
+               if ev.name.startswith("aten::") and ev.name not in _NO_KERNEL
+               and not any(child.name.startswith("aten::") and child.name not in _NO_KERNEL
+                           for child in ev.cpu_children))
+
+
+#: Leaf ops that launch no kernel (views, allocations, metadata).
+_NO_KERNEL = {"aten::view", "aten::_unsafe_view", "aten::as_strided", "aten::reshape",
+              "aten::_reshape_alias", "aten::slice", "aten::select", "aten::narrow",
+              "aten::unsqueeze", "aten::squeeze", "aten::alias", "aten::detach", "aten::empty",
+              "aten::empty_like", "aten::empty_strided", "aten::lift_fresh", "aten::expand",
+              "aten::split", "aten::split_with_sizes", "aten::result_type", "aten::t",
+              "aten::transpose", "aten::unbind", "aten::resize_", "aten::item"}
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.05,exchange=allgather", "randk:ratio=0.05",
+                                  "threshold:lam=0.5,capacity=0.05,exchange=allgather"])
+def test_sparsifier_ops_do_not_grow_with_tensors_of_many_sizes(spec: str) -> None:
+    """One whole-message selection per call: the ops are the same for 3 tensors of 3 sizes
+    as for 24 tensors of 24 sizes (per tensor or per size before)."""
+    few = _all_ops_of_one_call(spec, [600, 700, 800])
+    many = _all_ops_of_one_call(spec, [600 + 40 * i for i in range(24)])
+    assert 0 < few and many == few, (few, many)

@@ -95,10 +95,13 @@ def test_bad_values_are_refused_and_nothing_changes(change: Callable[[dict[str, 
     refused(target, state, fragment)
 
 
-def test_bad_scalars_in_the_compressor_state_are_refused() -> None:
-    source, target = trained("threshold:budget=0.05", steps=3), trained("threshold:budget=0.05")
+@pytest.mark.parametrize("spec, counter", [("threshold:budget=0.05", "expected an integer"),
+                                           ("threshold:budget=0.05,capacity=0.1", "expected a tensor")])
+def test_bad_scalars_in_the_compressor_state_are_refused(spec: str, counter: str) -> None:
+    source, target = trained(spec, steps=3), trained(spec)
+    number = "expected a number" if counter == "expected an integer" else counter
     for key, value, fragment in (("lam", "abc", "expected a number"), ("lam", float("nan"), "holds NaN"),
-                                 ("sent", 1.5, "expected an integer"), ("sent", None, "expected a number")):
+                                 ("sent", 1.5, counter), ("sent", None, number)):
         state = copy.deepcopy(source.state_dict())
         state["compressor_state"][key] = value
         refused(target, state, f"compressor_state.{key}: {fragment}")

@@ -164,6 +164,37 @@ def test_threshold_counters_are_checked() -> None:
     refused(engine, lambda s: s["compressor_state"].update(recent=1.5), "recent")
 
 
+def test_threshold_state_keeps_integer_counters_without_capacity() -> None:
+    """The default (exchanged sizes) keeps the counters as Python integers, so an earlier
+    checkpoint of a threshold's state loads and resumes exactly; a capacity keeps them on
+    the device as 0-d float64 tensors."""
+    source = trained("threshold:lam=0.5")
+    state = source.state_dict()
+    assert all(type(state["compressor_state"][k]) is int for k in ("sent", "offered"))
+    assert state["compressor_state"]["sent"] > 0
+    target = gradzip.Engine(SHAPES, "threshold:lam=0.5", collective=gradzip.SimulatedGroup(2))
+    target.load_state_dict(copy.deepcopy(state))
+    grads = make_grads(2, 9)
+    want, got = source.reduce(grads), target.reduce(grads)
+    assert all(torch.equal(want[name], got[name]) for name in SHAPES)
+    assert target.state_dict()["compressor_state"] == source.state_dict()["compressor_state"]
+    capacity = trained("threshold:lam=0.5,capacity=0.05").state_dict()["compressor_state"]
+    assert capacity["sent"].dtype == torch.float64 and capacity["sent"].dim() == 0
+
+
+def test_threshold_capacity_counters_are_checked() -> None:
+    engine = trained("threshold:budget=0.02,capacity=0.04")
+
+    def count(v: float) -> torch.Tensor:  # with a capacity the counters are 0-d float64 tensors
+        return torch.tensor(v, dtype=torch.float64)
+
+    refused(engine, lambda s: s["compressor_state"].update(sent=count(-1)), "sent")
+    refused(engine, lambda s: s["compressor_state"].update(sent=count(2.5)), "sent", "whole number")
+    refused(engine, lambda s: s["compressor_state"].update(sent=count(10**12)), "sent", "<= offered")
+    refused(engine, lambda s: s["compressor_state"].update(step_offered=count(5)), "step_offered")
+    refused(engine, lambda s: s["compressor_state"].update(recent=1.5), "recent")
+
+
 def test_a_level_inside_accordion_is_checked_too() -> None:
     engine = trained(THRESHOLD_ACCORDION)
     refused(engine, lambda s: s["compressor_state"]["steady"].update(lam=0.0),

@@ -103,8 +103,13 @@ def test_budget_levels_under_accordion_each_meet_their_budget(steady: str, criti
 
 
 @pytest.mark.slow
-def test_fixed_threshold_levels_under_accordion() -> None:
-    acc = Accordion("threshold:lam=3.0", "threshold:lam=1.0", interval=10)
+@pytest.mark.parametrize("levels", [
+    ("threshold:lam=3.0", "threshold:lam=1.0"),
+    # With a capacity, a message's size is its capacity: the critical level's is larger.
+    ("threshold:lam=3.0,capacity=0.02", "threshold:lam=1.0,capacity=0.1"),
+])
+def test_fixed_threshold_levels_under_accordion(levels: tuple[str, str]) -> None:
+    acc = Accordion(*levels, interval=10)
     engine = Engine(SHAPES, acc, collective=SimulatedGroup(WORKERS))
     alone = {key: Engine(SHAPES, getattr(acc, key), collective=SimulatedGroup(WORKERS))
              for key in ("steady", "critical")}

@@ -11,8 +11,8 @@ import torch
 from gradzip._validate import check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
-from gradzip.ops.flat import to_device
-from gradzip.ops.select import randk_indices
+from gradzip.ops.random import stable_hash
+from gradzip.ops.segmented import MAX_ENTRIES, segment_keys, segment_layout, strided_random
 
 __all__ = ["RandK"]
 
@@ -20,8 +20,15 @@ __all__ = ["RandK"]
 @dataclass(frozen=True)
 class RandK(Compressor):
     """Send a random ``ratio`` fraction of every tensor's entries, the same entries on every
-    worker (drawn from a generator seeded by ``(seed, step, name)``), so the values can be
-    summed by all-reduce and no index travels.
+    worker (drawn from a hash keyed by ``(seed, step, name)``), so the values can be summed
+    by all-reduce and no index travels.
+
+    A tensor of ``n`` entries sending ``k`` is cut into ``k`` strides of ``floor(n / k)`` or
+    ``ceil(n / k)`` consecutive entries, and one entry is drawn uniformly in each
+    (:func:`~gradzip.ops.segmented.strided_random`): ``k`` distinct entries, each sent with
+    probability ``1 / len(stride)`` (exactly ``k / n`` where ``k`` divides ``n``), as in a
+    uniform ``k``-subset; unlike one, two neighbours in a stride are never sent together.
+    The whole call's draw is a few integer ops on the device, with nothing read on the host.
 
     Args:
         ratio: fraction of entries sent, in (0, 1].
@@ -48,27 +55,37 @@ class RandK(Compressor):
     ) -> None:
         sparse = [j for j in jobs if self.k_for(j.numel) < j.numel]
         dense_reduce([j for j in jobs if self.k_for(j.numel) >= j.numel], comm)
-        if not sparse:
-            return
-        # Indices drawn per tensor on the host (each from its own keyed stream: the same
-        # entries as ever), shifted into one flat space and moved once, so the device work is
-        # a few ops per call whatever the number of tensors.
-        numels = [j.numel for j in sparse]
-        picks = [randk_indices(n, self.k_for(n), self.seed, ctx.step, j.name)
-                 for n, j in zip(numels, sparse, strict=True)]
-        shifted, offset = [], 0
-        for n, idx in zip(numels, picks, strict=True):
-            shifted.append(idx + offset if offset else idx)
-            offset += n
+        # Calls whose flat positions would pass int32 (the layout's bound) go in pieces; a
+        # tensor's draw depends on its own key and shape only, so pieces change nothing.
+        piece: list[Job] = []
+        for job in sparse:
+            if piece and sum(j.numel for j in piece) + job.numel > MAX_ENTRIES:
+                self._reduce_call(piece, comm, ctx)
+                piece = []
+            piece.append(job)
+        if piece:
+            self._reduce_call(piece, comm, ctx)
+
+    def _reduce_call(self, sparse: Sequence[Job], comm: Collective, ctx: StepContext) -> None:
         device = sparse[0].tensor.device
-        where = to_device(torch.cat(shifted), device)
+        numels = [j.numel for j in sparse]
+        layout = segment_layout(numels, [self.k_for(n) for n in numels], device)
+        # Each tensor's key from (seed, step, name) only: every worker draws the same entries
+        # (so values can be summed), a resumed run draws what the uninterrupted one drew, and
+        # a tensor's draw does not depend on the tensors sharing its call. The draw itself is
+        # a few integer ops on the device for the whole call.
+        keys = segment_keys([stable_hash(self.seed, ctx.step, j.name) for j in sparse], device)
+        where = strided_random(keys, layout)
+        # A fresh buffer, which becomes the residuals (the sent entries zeroed).
         flat = torch.cat([j.tensor.reshape(comm.local_workers, -1) for j in sparse], dim=1)
         message = flat.index_select(1, where)
         total = comm.all_reduce(message) / comm.world_size
-        dense_avg = torch.zeros(offset, dtype=torch.float32, device=device).index_copy_(0, where, total)
-        local = torch.zeros(comm.local_workers, offset, dtype=torch.float32, device=device)
-        local.index_copy_(1, where, message)
-        for job, avg, own in zip(sparse, torch.split(dense_avg, numels),
-                                 torch.split(local, numels, dim=1), strict=True):
-            job.averaged = avg.reshape(job.shape)
-            job.decoded = own.reshape(job.tensor.shape)
+        dense_avg = torch.zeros(layout.total, dtype=torch.float32, device=device)
+        dense_avg.index_copy_(0, where, total.reshape(-1))
+        # Sent entries are sent unchanged: the residual is the tensor with them zeroed,
+        # ``tensor - decoded`` bit for bit for finite entries.
+        flat.index_fill_(1, where, 0.0)
+        starts = layout.starts()
+        for j, job in enumerate(sparse):
+            job.averaged = dense_avg[starts[j] : starts[j + 1]].reshape(job.shape)
+            job.keep(flat[:, starts[j] : starts[j + 1]].reshape(job.tensor.shape))

@@ -10,11 +10,14 @@ import torch
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Job
 from gradzip.feedback import residual_unsent
+from gradzip.ops.branches import cpu_form
 from gradzip.ops.checks import check_on_device
 from gradzip.ops.flat import reinterpret, to_device
-from gradzip.ops.select import index_dtype
+from gradzip.ops.segmented import SegmentLayout, in_segments, segmented_topk
+from gradzip.ops.select import index_dtype, topk_abs
 
-__all__ = ["gather_full", "gather_sparse", "index_bytes", "scatter_decode"]
+__all__ = ["gather_flat", "gather_full", "gather_sparse", "index_bytes", "scatter_decode",
+           "select_positions"]
 
 
 def index_bytes(numel: int) -> int:
@@ -239,3 +242,99 @@ def gather_full(
         return "message indices must lie in their tensors"
 
     _average(jobs, received_val, received_idx, widths, comm, explain)
+
+
+def gather_flat(
+    jobs: Sequence[Job], flat: torch.Tensor, positions: torch.Tensor, layout: SegmentLayout,
+    comm: Collective, values: torch.Tensor | None = None, left: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """All-gather one whole-message selection and decode every job's average, in a fixed
+    number of ops whatever the number of tensors.
+
+    The message of a local worker is its ``K`` values (fp32) then their positions in the
+    call's flat row (int32; :data:`~gradzip.ops.segmented.MAX_ENTRIES` bounds a layout), so
+    no per-tensor shift is needed on either side. The bytes counted are those of every
+    tensor's entries with int32 indices, as :func:`gather_full` counts them.
+
+    Args:
+        jobs: the tensors, in an order identical on every worker, laid end to end in ``flat``.
+        flat: ``[L, N]`` float32, the jobs' tensors laid end to end: a buffer of the
+            caller's, overwritten with the residuals (each job's residual is a view of it).
+        positions: ``[L, K]`` int64, each segment's selected positions in the row (segment
+            after segment, ``layout.picks[j]`` for job ``j``).
+        layout: the selection's :func:`~gradzip.ops.segmented.segment_layout`.
+        comm: the collective.
+        values: ``[L, K]``, what to send at ``positions`` where it is not ``flat``'s entries
+            there (the threshold's: zero where an entry is not sent), with ``left``, what the
+            residual keeps there (``flat``'s entry minus ``values``). ``None``: ``flat``'s
+            entries, all sent, and zeros left.
+
+    Returns:
+        ``[W, K]``: every worker's values, in rank order.
+
+    Raises:
+        ValueError: a received position lies outside its tensor (a corrupt message; checked
+            on the device, see :mod:`gradzip.ops.checks`: on CUDA the device asserts instead).
+    """
+    workers, count = positions.shape
+    device = flat.device
+    message = torch.empty(workers, 2 * count, dtype=torch.float32, device=device)
+    if values is None:
+        torch.gather(flat, 1, positions, out=message[:, :count])
+        flat.scatter_(1, positions, 0.0)  # what was sent leaves the residual
+    else:
+        assert left is not None
+        message[:, :count] = values
+        flat.scatter_(1, positions, left)
+    message[:, count:].view(torch.int32).copy_(positions)
+    starts = layout.starts()
+    for j, job in enumerate(jobs):
+        job.keep(flat[:, starts[j] : starts[j + 1]].reshape(job.tensor.shape))
+    gathered = comm.all_gather(message, payload=[count * 8] * workers)
+    received_val = gathered[:, :count]
+    received_pos = gathered[:, count:].view(torch.int32).contiguous()  # rows of the buffer
+
+    def explain() -> str:  # the CPU's precise message: the first job whose range is bad
+        for j, job in enumerate(jobs):
+            a, b = sum(layout.picks[:j]), sum(layout.picks[: j + 1])
+            part = received_pos[:, a:b].to(torch.int64) - starts[j]
+            scatter_decode(received_val[:, a:b], part, job.numel)
+        return "message indices must lie in their tensors"
+
+    check_on_device(in_segments(received_pos, layout), "message indices must lie in their tensors",
+                    explain)
+    total = torch.zeros(layout.total, dtype=torch.float32, device=device)
+    # One worker's row at a time, in rank order: a row never holds a position twice, so even
+    # atomic GPU scatters add in a fixed order and every rank computes the same bits.
+    for row_pos, row_val in zip(received_pos, received_val, strict=True):
+        total.index_add_(0, row_pos, row_val)
+    total.div_(comm.world_size)
+    for j, job in enumerate(jobs):
+        job.averaged = total[starts[j] : starts[j + 1]].reshape(job.shape)
+    return received_val
+
+
+def select_positions(flat: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
+    """Each segment's ``layout.picks[j]`` largest-magnitude entries of every row of
+    ``flat[L, N]``, as ``[L, K]`` int64 flat positions, segment after segment.
+
+    Off the CPU: :func:`~gradzip.ops.segmented.segmented_topk`, a fixed number of ops for
+    the whole call. On the CPU, one exact selection per distinct segment size
+    (:func:`~gradzip.ops.select.topk_abs`, whose narrowing pass is much faster there than a
+    sort of the whole row): the same entries, ties aside.
+    """
+    if not cpu_form(flat.device):
+        return segmented_topk(flat, layout)
+    workers = flat.shape[0]
+    starts = layout.starts()
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, size_pick in enumerate(zip(layout.sizes, layout.picks, strict=True)):
+        groups.setdefault(size_pick, []).append(i)
+    picked: list[torch.Tensor] = [torch.empty(0)] * len(layout.sizes)
+    for (_, k), members in groups.items():
+        parts = [flat[:, starts[i] : starts[i + 1]] for i in members]
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        _, idx = topk_abs(rows, k)
+        for g, i in enumerate(members):
+            picked[i] = idx[g * workers : (g + 1) * workers] + starts[i]
+    return torch.cat(picked, dim=1)

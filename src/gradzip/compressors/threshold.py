@@ -11,17 +11,17 @@ import torch
 
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce, sparse_pays
+from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     choose_exchange,
     outside_own_part,
     sharded_reduce,
 )
-from gradzip.compressors.sparse import gather_sparse, index_bytes
-from gradzip.ops.branches import cpu_form
-from gradzip.ops.flat import to_device
-from gradzip.ops.select import threshold_split, topk_abs
+from gradzip.compressors.sparse import gather_flat, index_bytes, select_positions
+from gradzip.compressors.threshold_sized import reduce_sized
+from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
+from gradzip.ops.select import topk_abs
 
 __all__ = ["HardThreshold"]
 
@@ -37,17 +37,32 @@ _MAX_STEP_FACTOR = 1.25
 _GAIN_RECENT = 0.3
 _GAIN_RUN = 0.3
 _SMOOTHING = 0.05
+_COUNTERS = ("sent", "offered", "step_sent", "step_offered")
 
 
 @dataclass(frozen=True)
 class HardThreshold(Compressor):
     """Send every entry with ``|g + residual| >= lam``; error feedback keeps the rest.
 
-    One constant threshold over the whole model: no sort (O(n)), and the density varies by step
-    and by worker (high early in training, tiny late). Workers first exchange how many entries
-    each tensor sends (4 bytes per tensor), then all-gather values and int32 indices padded to
-    the densest worker; a tensor whose densest worker would cost more than a dense all-reduce
-    goes dense.
+    One constant threshold over the whole model, and the density varies by step and by worker
+    (high early in training, tiny late). Two all-gather forms:
+
+    * **Exchanged sizes** (the default: no ``capacity``): workers first exchange how many
+      entries each tensor sends (4 bytes per tensor, read on the host once per call), then
+      all-gather values and int32 indices padded to the densest worker; a tensor whose densest
+      worker would cost more than a dense all-reduce goes dense. The message's size follows
+      the entries that pass lambda (dense early in training, tiny late), which is the paper's
+      point: the bytes adapt, with nothing sent that did not pass. The price is one host wait
+      per call, so the engine decides on the host.
+    * **Fixed capacity** (``capacity`` given): each worker's message holds
+      ``capacity * numel`` slots per tensor (values and int32 positions), sized from shapes
+      alone, so no worker reads a count on the host and, with ``lam``, the engine decides on
+      the device (the GPU form, no host wait). A worker sends exactly its entries at or above
+      lambda when they fit; when a tensor has more, it sends the largest of them and the rest
+      stay in its error-feedback residual (sent later, nothing lost, but delayed). Free slots
+      travel as padding (value 0), so the bytes no longer shrink when few entries pass lambda:
+      every step carries the capacity. A tensor whose capacity costs more than a dense
+      all-reduce goes dense.
 
     Exactly one of ``lam`` and ``budget`` is given:
 
@@ -85,6 +100,8 @@ class HardThreshold(Compressor):
         lam: the absolute threshold (> 0), or ``None`` with ``budget``.
         budget: the target run density in (0, 1], or ``None`` with ``lam``.
         padded: count the padded volume against the budget (budget mode only).
+        capacity: slots per tensor of the fixed-capacity form, as a fraction of its entries,
+            in (0, 1] (e.g. 0.05); ``None`` (the default): the exchanged-sizes form.
         exchange: ``"auto"``, ``"allgather"`` or ``"sharded"`` (the last needs ``budget``
             without ``padded``); see :data:`~gradzip.compressors.sharded_sparse.EXCHANGES`.
         owner_keep: in the sharded exchange, what each owner passes on, as a multiple of
@@ -98,6 +115,7 @@ class HardThreshold(Compressor):
     lam: float | None = None
     budget: float | None = None
     padded: bool = False
+    capacity: float | None = None
     exchange: str = "auto"
     owner_keep: int = 4
     spec_name: ClassVar[str] = "threshold"
@@ -115,6 +133,9 @@ class HardThreshold(Compressor):
                 self, "budget", check_real("budget", self.budget, low=0, high=1, low_open=True)
             )
         check_bool("padded", self.padded)
+        if self.capacity is not None:
+            object.__setattr__(self, "capacity", check_real("capacity", self.capacity, low=0,
+                                                            high=1, low_open=True))
         if self.padded and self.budget is None:
             raise ValueError(f"`padded` needs `budget` (it shapes the budget), got lam={self.lam!r}")
         object.__setattr__(self, "exchange", check_choice("exchange", self.exchange, EXCHANGES))
@@ -128,12 +149,33 @@ class HardThreshold(Compressor):
     def exchange_for(self, numel: int, world: int) -> str:
         """How a tensor of ``numel`` entries travels among ``world`` workers: ``"dense"``,
         ``"allgather"`` or ``"sharded"`` (shapes and configuration only: every worker agrees;
-        ``"allgather"`` here may still send a tensor dense when its densest worker's count
-        makes that cheaper)."""
-        kept = self._kept(numel)
-        return choose_exchange(self.exchange, numel, world, kept,
-                               kept * (4 + index_bytes(numel)), self.owner_keep,
+        in the sized form, ``"allgather"`` here may still send a tensor dense when its densest
+        worker's count makes that cheaper, and its bytes are estimated at the budget's)."""
+        per = self.slots_for(numel) if self.fixed_capacity else self._kept(numel)
+        return choose_exchange(self.exchange, numel, world, self._kept(numel),
+                               per * (4 + index_bytes(numel)), self.owner_keep,
                                sharded_ok=self.budget is not None and not self.padded)
+
+    def slots_for(self, numel: int) -> int:
+        """Entries one worker's all-gathered message holds for a tensor of ``numel`` entries:
+        ``capacity * numel`` (at least one, at most ``numel``)."""
+        if self.capacity is None:
+            raise ValueError(f"`capacity` must be given for slots, got {self.capacity!r}")
+        return max(1, min(numel, int(self.capacity * numel)))
+
+    @property
+    def fixed_capacity(self) -> bool:
+        """Whether the all-gather carries ``capacity`` slots per tensor (``capacity`` given),
+        else exact sizes exchanged first (the default)."""
+        return self.capacity is not None
+
+    @property
+    def device_decisions(self) -> bool:  # type: ignore[override]
+        """``lam`` with ``capacity``: the step's work reads nothing on the host (message sizes
+        from shapes, counters kept on the device). The exchanged-sizes form reads its counts
+        on the host once per call, and a budget's control law reads the step's density, so
+        both keep host decisions."""
+        return self.budget is None and self.capacity is not None
 
     def _kept(self, numel: int) -> int:
         """Entries per worker the budget allows in a tensor of ``numel`` (1 with ``lam``)."""
@@ -141,14 +183,14 @@ class HardThreshold(Compressor):
 
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
         # lam < 0 marks "not calibrated yet" in budget mode; recent < 0 "no step seen yet".
-        return {
-            "lam": float(self.lam) if self.lam is not None else -1.0,
-            "recent": -1.0,
-            "sent": 0,
-            "offered": 0,
-            "step_sent": 0,
-            "step_offered": 0,
-        }
+        # The exchanged-sizes form reads its counts on the host anyway: its counters are
+        # integers. With a capacity they are 0-d float64 tensors (exact integers up to 2**53)
+        # that stay where the messages are, so a step reads nothing on the host to count.
+        counters: dict[str, Any] = (
+            {key: torch.zeros((), dtype=torch.float64) for key in _COUNTERS}
+            if self.fixed_capacity else dict.fromkeys(_COUNTERS, 0)
+        )
+        return {"lam": float(self.lam) if self.lam is not None else -1.0, "recent": -1.0, **counters}
 
     def _calibrate(self, jobs: Sequence[Job], comm: Collective) -> float:
         assert self.budget is not None
@@ -169,12 +211,22 @@ class HardThreshold(Compressor):
         if state["lam"] < 0 and any(j.numel for j in jobs):
             state["lam"] = self._calibrate(jobs, comm)
         lam = state["lam"]
-        sharded = [j for j in jobs if self.exchange_for(j.numel, comm.world_size) == "sharded"]
-        if sharded:
-            self._reduce_sharded(sharded, lam, state, comm)
-        if len(sharded) < len(jobs):
-            chosen = {id(j) for j in sharded}
-            self._reduce_gathered([j for j in jobs if id(j) not in chosen], lam, state, comm)
+        forms: dict[str, list[Job]] = {"sharded": [], "dense": [], "allgather": []}
+        for job in jobs:
+            # Per tensor, from sizes and configuration only: the same form on every worker.
+            form = self.exchange_for(job.numel, comm.world_size)
+            if form == "dense" and not self.fixed_capacity:
+                form = "allgather"  # the sized form chooses dense from the counts it learns
+            forms[form].append(job)
+        if forms["sharded"]:
+            self._reduce_sharded(forms["sharded"], lam, state, comm)
+        dense_reduce(forms["dense"], comm)
+        if forms["allgather"] and not self.fixed_capacity:
+            # The default: exact sizes exchanged first, so the message follows what passes
+            # lambda (the counts are read on the host once per call, the same on every rank).
+            _count(state, *reduce_sized(forms["allgather"], lam, self.padded, comm))
+        elif forms["allgather"]:
+            self._reduce_gathered(forms["allgather"], lam, state, comm)
 
     def _reduce_sharded(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
                         comm: Collective) -> None:
@@ -186,48 +238,48 @@ class HardThreshold(Compressor):
         # group (identical on every worker, so lambda stays the same everywhere), out of the
         # entries outside each worker's own part ((W - 1) n in all: the parts tile a tensor).
         offered = comm.all_reduce(torch.stack([m.sum(dim=1) for m in masks], dim=1))
-        state["step_sent"] += int(offered.sum())  # the host read of this form, once per call
-        state["step_offered"] += (comm.world_size - 1) * sum(j.numel for j in jobs)
+        _count(state, offered.sum(dtype=torch.float64), (comm.world_size - 1) * sum(j.numel for j in jobs))
         sharded_reduce(jobs, masks, [self._kept(j.numel) for j in jobs], comm, self.owner_keep)
 
     def _reduce_gathered(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
                          comm: Collective) -> None:
-        if _selects_per_call(jobs[0].tensor.device):
-            selected, all_counts = _select_call(jobs, lam, comm)
-        else:
-            # One pass per tensor finds the entries and writes what stays behind (the residual).
-            selected = [threshold_split(j.tensor.reshape(comm.local_workers, -1), lam) for j in jobs]
-            counts = torch.tensor(
-                [[sel[0][w].numel() for sel in selected] for w in range(comm.local_workers)],
-                dtype=torch.int32,
-            )
-            # Sizes first: every worker learns every worker's count, so the padding and the
-            # sparse-or-dense choice below are identical everywhere.
-            all_counts = comm.all_gather(counts).tolist()  # [W][T]
-        widest = [max(column) for column in zip(*all_counts, strict=True)]
-        # What counts against the budget: the entries workers said, or (padded) the entries
-        # the wire carries, the densest worker's count from every worker.
-        sent = sum(widest) * comm.world_size if self.padded else sum(map(sum, all_counts))
-        state["step_sent"] += sent
-        state["step_offered"] += comm.world_size * sum(j.numel for j in jobs)
-        sparse_ids = [
-            t for t, job in enumerate(jobs)
-            if sparse_pays(job.numel, widest[t], 4 + index_bytes(job.numel), comm)
-        ]
-        chosen = set(sparse_ids)
-        dense_reduce([j for t, j in enumerate(jobs) if t not in chosen], comm)
-        for t in sparse_ids:
-            jobs[t].keep(selected[t][2].reshape(jobs[t].tensor.shape))
-        gather_sparse(
-            [jobs[t] for t in sparse_ids],
-            [selected[t][0] for t in sparse_ids],
-            [selected[t][1] for t in sparse_ids],
-            [widest[t] for t in sparse_ids],
-            comm,
-        )
+        # Calls whose flat positions would pass int32 go in pieces (nothing depends on which
+        # tensors share a call).
+        piece: list[Job] = []
+        for job in jobs:
+            if piece and sum(j.numel for j in piece) + job.numel > MAX_ENTRIES:
+                self._gather_call(piece, lam, state, comm)
+                piece = []
+            piece.append(job)
+        if piece:
+            self._gather_call(piece, lam, state, comm)
+
+    def _gather_call(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
+                     comm: Collective) -> None:
+        workers, world = comm.local_workers, comm.world_size
+        numels = [j.numel for j in jobs]
+        slots = [self.slots_for(n) for n in numels]
+        layout = segment_layout(numels, slots, jobs[0].tensor.device)
+        # A fresh buffer (it becomes the residuals): the call's tensors laid end to end.
+        flat = torch.cat([j.tensor.reshape(workers, -1) for j in jobs], dim=1)
+        # Each tensor's ``slots`` largest entries: every entry at or above lambda when there
+        # are no more of them than slots, else the largest of them. Sizes come from shapes
+        # only, so no worker reads a count on the host.
+        positions = select_positions(flat, layout)
+        picked = flat.gather(1, positions)
+        above = picked.abs() >= lam  # NaN never reaches lambda
+        values = picked.masked_fill(above.logical_not(), 0.0)  # a slot below lambda: padding
+        received = gather_flat(jobs, flat, positions, layout, comm, values=values,
+                               left=picked.masked_fill(above, 0.0))
+        if self.padded:  # the wire's volume: every slot of every worker
+            sent = torch.tensor(float(world * layout.selected), dtype=torch.float64)
+        else:  # what workers sent: the non-zero values of every worker's message
+            sent = received.ne(0).sum(dtype=torch.float64)
+        _count(state, sent, world * layout.total)
 
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """Entries sent and offered by all workers since the start (completed steps)."""
+        """Entries sent and offered by all workers since the start (completed steps; a host
+        read of two counters)."""
         if "sent" not in state:
             return {}
         return {"density_parts": (int(state["sent"]), int(state["offered"]))}
@@ -235,8 +287,8 @@ class HardThreshold(Compressor):
     def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
                     shapes: Mapping[str, torch.Size], workers: int) -> str | None:
         """``lam`` this configuration's (``lam`` given) or > 0 (``-1.0`` before a budget's
-        first step); ``recent`` a density or ``-1.0``; counters >= 0, ``sent <= offered``,
-        none pending between steps (see ``Compressor.check_state``)."""
+        first step); ``recent`` a density or ``-1.0``; counters whole numbers >= 0,
+        ``sent <= offered``, none pending between steps (see ``Compressor.check_state``)."""
         lam, recent = state["lam"], state["recent"]
         if self.lam is not None and lam != float(self.lam):
             return f"lam: must be {float(self.lam)!r} (this compressor's `lam`), got {lam!r}"
@@ -244,23 +296,29 @@ class HardThreshold(Compressor):
             return f"lam: must be > 0 (or -1.0 before the first step), got {lam!r}"
         if not (recent == -1.0 or 0 <= recent <= 1):
             return f"recent: must be in [0, 1] (or -1.0 before the first step), got {recent!r}"
-        for key in ("sent", "offered", "step_sent", "step_offered"):
-            if state[key] < 0 or (key.startswith("step_") and state[key] != 0):
-                want = "0 between steps" if key.startswith("step_") else "an integer >= 0"
-                return f"{key}: must be {want}, got {state[key]!r}"
-        if state["sent"] > state["offered"]:
-            return f"sent: must be <= offered ({state['offered']}), got {state['sent']!r}"
+        for key in _COUNTERS:
+            value = float(state[key])
+            if value < 0 or value != int(value) or (key.startswith("step_") and value != 0):
+                want = "0 between steps" if key.startswith("step_") else "a whole number >= 0"
+                return f"{key}: must be {want}, got {value!r}"
+        if float(state["sent"]) > float(state["offered"]):
+            return f"sent: must be <= offered ({float(state['offered'])!r}), got {float(state['sent'])!r}"
         return None
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
-        state["sent"] += state["step_sent"]
-        state["offered"] += state["step_offered"]
-        if self.budget is not None and state["step_offered"] > 0:
-            step_density = state["step_sent"] / state["step_offered"]
+        state["sent"] = state["sent"] + state["step_sent"]
+        state["offered"] = state["offered"] + state["step_offered"]
+        step_sent = step_offered = 0.0
+        if self.budget is not None:
+            # The control law reads the step's counts (one host read a step, at its end, when
+            # they are tensors).
+            step_sent, step_offered = float(state["step_sent"]), float(state["step_offered"])
+        if self.budget is not None and step_offered > 0:
+            step_density = step_sent / step_offered
             recent = state["recent"]
             recent = step_density if recent < 0 else recent + _SMOOTHING * (step_density - recent)
             state["recent"] = float(recent)
-            run_density = state["sent"] / state["offered"]
+            run_density = float(state["sent"]) / float(state["offered"])
             factor = (max(recent, 1e-12) / self.budget) ** _GAIN_RECENT * (
                 max(run_density, 1e-12) / self.budget
             ) ** _GAIN_RUN
@@ -268,67 +326,17 @@ class HardThreshold(Compressor):
             state["lam"] = float(state["lam"] * factor)
             if not math.isfinite(state["lam"]) or state["lam"] <= 0:
                 state["lam"] = float(torch.finfo(torch.float32).tiny)
-        state["step_sent"] = 0
-        state["step_offered"] = 0
+        state["step_sent"] = state["step_sent"] * 0
+        state["step_offered"] = state["step_offered"] * 0
 
 
-def _selects_per_call(device: torch.device) -> bool:
-    """Whether the call's entries are selected with :func:`_select_call` (off the CPU, where a
-    per-tensor search would make the host wait for every tensor; the CPU's one-pass scan is
-    faster there)."""
-    return not cpu_form(device)
-
-
-Selection = tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]
-
-
-def _select_call(
-    jobs: Sequence[Job], lam: float, comm: Collective
-) -> tuple[list[Selection], list[list[int]]]:
-    """What :func:`~gradzip.ops.select.threshold_split` gives for every job, and every
-    worker's counts, with one host read per call and a few ops whatever the number of tensors.
-
-    The call's tensors are laid end to end; the counts per tensor come from a prefix sum of the
-    mask and are all-gathered on the device, then read once (the documented wait: the
-    message's size depends on them); knowing its own counts, the host has the selected
-    positions listed without a wait (``nonzero_static``), in the same ascending order.
-
-    Returns:
-        ``(selected, all_counts)``: per job ``(values, indices, rest)`` as ``threshold_split``
-        returns them, and ``[W][T]`` counts in rank order.
-    """
-    workers = comm.local_workers
-    device = jobs[0].tensor.device
-    numels = [job.numel for job in jobs]
-    flat = torch.cat([job.tensor.reshape(workers, -1) for job in jobs], dim=1)  # [L, total]
-    total = flat.shape[1]
-    mask = flat.abs() >= lam  # NaN never reaches lambda, as in threshold_split
-    bounds = [0]
-    for n in numels:
-        bounds.append(bounds[-1] + n)
-    prefix = torch.nn.functional.pad(mask.cumsum(dim=1), (1, 0))  # [L, total + 1]
-    at = to_device(torch.tensor(bounds, dtype=torch.int64), device)
-    ends = prefix.index_select(1, at)
-    counts = (ends[:, 1:] - ends[:, :-1]).to(torch.int32)  # [L, T]
-    all_counts = comm.all_gather(counts).tolist()  # the call's one host read
-    # This process's workers, in order (their rows of the gathered counts).
-    own = [all_counts[comm.first_rank + w] for w in range(workers)]
-    found = torch.nonzero_static(mask, size=sum(map(sum, own)))  # [N, 2], row-major
-    cols = found[:, 1]
-    picked = flat.reshape(-1).index_select(0, found[:, 0] * total + cols)
-    # Each entry's position in its own tensor: its column minus its tensor's first column.
-    firsts = torch.tensor([bounds[t] for row in own for t in range(len(row))], dtype=torch.int64)
-    sizes = [c for row in own for c in row]
-    local = cols - to_device(firsts, device).repeat_interleave(
-        to_device(torch.tensor(sizes, dtype=torch.int64), device), output_size=cols.numel()
-    )
-    rest = flat.masked_fill(mask, 0.0)
-    value_parts = torch.split(picked, sizes)
-    index_parts = torch.split(local, sizes)
-    count = len(jobs)
-    selected: list[Selection] = []
-    for t in range(count):
-        values = [value_parts[w * count + t] for w in range(workers)]
-        indices = [index_parts[w * count + t] for w in range(workers)]
-        selected.append((values, indices, rest[:, bounds[t] : bounds[t + 1]]))
-    return selected, all_counts
+def _count(state: dict[str, Any], sent: torch.Tensor | int, offered: int) -> None:
+    """Add a call's entries sent and offered (from shapes) to the step's counters (new
+    values: state is replaced, never written into). With tensor counters (a capacity) ``sent``
+    stays a 0-d tensor on the messages' device (no host read); with integer counters (the
+    exchanged-sizes form, which reads its counts on the host anyway) it is read as an int."""
+    if isinstance(state["step_sent"], torch.Tensor):
+        state["step_sent"] = state["step_sent"] + sent
+    else:
+        state["step_sent"] = state["step_sent"] + int(sent)
+    state["step_offered"] = state["step_offered"] + offered

@@ -17,7 +17,8 @@ from gradzip.compressors.sharded_sparse import (
     outside_own_part,
     sharded_reduce,
 )
-from gradzip.compressors.sparse import gather_full, index_bytes
+from gradzip.compressors.sparse import gather_flat, gather_full, index_bytes, select_positions
+from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
 from gradzip.ops.select import topk_abs
 
 __all__ = ["TopK"]
@@ -29,7 +30,10 @@ class TopK(Compressor):
 
     The message is the kept values (fp32) and their indices (int32 where they fit), all-gathered
     since different workers keep different entries. A tensor for which that costs more than a
-    dense all-reduce (``k`` above about ``numel / W``) is sent dense instead. Selection is exact.
+    dense all-reduce (``k`` above about ``numel / W``) is sent dense instead. Selection is exact:
+    on a GPU one sort covers the whole call (:func:`~gradzip.ops.segmented.segmented_topk`,
+    ties to the lower position), on the CPU one narrowed selection per distinct tensor size;
+    indices travel as int32 positions in the call's tensors laid end to end.
 
     Where it costs fewer wire bytes (from about three workers on), a tensor travels by the
     sharded exchange instead (:mod:`gradzip.compressors.sharded_sparse`): each worker sends each
@@ -97,9 +101,23 @@ class TopK(Compressor):
         if not sparse:
             return
         workers = comm.local_workers
-        # Tensors of one size share k: one selection over all their rows (each row's
-        # selection is the one it would get alone), so the work grows with the number of
-        # distinct sizes, not of tensors.
+        numels = [job.numel for job in sparse]
+        ks = [self.k_for(n) for n in numels]
+        if sum(numels) > MAX_ENTRIES:  # flat positions would not fit int32: per tensor
+            self._reduce_per_size(sparse, comm)
+            return
+        layout = segment_layout(numels, ks, sparse[0].tensor.device)
+        # A fresh buffer (it becomes the residuals): the call's tensors laid end to end.
+        flat = torch.cat([job.tensor.reshape(workers, -1) for job in sparse], dim=1)
+        # One selection for the whole call off the CPU, a fixed number of ops (a GPU launches
+        # a few kernels per call instead of a few per distinct tensor size). Each tensor's
+        # entries are ranked among its own only: the same choice whatever the grouping.
+        gather_flat(sparse, flat, select_positions(flat, layout), layout, comm)
+
+    def _reduce_per_size(self, sparse: Sequence[Job], comm: Collective) -> None:
+        """Calls too large for int32 flat positions: one selection per distinct size, each
+        tensor's own indices on the wire (:func:`~gradzip.compressors.sparse.gather_full`)."""
+        workers = comm.local_workers
         groups: dict[int, list[int]] = {}
         for i, job in enumerate(sparse):
             groups.setdefault(job.numel, []).append(i)
