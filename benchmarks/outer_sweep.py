@@ -1,6 +1,7 @@
 """Outer learning rate x outer momentum x H for DiLoCo-style training, on two small tasks.
 
-Each run trains ``--workers`` simulated workers in one process with :class:`gradzip.Outer`
+Each run trains simulated workers (``--workers``, 4, for the CNN; ``--lm-workers``, 2, for the
+LM, the costlier task on two shared cores) in one process with :class:`gradzip.Outer`
 (Nesterov outer optimizer, fp32 exchange) for a fixed number of inner steps (the same for
 every H, so H = 10, 30 and 100 see the same data and compute, and 60, 20 and 6
 synchronisations at 600 steps), then evaluates the synchronised model:
@@ -68,9 +69,14 @@ class Grid:
     momenta: tuple[float, ...] = (0.5, 0.9)
     steps: int = 600
     workers: int = 4
+    lm_workers: int = 2
     batch: int = 16
     lm_chars: int = 200_000
     eval_chars: int = 16_384
+
+    def workers_of(self, task: str) -> int:
+        """The simulated workers of ``task``'s runs."""
+        return self.lm_workers if task == "lm" else self.workers
 
 
 def run_key(task: str, h: int, lr: float, momentum: float, seed: int) -> str:
@@ -164,13 +170,14 @@ def train_one(task: Any, grid: Grid, h: int, lr: float | None, momentum: float |
     """
     torch.manual_seed(seed)
     first = task.model()
-    models = [first] + [type(first)(**_same_args(task)) for _ in range(grid.workers - 1)]
+    workers = grid.workers_of("lm" if isinstance(task, LMTask) else "cnn")
+    models = [first] + [type(first)(**_same_args(task)) for _ in range(workers - 1)]
     for m in models[1:]:
         m.load_state_dict(first.state_dict())
     inner = [task.optimizer(m) for m in models]
     outer = Outer(models, "none", inner_steps=h, outer_lr=lr, outer_momentum=momentum,
-                  collective=SimulatedGroup(grid.workers), inner_optimizers=inner)
-    gens = [torch.Generator().manual_seed(1000 * seed + w) for w in range(grid.workers)]
+                  collective=SimulatedGroup(workers), inner_optimizers=inner)
+    gens = [torch.Generator().manual_seed(1000 * seed + w) for w in range(workers)]
     start = time.perf_counter()
     losses = []
     for _ in range(grid.steps):
@@ -182,7 +189,7 @@ def train_one(task: Any, grid: Grid, h: int, lr: float | None, momentum: float |
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             total += float(loss.detach())
-        losses.append(total / grid.workers)
+        losses.append(total / workers)
         outer.step()
     result = task.evaluate(first)
     tail = losses[-h:]
@@ -229,7 +236,8 @@ def run_sweep(grid: Grid, seeds: list[int], runs: Path, corpus: Path) -> None:
         if task not in tasks:
             tasks[task] = LMTask(grid, corpus) if task == "lm" else CNNTask(grid)
         record = train_one(tasks[task], grid, h, lr, momentum, seed)
-        record.update(task=task, h=h, seed=seed, steps=grid.steps, workers=grid.workers)
+        record.update(task=task, h=h, seed=seed, steps=grid.steps,
+                      workers=grid.workers_of(task))
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(path)
@@ -256,7 +264,7 @@ def summarise(grid: Grid, seeds: list[int], runs: Path) -> dict[str, Any]:
     """
     records = [json.loads(p.read_text()) for p in sorted(runs.glob("*.json"))]
     records = [r for r in records if r["seed"] in seeds and r["steps"] == grid.steps
-               and r["workers"] == grid.workers]
+               and r["workers"] == grid.workers_of(r["task"])]
     out: dict[str, Any] = {"grid": {**grid.__dict__, "seeds": seeds}, "tolerance": TOLERANCE,
                            "settings": [], "verdicts": []}
     for task in grid.tasks:
@@ -291,7 +299,8 @@ def summarise(grid: Grid, seeds: list[int], runs: Path) -> dict[str, Any]:
 def markdown(summary: dict[str, Any]) -> str:
     """The summary as Markdown tables: metric per lr x momentum for each (task, H)."""
     g = summary["grid"]
-    lines = [f"Outer lr x momentum x H: {g['workers']} simulated workers, {g['steps']} inner "
+    lines = [f"Outer lr x momentum x H: {g['lm_workers']} (lm) and {g['workers']} (cnn) simulated "
+             f"workers, {g['steps']} inner "
              f"steps per run, seeds {g['seeds']}; metric: lm validation perplexity, cnn test "
              f"cross-entropy (mean over seeds, [min, max]); `*`: the default rule's setting.", ""]
     for task in g["tasks"]:
@@ -341,11 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lrs", type=float, nargs="+", default=list(Grid.lrs))
     p.add_argument("--momenta", type=float, nargs="+", default=list(Grid.momenta))
     p.add_argument("--steps", type=int, default=Grid.steps)
-    p.add_argument("--workers", type=int, default=Grid.workers)
+    p.add_argument("--workers", type=int, default=Grid.workers, help="workers of the cnn task")
+    p.add_argument("--lm-workers", type=int, default=Grid.lm_workers, help="workers of the lm task")
     p.add_argument("--lm-chars", type=int, default=Grid.lm_chars)
     p.add_argument("--collect-only", action="store_true", help="summarise the runs found")
     args = p.parse_args(argv)
-    for name in ("steps", "workers", "lm_chars"):
+    for name in ("steps", "workers", "lm_workers", "lm_chars"):
         if getattr(args, name) < 1:
             p.error(f"`--{name.replace('_', '-')}` must be >= 1, got {getattr(args, name)}")
     bad = [h for h in args.hs if h < 1 or args.steps % h]
@@ -357,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         if bad_values:
             p.error(f"`--{name}` must be in (0, {high:g}), got {bad_values}")
     grid = Grid(tuple(args.tasks), tuple(args.hs), tuple(args.lrs), tuple(args.momenta),
-                args.steps, args.workers, lm_chars=args.lm_chars)
+                args.steps, args.workers, args.lm_workers, lm_chars=args.lm_chars)
     torch.set_num_threads(1)
     if not args.collect_only:
         run_sweep(grid, args.seeds, args.runs, args.corpus)

@@ -1,10 +1,22 @@
-"""The outer optimizer's default settings, and for Nesterov their dependence on ``H``."""
+"""The outer optimizer's default settings, and for Nesterov their dependence on ``H``.
+
+DiLoCo's published outer step (Nesterov, lr 0.7, momentum 0.9) was tuned at a few hundred
+inner steps per synchronisation. With fewer, the same outer step overshoots: more outer
+steps in the same run let the momentum build up, each on a smaller pseudo-gradient. The
+``nesterov`` default therefore takes its learning rate from ``H``: the best outer learning
+rates measured at H = 10, 30 and 100 on two tasks (see ``benchmarks/outer_sweep.py`` and the
+outer-step training page of the documentation), joined linearly in ``log H`` and held
+constant beyond the measured range. Explicit values always win over the rule.
+"""
 
 from __future__ import annotations
 
+import math
+
 from gradzip._validate import check_choice, check_int
 
-__all__ = ["KIND_DEFAULTS", "OUTER_KINDS", "outer_defaults"]
+__all__ = ["KIND_DEFAULTS", "NESTEROV_LR_BY_H", "NESTEROV_MOMENTUM", "OUTER_KINDS",
+           "outer_defaults"]
 
 #: ``nesterov``: SGD with Nesterov momentum (DiLoCo); ``sgd``: SGD, momentum optional (0 by
 #: default); ``ef-momentum``: no outer momentum, error feedback's residual decayed instead
@@ -18,9 +30,39 @@ KIND_DEFAULTS = {
     "ef-momentum": (1.0, 0.0, 0.95),
 }
 
+#: The Nesterov rule's anchors, ``(H, outer lr)``, increasing in ``H``: the measured best.
+NESTEROV_LR_BY_H: tuple[tuple[int, float], ...] = ((10, 0.3), (30, 0.5), (100, 0.7))
+#: The Nesterov rule's momentum, at every ``H``.
+NESTEROV_MOMENTUM = 0.9
+
+
+def _nesterov_lr(h: int) -> float:
+    """The anchors joined linearly in ``log H``, constant outside them (rounded to 1e-3)."""
+    anchors = NESTEROV_LR_BY_H
+    if h <= anchors[0][0]:
+        return anchors[0][1]
+    for (h0, lr0), (h1, lr1) in zip(anchors, anchors[1:], strict=False):
+        if h <= h1:
+            t = (math.log(h) - math.log(h0)) / (math.log(h1) - math.log(h0))
+            return round(lr0 + t * (lr1 - lr0), 3)
+    return anchors[-1][1]
+
 
 def outer_defaults(inner_steps: int, kind: str = "nesterov") -> tuple[float, float]:
     """The default outer ``(lr, momentum)`` at ``H = inner_steps``.
+
+    For ``nesterov``, the outer learning rate rises with ``H`` (0.3 at H <= 10, 0.5 at 30,
+    0.7 at H >= 100, linear in ``log H`` between) at momentum 0.9; :class:`~gradzip.Outer`
+    and ``gradzip train --outer-steps`` use it for every value not given, and ``gradzip plan``
+    for its outer-step candidates. ``sgd`` and ``ef-momentum`` keep lr 1.0 without momentum
+    at every ``H``.
+
+    Args:
+        inner_steps: ``H``, inner steps between two synchronisations, >= 1.
+        kind: the outer optimizer, one of :data:`OUTER_KINDS`.
+
+    Returns:
+        ``(lr, momentum)``.
 
     Raises:
         TypeError: ``inner_steps`` is not an int.
@@ -28,6 +70,7 @@ def outer_defaults(inner_steps: int, kind: str = "nesterov") -> tuple[float, flo
     """
     h = check_int("inner_steps", inner_steps, minimum=1)
     kind = check_choice("kind", kind, OUTER_KINDS)
+    if kind == "nesterov":
+        return _nesterov_lr(h), NESTEROV_MOMENTUM
     lr, momentum, _ = KIND_DEFAULTS[kind]
-    del h
     return lr, momentum

@@ -65,8 +65,12 @@ class Candidate:
                                      f"{getattr(self, field)!r}")
             return
         # The same resolution as Outer's: each value not given comes from the H rule.
-        built = OuterOptimizer.build("nesterov", inner_steps=self.outer_steps,
-                                     lr=self.outer_lr, momentum=self.outer_momentum)
+        try:
+            built = OuterOptimizer.build("nesterov", inner_steps=self.outer_steps,
+                                         lr=self.outer_lr, momentum=self.outer_momentum)
+        except (TypeError, ValueError) as err:
+            text = str(err).replace("`lr`", "`outer_lr`").replace("`momentum`", "`outer_momentum`")
+            raise type(err)(text) from None
         object.__setattr__(self, "outer_lr", built.lr)
         object.__setattr__(self, "outer_momentum", built.momentum)
 
