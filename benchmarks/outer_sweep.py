@@ -276,9 +276,11 @@ def summarise(grid: Grid, seeds: list[int], runs: Path) -> dict[str, Any]:
             rule = outer_defaults(h)
             for (lr, m), per_seed in sorted(by.items()):
                 vals = [per_seed[s]["metric"] for s in sorted(per_seed)]
-                out["settings"].append({"task": task, "h": h, "outer_lr": lr, "outer_momentum": m,
-                                        "metric": _stats(vals), "seeds": sorted(per_seed),
-                                        "default": (lr, m) == rule})
+                row = {"task": task, "h": h, "outer_lr": lr, "outer_momentum": m,
+                       "metric": _stats(vals), "seeds": sorted(per_seed), "default": (lr, m) == rule}
+                if all("accuracy" in r for r in per_seed.values()):
+                    row["accuracy"] = _stats([per_seed[s]["accuracy"] for s in sorted(per_seed)])
+                out["settings"].append(row)
             common = sorted(by.get(rule, {}))
             eligible = {k: v for k, v in by.items()
                         if k[0] in grid.lrs and k[1] in grid.momenta and set(common) <= set(v)}
@@ -294,6 +296,31 @@ def summarise(grid: Grid, seeds: list[int], runs: Path) -> dict[str, Any]:
                             "metric": _mean(by[rule], common)},
                 "ratio": ratio, "met": ratio <= 1 + TOLERANCE})
     return out
+
+
+def fit(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per H, the setting whose worse ratio to its task's best, over the tasks, is smallest
+    (minimax; only settings run on every task, and means over each setting's own seeds).
+
+    Returns:
+        One row per H: ``{"h", "outer_lr", "outer_momentum", "worst_ratio", "ratios"}``.
+    """
+    rows = []
+    tasks = summary["grid"]["tasks"]
+    for h in summary["grid"]["hs"]:
+        means: dict[tuple[float, float], dict[str, float]] = {}
+        for st in summary["settings"]:
+            if st["h"] == h and math.isfinite(st["metric"]["mean"]):
+                means.setdefault((st["outer_lr"], st["outer_momentum"]), {})[st["task"]] = st["metric"]["mean"]
+        shared = {k: v for k, v in means.items() if set(v) == set(tasks)}
+        if not shared:
+            continue
+        best = {t: min(v[t] for v in means.values() if t in v) for t in tasks}
+        ratios = {k: {t: v[t] / best[t] for t in tasks} for k, v in shared.items()}
+        pick = min(ratios, key=lambda k: (max(ratios[k].values()), k))
+        rows.append({"h": h, "outer_lr": pick[0], "outer_momentum": pick[1],
+                     "worst_ratio": max(ratios[pick].values()), "ratios": ratios[pick]})
+    return rows
 
 
 def markdown(summary: dict[str, Any]) -> str:
@@ -333,6 +360,14 @@ def markdown(summary: dict[str, Any]) -> str:
                      f"({b['outer_lr']:g}, {b['outer_momentum']:g}) | "
                      f"{b['metric']:.4g} | ({d['outer_lr']:g}, {d['outer_momentum']:g}) | "
                      f"{d['metric']:.4g} | {v['ratio']:.3f} | {'yes' if v['met'] else 'NO'} |")
+    if summary.get("fit"):
+        lines += ["", "Minimax fit (per H, the setting whose worse ratio to its task's best is "
+                  "smallest, over settings run on every task):", "",
+                  "| H | outer lr | momentum | worst ratio | ratios |", "|---:|---:|---:|---:|---|"]
+        for f in summary["fit"]:
+            ratios = ", ".join(f"{t} {r:.3f}" for t, r in f["ratios"].items())
+            lines.append(f"| {f['h']} | {f['outer_lr']:g} | {f['outer_momentum']:g} | "
+                         f"{f['worst_ratio']:.3f} | {ratios} |")
     return "\n".join(lines) + "\n"
 
 
@@ -372,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.collect_only:
         run_sweep(grid, args.seeds, args.runs, args.corpus)
     summary = summarise(grid, args.seeds, args.runs)
+    summary["fit"] = fit(summary)
     args.summary.parent.mkdir(parents=True, exist_ok=True)
     args.summary.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     args.summary.with_suffix(".md").write_text(markdown(summary))

@@ -93,3 +93,17 @@ def test_bad_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture
         outer_sweep.main(["--runs", str(tmp_path), *argv])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_fit_picks_the_setting_with_the_smallest_worse_ratio_over_tasks() -> None:
+    def row(task: str, lr: float, metric: float) -> dict:
+        return {"task": task, "h": 10, "outer_lr": lr, "outer_momentum": 0.9,
+                "metric": {"mean": metric}}
+    summary = {"grid": {"tasks": ["lm", "cnn"], "hs": [10, 30]}, "settings": [
+        row("lm", 0.1, 11.0), row("lm", 0.3, 10.0), row("lm", 0.7, 12.0),
+        row("cnn", 0.1, 1.0), row("cnn", 0.3, 1.2), row("cnn", 0.7, 1.05),
+        row("cnn", 1.0, 0.5)]}  # run on one task only: best of cnn, never picked
+    (f,) = outer_sweep.fit(summary)  # nothing at H = 30
+    # Worse ratios (cnn against its best, 0.5): lr 0.1 2.0, lr 0.3 2.4, lr 0.7 2.1.
+    assert (f["h"], f["outer_lr"], f["outer_momentum"]) == (10, 0.1, 0.9)
+    assert f["ratios"] == {"lm": 1.1, "cnn": 2.0} and f["worst_ratio"] == 2.0
