@@ -298,12 +298,20 @@ def summarise(grid: Grid, seeds: list[int], runs: Path) -> dict[str, Any]:
     return out
 
 
-def fit(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    """Per H, the setting whose worse ratio to its task's best, over the tasks, is smallest
-    (minimax; only settings run on every task, and means over each setting's own seeds).
+def fit(summary: dict[str, Any], primary: str = "lm") -> list[dict[str, Any]]:
+    """Per H, the default the sweep supports: the smallest outer lr within ``TOLERANCE`` of
+    the best on every task, or, where no setting is, within it on ``primary``.
+
+    The smallest qualifying lr, because a larger outer step is the riskier side: past the
+    best, the metric rises steeply with the outer lr on both tasks, below it gently. The
+    ``primary`` fallback exists because the CNN's test cross-entropy also rewards training
+    less at this run length (it overfits the 1,437 training images; see the summary's
+    accuracies), which is not what a default should optimise. Only settings run on every
+    task qualify; means are over each setting's own seeds.
 
     Returns:
-        One row per H: ``{"h", "outer_lr", "outer_momentum", "worst_ratio", "ratios"}``.
+        One row per H: ``{"h", "outer_lr", "outer_momentum", "basis", "ratios"}``, ``basis``
+        being ``"all tasks"`` or ``primary``.
     """
     rows = []
     tasks = summary["grid"]["tasks"]
@@ -317,9 +325,13 @@ def fit(summary: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         best = {t: min(v[t] for v in means.values() if t in v) for t in tasks}
         ratios = {k: {t: v[t] / best[t] for t in tasks} for k, v in shared.items()}
-        pick = min(ratios, key=lambda k: (max(ratios[k].values()), k))
-        rows.append({"h": h, "outer_lr": pick[0], "outer_momentum": pick[1],
-                     "worst_ratio": max(ratios[pick].values()), "ratios": ratios[pick]})
+        for basis, names in (("all tasks", tasks), (primary, [primary])):
+            ok = [k for k, r in ratios.items() if all(r[t] <= 1 + TOLERANCE for t in names)]
+            if ok:
+                pick = min(ok, key=lambda k: (k[0], -k[1]))
+                rows.append({"h": h, "outer_lr": pick[0], "outer_momentum": pick[1],
+                             "basis": basis, "ratios": ratios[pick]})
+                break
     return rows
 
 
@@ -361,13 +373,14 @@ def markdown(summary: dict[str, Any]) -> str:
                      f"{b['metric']:.4g} | ({d['outer_lr']:g}, {d['outer_momentum']:g}) | "
                      f"{d['metric']:.4g} | {v['ratio']:.3f} | {'yes' if v['met'] else 'NO'} |")
     if summary.get("fit"):
-        lines += ["", "Minimax fit (per H, the setting whose worse ratio to its task's best is "
-                  "smallest, over settings run on every task):", "",
-                  "| H | outer lr | momentum | worst ratio | ratios |", "|---:|---:|---:|---:|---|"]
+        lines += ["", "Fit (per H, the smallest outer lr within 5% of the best on every task, "
+                  "else on the language model; settings run on every task):", "",
+                  "| H | outer lr | momentum | within 5% on | ratios to each task's best |",
+                  "|---:|---:|---:|---|---|"]
         for f in summary["fit"]:
             ratios = ", ".join(f"{t} {r:.3f}" for t, r in f["ratios"].items())
             lines.append(f"| {f['h']} | {f['outer_lr']:g} | {f['outer_momentum']:g} | "
-                         f"{f['worst_ratio']:.3f} | {ratios} |")
+                         f"{f['basis']} | {ratios} |")
     return "\n".join(lines) + "\n"
 
 

@@ -95,15 +95,20 @@ def test_bad_arguments_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture
     assert message in capsys.readouterr().err
 
 
-def test_the_fit_picks_the_setting_with_the_smallest_worse_ratio_over_tasks() -> None:
-    def row(task: str, lr: float, metric: float) -> dict:
-        return {"task": task, "h": 10, "outer_lr": lr, "outer_momentum": 0.9,
+def test_the_fit_takes_the_smallest_lr_within_tolerance_on_all_tasks_else_the_primary() -> None:
+    def row(task: str, h: int, lr: float, metric: float) -> dict:
+        return {"task": task, "h": h, "outer_lr": lr, "outer_momentum": 0.9,
                 "metric": {"mean": metric}}
-    summary = {"grid": {"tasks": ["lm", "cnn"], "hs": [10, 30]}, "settings": [
-        row("lm", 0.1, 11.0), row("lm", 0.3, 10.0), row("lm", 0.7, 12.0),
-        row("cnn", 0.1, 1.0), row("cnn", 0.3, 1.2), row("cnn", 0.7, 1.05),
-        row("cnn", 1.0, 0.5)]}  # run on one task only: best of cnn, never picked
-    (f,) = outer_sweep.fit(summary)  # nothing at H = 30
-    # Worse ratios (cnn against its best, 0.5): lr 0.1 2.0, lr 0.3 2.4, lr 0.7 2.1.
-    assert (f["h"], f["outer_lr"], f["outer_momentum"]) == (10, 0.1, 0.9)
-    assert f["ratios"] == {"lm": 1.1, "cnn": 2.0} and f["worst_ratio"] == 2.0
+    summary = {"grid": {"tasks": ["lm", "cnn"], "hs": [10, 30, 100]}, "settings": [
+        # H = 10: lr 0.3 and 0.5 are within 5% on both tasks; the smaller is taken.
+        row("lm", 10, 0.1, 11.0), row("lm", 10, 0.3, 10.4), row("lm", 10, 0.5, 10.0),
+        row("cnn", 10, 0.1, 1.0), row("cnn", 10, 0.3, 1.04), row("cnn", 10, 0.5, 1.05),
+        # H = 30: none within 5% on both; 0.5 and 0.7 are on lm: the smaller.
+        row("lm", 30, 0.1, 12.0), row("lm", 30, 0.5, 10.3), row("lm", 30, 0.7, 10.0),
+        row("cnn", 30, 0.1, 1.0), row("cnn", 30, 0.5, 1.2), row("cnn", 30, 0.7, 1.3),
+        row("cnn", 30, 1.0, 0.1)]}  # on one task only: its best, never picked; no H = 100
+    at10, at30 = outer_sweep.fit(summary)
+    assert (at10["h"], at10["outer_lr"], at10["basis"]) == (10, 0.3, "all tasks")
+    assert at10["ratios"] == {"lm": 1.04, "cnn": 1.04}
+    assert (at30["h"], at30["outer_lr"], at30["basis"]) == (30, 0.5, "lm")
+    assert at30["ratios"] == {"lm": 10.3 / 10.0, "cnn": 1.2 / 0.1}

@@ -18,8 +18,6 @@ from gradzip.outer.defaults import KIND_DEFAULTS, OUTER_KINDS, outer_defaults
 __all__ = ["OUTER_KINDS", "OuterOptimizer"]
 
 
-
-
 @dataclass(frozen=True)
 class OuterOptimizer:
     """The outer step: ``anchor <- anchor - lr * direction(update)`` per tensor, where
@@ -34,7 +32,7 @@ class OuterOptimizer:
         lr: outer learning rate, > 0 (default 0.7 for ``nesterov``, 1.0 otherwise; built
             through :meth:`build` with ``inner_steps``, as :class:`~gradzip.Outer` does, the
             ``nesterov`` default depends on ``H``: see
-            :func:`~gradzip.outer.defaults.outer_defaults`).
+            :func:`~gradzip.outer_defaults`).
         momentum: in [0, 1) (default 0.9 for ``nesterov``, 0 otherwise, the same way; must be
             > 0 for ``nesterov`` and 0 for ``ef-momentum``).
         decay: factor applied to error feedback's residual before each exchange, in (0, 1]
@@ -81,7 +79,7 @@ class OuterOptimizer:
         Args:
             spec: an instance (its values are kept, bar the overrides) or a kind name.
             inner_steps: ``H``; with a kind name, the ``lr`` and ``momentum`` not given come
-                from :func:`~gradzip.outer.defaults.outer_defaults` at this ``H`` (without
+                from :func:`~gradzip.outer_defaults` at this ``H`` (without
                 it, the kind's fixed defaults).
             **overrides: ``lr``, ``momentum``, ``decay``; ``None`` means not given.
 

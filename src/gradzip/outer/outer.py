@@ -53,7 +53,7 @@ class Outer:
             holds none).
         inner_steps: ``H``, inner steps between two synchronisations of a fragment, >= 1.
         outer_optimizer: ``"nesterov"`` (default; lr and momentum from ``H`` by
-            :func:`~gradzip.outer.defaults.outer_defaults`), ``"sgd"`` (lr 1.0, no momentum),
+            :func:`~gradzip.outer_defaults`), ``"sgd"`` (lr 1.0, no momentum),
             ``"ef-momentum"`` (lr 1.0, residual decay 0.95, no momentum, error feedback on:
             refused with ``error_feedback=False``), or an :class:`OuterOptimizer` (its values
             as they are).

@@ -35,7 +35,7 @@ class Candidate:
         outer_steps: ``H`` for outer-step training (an exchange every ``H`` steps), else 0.
         outer_lr, outer_momentum: the Nesterov outer optimizer's settings of an outer-step
             candidate; left ``None``, they are filled from ``H`` by
-            :func:`~gradzip.outer.defaults.outer_defaults` (what :class:`~gradzip.Outer`
+            :func:`~gradzip.outer_defaults` (what :class:`~gradzip.Outer`
             uses when given neither). ``None`` for a per-step candidate.
 
     Raises:
