@@ -21,14 +21,19 @@ sweep resumes where it stopped. A ``default`` entry per H runs whatever
 it shares its file with the grid point it resolves to, if any.
 
 ``--summary`` (default ``benchmarks/results/outer_sweep``) gets ``.json`` and ``.md``: per
-(task, H, lr, momentum) the mean and range over seeds, the best setting per (task, H), and the
-verdict of the target: the default's mean metric within ``TOLERANCE`` (5%) of the best grid
-setting's mean metric, at every H of both tasks.
+(task, H, lr, momentum) the mean and range over seeds, the best setting per (task, H), the
+verdict of the target (the default's mean metric within ``TOLERANCE``, 5%, of the best grid
+setting's mean metric over the same seeds, at every H of both tasks), and :func:`fit`: the
+setting per H that the data supports as a default.
 
-Usage::
+Usage (the committed results: several processes at once, each on its own seeds or extra
+learning rates, sharing one ``--runs`` directory; then one summary over all of it)::
 
-    nice -n 15 python benchmarks/outer_sweep.py --runs /tmp/outer-sweep --seeds 0 1
-    python benchmarks/outer_sweep.py --runs /tmp/outer-sweep --collect-only
+    nice -n 15 python benchmarks/outer_sweep.py --runs /tmp/outer-sweep --tasks lm --seeds 0
+    nice -n 15 python benchmarks/outer_sweep.py --runs /tmp/outer-sweep --tasks lm --hs 10 \
+        --lrs 0.15 0.2 --momenta 0.9 --seeds 1
+    python benchmarks/outer_sweep.py --runs /tmp/outer-sweep --collect-only --seeds 0 1 2 \
+        --lrs 0.1 0.15 0.2 0.3 0.5 0.7 1.0 --momenta 0.5 0.9
 """
 
 from __future__ import annotations
@@ -341,7 +346,8 @@ def markdown(summary: dict[str, Any]) -> str:
     lines = [f"Outer lr x momentum x H: {g['lm_workers']} (lm) and {g['workers']} (cnn) simulated "
              f"workers, {g['steps']} inner "
              f"steps per run, seeds {g['seeds']}; metric: lm validation perplexity, cnn test "
-             f"cross-entropy (mean over seeds, [min, max]); `*`: the default rule's setting.", ""]
+             f"cross-entropy (mean over seeds, [min, max], (number of seeds), and the cnn's test accuracy); `*`: the "
+             f"default rule's setting.", ""]
     for task in g["tasks"]:
         for h in g["hs"]:
             rows = [s for s in summary["settings"] if s["task"] == task and s["h"] == h]
@@ -360,8 +366,9 @@ def markdown(summary: dict[str, Any]) -> str:
                         cells.append("")
                         continue
                     st = s["metric"]
+                    acc = (f", acc {100 * s['accuracy']['mean']:.1f}%" if "accuracy" in s else "")
                     cells.append(f"{'*' if s['default'] else ''}{st['mean']:.4g} "
-                                 f"[{st['min']:.4g}, {st['max']:.4g}]")
+                                 f"[{st['min']:.4g}, {st['max']:.4g}] ({st['n']}){acc}")
                 lines.append(f"| {lr:g} | " + " | ".join(cells) + " |")
             lines.append("")
     lines += ["| task | H | seeds | settings compared | best (lr, momentum) | best | default (lr, "

@@ -8,13 +8,13 @@ import math
 import pytest
 
 import gradzip
-from gradzip.outer.defaults import NESTEROV_LR_BY_H, NESTEROV_MOMENTUM, outer_defaults
+from gradzip.outer.defaults import NESTEROV_BY_H, outer_defaults
 from gradzip.outer.optim import OuterOptimizer
 from gradzip.plan.candidates import Candidate, default_candidates
 from outer_helpers import make_model
 
 #: The rule measured by benchmarks/outer_sweep.py (benchmarks/results/outer_sweep.md).
-MEASURED = {10: (0.15, 0.9), 30: (0.3, 0.9), 100: (0.5, 0.9), 500: (0.7, 0.9)}
+MEASURED = {10: (0.7, 0.5), 30: (0.7, 0.5), 100: (0.7, 0.5), 500: (0.7, 0.9)}
 
 
 def _outer(h: int, **kwargs):  # type: ignore[no-untyped-def]
@@ -31,14 +31,15 @@ def test_outer_takes_the_measured_setting_at_each_measured_h(h: int) -> None:
 
 
 def test_between_anchors_linear_in_log_h_and_constant_outside() -> None:
-    (h0, lr0), (h1, lr1) = NESTEROV_LR_BY_H[0], NESTEROV_LR_BY_H[1]
+    (h0, lr0, m0), (h1, lr1, m1) = NESTEROV_BY_H[-2], NESTEROV_BY_H[-1]
     mid = round(math.sqrt(h0 * h1))  # halfway in log H (up to the rounding of H)
     t = (math.log(mid) - math.log(h0)) / (math.log(h1) - math.log(h0))
-    assert outer_defaults(mid) == (round(lr0 + t * (lr1 - lr0), 3), NESTEROV_MOMENTUM)
-    assert outer_defaults(1) == outer_defaults(h0)
-    assert outer_defaults(10_000) == outer_defaults(NESTEROV_LR_BY_H[-1][0])
-    lrs = [outer_defaults(h)[0] for h in range(1, 400)]
-    assert lrs == sorted(lrs)  # never decreasing in H
+    assert outer_defaults(mid) == (round(lr0 + t * (lr1 - lr0), 3), round(m0 + t * (m1 - m0), 3))
+    assert 0.5 < outer_defaults(mid)[1] < 0.9
+    assert outer_defaults(1) == outer_defaults(NESTEROV_BY_H[0][0])
+    assert outer_defaults(10_000) == outer_defaults(NESTEROV_BY_H[-1][0])
+    momenta = [outer_defaults(h)[1] for h in range(1, 2000)]
+    assert momenta == sorted(momenta)  # never decreasing in H
 
 
 def test_other_kinds_keep_their_fixed_settings_at_every_h() -> None:
