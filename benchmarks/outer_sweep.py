@@ -307,12 +307,10 @@ def fit(summary: dict[str, Any], primary: str = "lm") -> list[dict[str, Any]]:
     """Per H, the default the sweep supports: the smallest outer lr within ``TOLERANCE`` of
     the best on every task, or, where no setting is, within it on ``primary``.
 
-    The smallest qualifying lr, because a larger outer step is the riskier side: past the
-    best, the metric rises steeply with the outer lr on both tasks, below it gently. The
-    ``primary`` fallback exists because the CNN's test cross-entropy also rewards training
-    less at this run length (it overfits the 1,437 training images; see the summary's
-    accuracies), which is not what a default should optimise. Only settings run on every
-    task qualify; means are over each setting's own seeds.
+    The smallest qualifying lr, because a larger outer step is the riskier side (past the
+    best the metric rose steeply with the outer lr, below it gently). The ``primary``
+    fallback names the task to trust when the tasks disagree beyond the tolerance. Only
+    settings run on every task qualify; means are over each setting's own seeds.
 
     Returns:
         One row per H: ``{"h", "outer_lr", "outer_momentum", "basis", "ratios"}``, ``basis``
