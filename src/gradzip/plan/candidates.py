@@ -75,7 +75,7 @@ class Candidate:
         object.__setattr__(self, "outer_momentum", built.momentum)
 
     def describe_outer(self) -> str:
-        """``"H=30, outer lr 0.7, momentum 0.9"`` for an outer-step candidate, else ``""``."""
+        """``"H=30, outer lr 0.7, momentum 0.5"`` for an outer-step candidate, else ``""``."""
         if not self.outer_steps:
             return ""
         return (f"H={self.outer_steps}, outer lr {self.outer_lr:g}, "
