@@ -61,7 +61,8 @@ from gradzip.train.transformer import TransformerLanguageModel
 HERE = Path(__file__).resolve().parent
 #: The default's metric within this fraction of the best grid setting's (mean over seeds).
 TOLERANCE = 0.05
-CORPUS = Path("/tmp/outerdefault/wikitext-2-partial")
+#: Where ``tar xzf ../shared/data/wikitext-2-partial.tar.gz -C /tmp/wt2`` puts the corpus.
+CORPUS = Path("/tmp/wt2/wikitext-2-partial")
 
 
 @dataclass(frozen=True)
