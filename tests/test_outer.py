@@ -132,7 +132,8 @@ def test_nesterov_outer_optimizer_is_torch_sgd_bit_for_bit() -> None:
 
 
 def test_diloco_nesterov_matches_reference() -> None:
-    opt = OuterOptimizer("nesterov")
+    # The default outer step at H = 4: Nesterov with the rule's lr and momentum at that H.
+    opt = OuterOptimizer.build("nesterov", inner_steps=4)
     state: dict = {}
     models, _ = run_simulated(WORKERS, 12, "none", inner_steps=4, inner="adamw")
     ref = _reference(12, lambda n, a, avg: opt.apply(n, a, avg, state), FragmentPlan(4), inner="adamw")

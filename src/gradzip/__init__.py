@@ -26,7 +26,7 @@ from gradzip.compressors import (
 from gradzip.control import Accordion, BatchPlan, BatchSizeController, Schedule, critical_regime
 from gradzip.engine import Engine
 from gradzip.options import EngineOptions, Rule
-from gradzip.outer import Outer, OuterOptimizer
+from gradzip.outer import Outer, OuterOptimizer, outer_defaults
 from gradzip.plan import Auto
 from gradzip.spec import compressor_from_spec, describe_compressors
 
@@ -79,6 +79,7 @@ __all__ = [
     "critical_regime",
     "ddp",
     "describe_compressors",
+    "outer_defaults",
     "plan",
     "fsdp",
 ]

@@ -17,6 +17,7 @@ import pytest
 from gradzip._cli_train import interrupted_hint
 from gradzip.cli import main
 from gradzip.comm.base import allreduce_wire_bytes
+from gradzip.outer.defaults import outer_defaults
 from gradzip.train.config import resolve_config
 from gradzip.train.metrics import format_bytes
 from gradzip.train.runner import RunConfig
@@ -105,8 +106,10 @@ def test_an_outer_run_header_says_h_and_compares_with_per_step_averaging(
     model = task.build_model(cfg, task.load(cfg))
     numel = sum(p.numel() for p in model.parameters())
     dense = allreduce_wire_bytes(4 * numel, 2)
+    lr, momentum = outer_defaults(3)
     assert first == (
-        "gradzip train: outer-step training (H=3): the workers synchronise every 3 optimizer "
+        f"gradzip train: outer-step training (H=3, nesterov outer lr {lr:g}, momentum "
+        f"{momentum:g}): the workers synchronise every 3 optimizer "
         f"steps, about {format_bytes(dense / 3)} per worker and optimizer step before "
         f"topk:ratio=0.1 compresses it vs {format_bytes(dense)} for per-step dense averaging "
         "(3x less)")

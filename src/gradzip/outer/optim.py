@@ -13,20 +13,9 @@ from typing import Any
 import torch
 
 from gradzip._validate import check_choice, check_real
+from gradzip.outer.defaults import KIND_DEFAULTS, OUTER_KINDS, outer_defaults
 
 __all__ = ["OUTER_KINDS", "OuterOptimizer"]
-
-#: ``nesterov``: SGD with Nesterov momentum (DiLoCo); ``sgd``: SGD, momentum optional (0 by
-#: default); ``ef-momentum``: no outer momentum, error feedback's residual decayed instead
-#: (SparseLoCo).
-OUTER_KINDS = ("nesterov", "sgd", "ef-momentum")
-
-# kind -> (lr, momentum, residual decay) defaults, from the published settings.
-_DEFAULTS = {
-    "nesterov": (0.7, 0.9, 1.0),
-    "sgd": (1.0, 0.0, 1.0),
-    "ef-momentum": (1.0, 0.0, 0.95),
-}
 
 
 @dataclass(frozen=True)
@@ -40,9 +29,12 @@ class OuterOptimizer:
 
     Args:
         kind: one of :data:`OUTER_KINDS`.
-        lr: outer learning rate, > 0 (default 0.7 for ``nesterov``, 1.0 otherwise).
-        momentum: in [0, 1) (default 0.9 for ``nesterov``, 0 otherwise; must be > 0 for
-            ``nesterov`` and 0 for ``ef-momentum``).
+        lr: outer learning rate, > 0 (default 0.7 for ``nesterov``, 1.0 otherwise; built
+            through :meth:`build` with ``inner_steps``, as :class:`~gradzip.Outer` does, the
+            ``nesterov`` default depends on ``H``: see
+            :func:`~gradzip.outer_defaults`).
+        momentum: in [0, 1) (default 0.9 for ``nesterov``, 0 otherwise, the same way; must be
+            > 0 for ``nesterov`` and 0 for ``ef-momentum``).
         decay: factor applied to error feedback's residual before each exchange, in (0, 1]
             (default 0.95 for ``ef-momentum``; only that kind may set it below 1).
 
@@ -61,7 +53,7 @@ class OuterOptimizer:
 
     def __post_init__(self) -> None:
         kind = check_choice("kind", self.kind, OUTER_KINDS)
-        lr, momentum, decay = _DEFAULTS[kind]
+        lr, momentum, decay = KIND_DEFAULTS[kind]
         lr = lr if self.lr is None else check_real("lr", self.lr, low=0, low_open=True)
         if self.momentum is not None:
             momentum = check_real("momentum", self.momentum, low=0, high=1, high_open=True)
@@ -79,14 +71,27 @@ class OuterOptimizer:
         object.__setattr__(self, "decay", decay)
 
     @classmethod
-    def build(cls, spec: OuterOptimizer | str, **overrides: float | None) -> OuterOptimizer:
+    def build(cls, spec: OuterOptimizer | str, *, inner_steps: int | None = None,
+              **overrides: float | None) -> OuterOptimizer:
         """An optimizer from an instance or a kind name, with ``lr``/``momentum``/``decay``
         replaced where given (not ``None``).
 
+        Args:
+            spec: an instance (its values are kept, bar the overrides) or a kind name.
+            inner_steps: ``H``; with a kind name, the ``lr`` and ``momentum`` not given come
+                from :func:`~gradzip.outer_defaults` at this ``H`` (without
+                it, the kind's fixed defaults).
+            **overrides: ``lr``, ``momentum``, ``decay``; ``None`` means not given.
+
         Raises:
-            TypeError: ``spec`` is neither.
+            TypeError: ``spec`` is neither; ``inner_steps`` not an int.
+            ValueError: ``inner_steps`` < 1, or an override out of range.
         """
         given = {k: v for k, v in overrides.items() if v is not None}
+        if inner_steps is not None and isinstance(spec, str):
+            kind = check_choice("kind", spec, OUTER_KINDS)
+            lr, momentum = outer_defaults(inner_steps, kind)
+            given = {"lr": lr, "momentum": momentum, **given}
         if isinstance(spec, OuterOptimizer):
             if not given:
                 return spec

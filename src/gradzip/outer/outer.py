@@ -52,12 +52,13 @@ class Outer:
             a range holds the synchronisations sent after one of its steps (refused when it
             holds none).
         inner_steps: ``H``, inner steps between two synchronisations of a fragment, >= 1.
-        outer_optimizer: ``"nesterov"`` (default: lr 0.7, momentum 0.9), ``"sgd"`` (lr 1.0,
-            no momentum), ``"ef-momentum"`` (lr 1.0, residual decay 0.95, no momentum, error
-            feedback on: refused with ``error_feedback=False``), or an
-            :class:`OuterOptimizer`.
-        outer_lr: replaces the outer optimizer's ``lr``.
-        outer_momentum: replaces the outer optimizer's ``momentum``.
+        outer_optimizer: ``"nesterov"`` (default; lr and momentum from ``H`` by
+            :func:`~gradzip.outer_defaults`), ``"sgd"`` (lr 1.0, no momentum),
+            ``"ef-momentum"`` (lr 1.0, residual decay 0.95, no momentum, error feedback on:
+            refused with ``error_feedback=False``), or an :class:`OuterOptimizer` (its values
+            as they are).
+        outer_lr: replaces the outer optimizer's ``lr`` (given, it is used as given).
+        outer_momentum: replaces the outer optimizer's ``momentum`` (likewise).
         error_decay: replaces the outer optimizer's residual ``decay``.
         fragments: ``P`` (streaming), >= 1, dividing ``H``, at most the number of tensors.
         delay: ``tau``, inner steps between sending a fragment and applying its result
@@ -115,8 +116,10 @@ class Outer:
     ) -> None:
         self.plan = FragmentPlan(inner_steps, fragments, delay)
         try:
+            # A kind given by name takes the lr and momentum not given from the H rule.
             self.optimizer = OuterOptimizer.build(
-                outer_optimizer, lr=outer_lr, momentum=outer_momentum, decay=error_decay)
+                outer_optimizer, inner_steps=self.plan.inner_steps, lr=outer_lr,
+                momentum=outer_momentum, decay=error_decay)
         except (TypeError, ValueError) as err:
             # Name the parameters as this constructor calls them, not as the record does.
             text = str(err)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradzip._validate import check_choice, check_int
+from gradzip.outer.optim import OuterOptimizer
 from gradzip.spec import compressor_from_spec
 
 __all__ = ["QUALITIES", "Candidate", "default_candidates"]
@@ -32,6 +33,10 @@ class Candidate:
         spec: the compressor spec of every exchange (per step, or of the pseudo-gradient).
         quality: one of :data:`QUALITIES`.
         outer_steps: ``H`` for outer-step training (an exchange every ``H`` steps), else 0.
+        outer_lr, outer_momentum: the Nesterov outer optimizer's settings of an outer-step
+            candidate; left ``None``, they are filled from ``H`` by
+            :func:`~gradzip.outer_defaults` (what :class:`~gradzip.Outer`
+            uses when given neither). ``None`` for a per-step candidate.
 
     Raises:
         TypeError, ValueError: an invalid field, naming it.
@@ -41,6 +46,8 @@ class Candidate:
     spec: str
     quality: str
     outer_steps: int = 0
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -51,6 +58,28 @@ class Candidate:
         if (self.quality == "outer") != (self.outer_steps > 0):
             raise ValueError(f"`outer_steps` must be > 0 exactly for quality 'outer', got "
                              f"{self.outer_steps} with quality {self.quality!r}")
+        if not self.outer_steps:
+            for field in ("outer_lr", "outer_momentum"):
+                if getattr(self, field) is not None:
+                    raise ValueError(f"`{field}` must be None for a per-step candidate, got "
+                                     f"{getattr(self, field)!r}")
+            return
+        # The same resolution as Outer's: each value not given comes from the H rule.
+        try:
+            built = OuterOptimizer.build("nesterov", inner_steps=self.outer_steps,
+                                         lr=self.outer_lr, momentum=self.outer_momentum)
+        except (TypeError, ValueError) as err:
+            text = str(err).replace("`lr`", "`outer_lr`").replace("`momentum`", "`outer_momentum`")
+            raise type(err)(text) from None
+        object.__setattr__(self, "outer_lr", built.lr)
+        object.__setattr__(self, "outer_momentum", built.momentum)
+
+    def describe_outer(self) -> str:
+        """``"H=30, outer lr 0.7, momentum 0.5"`` for an outer-step candidate, else ``""``."""
+        if not self.outer_steps:
+            return ""
+        return (f"H={self.outer_steps}, outer lr {self.outer_lr:g}, "
+                f"momentum {self.outer_momentum:g}")
 
 
 def default_candidates() -> tuple[Candidate, ...]:

@@ -8,7 +8,7 @@ import math
 import sys
 from typing import Any
 
-from gradzip.plan.candidates import QUALITIES, default_candidates
+from gradzip.plan.candidates import QUALITIES, Candidate, default_candidates
 from gradzip.plan.model import Setting
 from gradzip.plan.planner import Plan, parse_count, plan
 from gradzip.plan.timing import ENV_VAR, TimingCache, timing_key
@@ -123,14 +123,14 @@ def table(result: Plan) -> str:
     """The plan as a text table, the considered classes and one line naming the choice."""
     s = result.setting
     none = next((p for p in result.predictions if p.candidate.name == "none"), None)
-    head = ("candidate", "quality", "spec", "H", "kB/step", "calls/step", "link ms/exch",
+    head = ("candidate", "quality", "spec", "H (outer lr, momentum)", "kB/step", "calls/step", "link ms/exch",
             "exposed ms", "compress ms", "step ms", "vs none")
     rows = []
     for p in result.predictions:
         c = p.candidate
         mark = "* " if p is result.choice else "  "
         speed = f"{none.step_ms / p.step_ms:.2f}x" if none is not None else "-"
-        rows.append((mark + c.name, c.quality, c.spec, str(c.outer_steps or "-"),
+        rows.append((mark + c.name, c.quality, c.spec, _outer_cell(c),
                      f"{p.wire_bytes_per_step / 1e3:,.1f}", f"{p.calls_per_step:.3g}",
                      f"{p.comm_ms:.1f}", f"{p.exposed_comm_ms:.1f}",
                      "-" if p.compress_ms is None else f"{p.compress_ms:.1f}",
@@ -147,6 +147,13 @@ def table(result: Plan) -> str:
     lines.append(f"considered: {', '.join(result.considered)}")
     lines.append(f"choice: {result.reason}")
     return "\n".join(lines)
+
+
+def _outer_cell(c: Candidate) -> str:
+    """``"30 (0.7, 0.9)"`` for an outer-step candidate (its H and Nesterov settings), else ``-``."""
+    if not c.outer_steps:
+        return "-"
+    return f"{c.outer_steps} ({c.outer_lr:g}, {c.outer_momentum:g})"
 
 
 def run(args: argparse.Namespace) -> int:

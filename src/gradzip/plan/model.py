@@ -147,7 +147,8 @@ class Prediction:
         """Plain data for JSON."""
         c = self.candidate
         return {"name": c.name, "spec": c.spec, "quality": c.quality,
-                "outer_steps": c.outer_steps, "wire_bytes_per_exchange": self.wire_bytes,
+                "outer_steps": c.outer_steps, "outer_lr": c.outer_lr,
+                "outer_momentum": c.outer_momentum, "wire_bytes_per_exchange": self.wire_bytes,
                 "payload_bytes_per_exchange": self.payload_bytes,
                 "wire_bytes_per_step": self.wire_bytes_per_step,
                 "calls_per_exchange": self.calls, "calls_per_step": self.calls_per_step,

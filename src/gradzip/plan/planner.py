@@ -181,7 +181,7 @@ def choose(predictions: Sequence[Prediction], *, qualities: Sequence[str] = QUAL
                  and not p.candidate.outer_steps), None)
     gain = f", {none.step_ms / choice.step_ms:.2f}x none" if none is not None else ""
     reason = (f"{choice.candidate.name} ({choice.candidate.spec}"
-              f"{f', H={choice.candidate.outer_steps}' if choice.candidate.outer_steps else ''}):"
+              f"{', ' + choice.candidate.describe_outer() if choice.candidate.outer_steps else ''}):"
               f" {choice.step_ms:.1f} ms/step predicted{gain}; fastest of the classes "
               f"{', '.join(q for q in QUALITIES if q in qualities)} (a more lossy class must "
               f"gain {margin:.0%})")

@@ -25,12 +25,13 @@ class OuterFields:
     outer_steps: int = option(0, "outer-step training: synchronise the parameters' change every "
                               "H optimizer steps (0: off, every step's gradient is averaged)",
                               group=OUTER, metavar="H", check=int_at_least(0))
-    outer_optimizer: str = option("nesterov", "nesterov (lr 0.7, momentum 0.9), sgd (lr 1) or "
+    outer_optimizer: str = option("nesterov", "nesterov (lr and momentum from H by the default "
+                                  "rule, see docs: outer-step training), sgd (lr 1) or "
                                   "ef-momentum (decayed error feedback, always on, lr 1)", group=OUTER,
                                   choices=OUTER_KINDS)
-    outer_lr: float | None = option(None, "outer learning rate (default: the outer optimizer's)",
+    outer_lr: float | None = option(None, "outer learning rate (default: the outer optimizer's, at H)",
                                     group=OUTER, check=real_in(low=0, low_open=True))
-    outer_momentum: float | None = option(None, "outer momentum (default: the outer optimizer's)",
+    outer_momentum: float | None = option(None, "outer momentum (default: the outer optimizer's, at H)",
                                           group=OUTER, check=real_in(low=0, high=1, high_open=True))
     fragments: int = option(1, "streaming: fragments synchronised in turn (dividing H)",
                             group=OUTER, metavar="P", check=int_at_least(1))

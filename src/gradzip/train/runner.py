@@ -33,6 +33,7 @@ from gradzip.comm.launch import run_processes
 from gradzip.comm.torch_dist import shutdown_process_group
 from gradzip.engine.routing import idle_rule
 from gradzip.ops.random import stable_hash
+from gradzip.outer.optim import OuterOptimizer
 from gradzip.train.config import RunConfig, build_compressor, resolve_config, under_torchrun
 from gradzip.train.loop import TrainLoop
 from gradzip.train.metrics import format_bytes, versions
@@ -158,8 +159,12 @@ def outer_header(cfg: RunConfig, model: torch.nn.Module) -> str | None:
     # Outer training exchanges each parameter's change once every H steps (a fragment every
     # H/P steps): before compression, 1/H of what per-step averaging sends.
     dense = dense_step_bytes(cfg, model)
+    # The outer optimizer as Outer resolves it: unset lr/momentum come from the H rule.
+    opt = OuterOptimizer.build(cfg.outer_optimizer, inner_steps=h, lr=cfg.outer_lr,
+                               momentum=cfg.outer_momentum)
     shape = f"H={h}" + (f", {p} fragments" if p > 1 else "") + (
-        f", delay {cfg.outer_delay}" if cfg.outer_delay else "")
+        f", delay {cfg.outer_delay}" if cfg.outer_delay else "") + (
+        f", {opt.kind} outer lr {opt.lr:g}, momentum {opt.momentum:g}")
     then = "" if cfg.compressor == "none" else f" before {cfg.compressor} compresses it"
     return (f"outer-step training ({shape}): the workers synchronise every {h} optimizer steps, "
             f"about {format_bytes(dense / h)} per worker and optimizer step{then} vs "
