@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from test_auto import SHAPES, WORLD, LinkClock, drive
 
 from gradzip import Auto
 from gradzip.plan.candidates import Candidate
 from gradzip.plan.outer_switch import OUTER_CANDIDATES, outer_switch
+from test_auto import SHAPES, WORLD, LinkClock, drive
 
 
 def _spec(engine: object, label: str) -> str:
