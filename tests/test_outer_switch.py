@@ -6,7 +6,7 @@ import pytest
 
 from gradzip import Auto
 from gradzip.plan.candidates import Candidate
-from gradzip.plan.outer_switch import OUTER_CANDIDATES, outer_switch
+from gradzip.plan.switch import OUTER_CANDIDATES, outer_switch
 from test_auto import SHAPES, WORLD, LinkClock, drive
 
 
