@@ -1,0 +1,103 @@
+"""Whether to leave per-step communication for outer-step training, from a decision of
+:class:`~gradzip.plan.auto.Auto`.
+
+:func:`outer_switch` reads one of Auto's decision records (its measured inputs are already
+the maxima over every rank, so every rank computes the same answer from it) and weighs the
+outer-step candidates (``H`` local steps between exchanges, the outer settings from
+:func:`~gradzip.outer_defaults`) against the per-step level Auto just chose, with the same
+cost model. It proposes a switch only when the phase is past the critical regime (Auto's
+guard said ``critical: False``) and the best outer-step candidate is predicted faster by
+the hysteresis margin. It decides; carrying the switch out (the exchange of parameters and
+the construction of the outer loop) belongs to the caller.
+
+Both sides are priced from link and compute alone: the per-step level's measured compression
+overhead is not in the record, so per-step communication is priced at its cheapest and a
+switch needs the margin over that (a conservative rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gradzip._validate import check_int, check_real
+from gradzip.plan.candidates import Candidate
+from gradzip.plan.model import Setting, predict_candidate
+from gradzip.plan.traffic import measure_traffic
+
+__all__ = ["OUTER_CANDIDATES", "outer_switch"]
+
+#: The outer-step candidates weighed by default: DiLoCo's dense exchange at H = 10, 30, 100.
+OUTER_CANDIDATES = tuple(Candidate(f"diloco-h{h}", "none", "outer", h) for h in (10, 30, 100))
+
+_NEEDED = ("critical", "level", "compute_ms", "bandwidth_mbit", "rtt_ms", "calls", "step")
+
+
+def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str, Sequence[int]],
+                 workers: int, *, margin: float,
+                 candidates: Sequence[Candidate] = OUTER_CANDIDATES,
+                 bandwidth_mbit: float | None = None) -> dict[str, Any]:
+    """Weigh outer-step training against the per-step level of one Auto decision.
+
+    Args:
+        record: one record of :meth:`Auto.decisions <gradzip.plan.auto.Auto.decisions>`
+            (``critical``, ``level``, ``compute_ms``, ``bandwidth_mbit``, ``rtt_ms``,
+            ``calls``, ``step`` are read).
+        level_spec: the compressor spec of the record's chosen ``level``.
+        shapes: the trained tensors' shapes.
+        workers: ``W`` (>= 2).
+        margin: the fraction a switch must gain, in [0, 1).
+        candidates: the outer-step candidates (quality ``"outer"``), at least one.
+        bandwidth_mbit: a link bandwidth to use instead of the measured one (> 0), e.g. a
+            known link the probe cannot see; ``None``: the record's.
+
+    Returns:
+        The switch record: ``switch`` (bool), ``step``, ``reason``, the inputs
+        (``compute_ms``, ``bandwidth_mbit``, ``rtt_ms``, ``calls``, ``critical``), the
+        per-step ``level``, ``predicted_ms`` of it and of every candidate, the best
+        ``candidate`` with its ``outer_steps``, ``outer_lr`` and ``outer_momentum``, and
+        the predicted ``gain`` of the best candidate over staying.
+
+    Raises:
+        TypeError, ValueError: an invalid parameter, naming it.
+    """
+    if not isinstance(record, Mapping) or any(k not in record for k in _NEEDED):
+        raise ValueError(f"`record` must be an Auto decision record with keys {list(_NEEDED)}, "
+                         f"got {record!r}")
+    check_int("workers", workers, minimum=2)
+    check_real("margin", margin, low=0, high=1, high_open=True)
+    if not candidates or any(not isinstance(c, Candidate) or not c.outer_steps
+                             for c in candidates):
+        raise ValueError(f"`candidates` must be a non-empty sequence of outer-step Candidates, "
+                         f"got {candidates!r}")
+    if bandwidth_mbit is not None:
+        check_real("bandwidth_mbit", bandwidth_mbit, low=0, low_open=True)
+    bandwidth = float(record["bandwidth_mbit"] if bandwidth_mbit is None else bandwidth_mbit)
+    # The record's numbers are maxima over the ranks (Auto aggregates them before deciding),
+    # so every rank builds the same setting and takes the same branch below: the switch
+    # changes which collectives run next, and a split decision would deadlock them.
+    setting = Setting(workers, bandwidth, float(record["rtt_ms"]),
+                      max(float(record["compute_ms"]), 1e-6),
+                      buckets=max(1, round(float(record["calls"]))), overlap=False)
+    plain = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
+    level = str(record["level"])
+    stay = predict_candidate(Candidate(level, level_spec, "lossless"),
+                             measure_traffic(level_spec, workers, shapes=plain), setting, None)
+    outer = {c.name: predict_candidate(c, measure_traffic(c.spec, workers, shapes=plain),
+                                       setting, None) for c in candidates}
+    best = min(candidates, key=lambda c: outer[c.name].step_ms)
+    gain = 1 - outer[best.name].step_ms / stay.step_ms
+    if record["critical"]:
+        switch, reason = False, "critical"
+    elif gain < margin:
+        switch, reason = False, "no gain"
+    else:
+        switch, reason = True, "steady and faster"
+    return {"switch": switch, "step": int(record["step"]), "reason": reason,
+            "critical": bool(record["critical"]), "compute_ms": setting.step_ms,
+            "bandwidth_mbit": bandwidth, "rtt_ms": setting.rtt_ms, "calls": setting.buckets,
+            "level": level,
+            "predicted_ms": {level: stay.step_ms,
+                             **{n: p.step_ms for n, p in outer.items()}},
+            "candidate": best.name, "outer_steps": best.outer_steps,
+            "outer_lr": best.outer_lr, "outer_momentum": best.outer_momentum, "gain": gain}

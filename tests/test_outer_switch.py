@@ -1,0 +1,65 @@
+"""Auto's per-step -> outer-step switch rule: decided from Auto's own records (scripted clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradzip import Auto
+from gradzip.plan.candidates import Candidate
+from gradzip.plan.switch import OUTER_CANDIDATES, outer_switch
+from test_auto import SHAPES, WORLD, LinkClock, drive
+
+
+def _spec(engine: object, label: str) -> str:
+    auto = engine.compressor  # type: ignore[attr-defined]
+    return str(auto._levels[auto.labels.index(label)].spec())
+
+
+def test_slow_link_switches_only_after_the_critical_phase() -> None:
+    engine = drive(LinkClock(10, 1e-3), 60)
+    first, second = Auto.decisions(engine, since=0)
+    got = [outer_switch(r, _spec(engine, r["level"]), SHAPES, WORLD, margin=0.05)
+           for r in (first, second)]
+    # Step 5 is the first decision, critical by rule: no switch whatever the gain.
+    assert (got[0]["switch"], got[0]["reason"], got[0]["step"]) == (False, "critical", 5)
+    assert got[0]["gain"] > 0.05
+    # Step 55 is steady and 10 Mbit/s makes a dense exchange every H steps the cheapest.
+    assert (got[1]["switch"], got[1]["reason"], got[1]["step"]) == (True, "steady and faster", 55)
+    assert got[1]["level"] == "topk-1%" and got[1]["candidate"] == "diloco-h100"
+    assert (got[1]["outer_steps"], got[1]["outer_lr"], got[1]["outer_momentum"]) == (
+        100, OUTER_CANDIDATES[2].outer_lr, OUTER_CANDIDATES[2].outer_momentum)
+    pred = got[1]["predicted_ms"]
+    assert set(pred) == {"topk-1%", "diloco-h10", "diloco-h30", "diloco-h100"}
+    assert got[1]["gain"] == pytest.approx(1 - pred["diloco-h100"] / pred["topk-1%"])
+    assert got[1]["bandwidth_mbit"] == pytest.approx(10, rel=1e-6)
+
+
+def test_fast_link_stays_per_step() -> None:
+    engine = drive(LinkClock(100_000, 1e-5), 60)
+    record = Auto.decisions(engine)[0]
+    got = outer_switch(record, _spec(engine, record["level"]), SHAPES, WORLD, margin=0.05)
+    assert not record["critical"] and record["level"] == "none"
+    assert (got["switch"], got["reason"]) == (False, "no gain") and got["gain"] < 0.05
+
+
+def test_given_bandwidth_overrides_the_probe() -> None:
+    engine = drive(LinkClock(100_000, 1e-5), 60)
+    record = Auto.decisions(engine)[0]
+    got = outer_switch(record, "none", SHAPES, WORLD, margin=0.05, bandwidth_mbit=0.1)
+    assert got["switch"] and got["bandwidth_mbit"] == 0.1 and got["gain"] > 0.9
+
+
+def test_invalid_arguments_are_named() -> None:
+    engine = drive(LinkClock(10, 1e-3), 6)
+    record = Auto.decisions(engine)[0]
+    with pytest.raises(ValueError, match="`record`"):
+        outer_switch({"step": 1}, "none", SHAPES, WORLD, margin=0.05)
+    with pytest.raises(ValueError, match="`workers`"):
+        outer_switch(record, "none", SHAPES, 1, margin=0.05)
+    with pytest.raises(ValueError, match="`margin`"):
+        outer_switch(record, "none", SHAPES, WORLD, margin=1.0)
+    with pytest.raises(ValueError, match="`bandwidth_mbit`"):
+        outer_switch(record, "none", SHAPES, WORLD, margin=0.05, bandwidth_mbit=0.0)
+    with pytest.raises(ValueError, match="`candidates`"):
+        outer_switch(record, "none", SHAPES, WORLD, margin=0.05,
+                     candidates=[Candidate("none", "none", "lossless")])
