@@ -213,12 +213,23 @@ class HeaderRider(Collective):
     def _gather(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - never reached
         raise NotImplementedError
 
-    def _rows(self, values: list[int], x: torch.Tensor) -> torch.Tensor:
+    def _row_parts(self, values: list[int], x: torch.Tensor) -> list[torch.Tensor]:
+        """The header rows (``[L, len(values) + 1]`` in all) as column blocks to concatenate
+        after the message: ``[values, flag]`` on the device path, one block on the host path.
+
+        Why blocks: the caller's one ``cat`` of the message and the header then joins them,
+        one copy fewer per call than concatenating the rows first (the bytes on the wire, and
+        their order, are the same).
+        """
         if self.flags is not None and self._listed is None:  # built on the device
             fixed = to_device(torch.tensor([values] * self.local_workers, dtype=x.dtype), x.device)
-            return torch.cat([fixed, self.flags.to(device=x.device, dtype=x.dtype)[:, None]], 1)
+            return [fixed, self.flags.to(device=x.device, dtype=x.dtype)[:, None]]
         rows = torch.tensor([[*values, int(bad)] for bad in self.nonfinite], dtype=x.dtype)
-        return to_device(rows, x.device)
+        return [to_device(rows, x.device)]
+
+    def _rows(self, values: list[int], x: torch.Tensor) -> torch.Tensor:
+        parts = self._row_parts(values, x)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
     def _separate(self) -> None:
         total = self.comm.all_reduce(make_header(self.code, self.nonfinite))
@@ -238,7 +249,7 @@ class HeaderRider(Collective):
         values = _summed_values(self.code, bits)
         flat = x.reshape(self.local_workers, -1)
         n = flat.shape[1]
-        riding = torch.cat([flat, self._rows(values, x)], dim=1)
+        riding = torch.cat([flat, *self._row_parts(values, x)], dim=1)
         return self._sum_riding(riding, n, bits).reshape(x.shape[1:])
 
     def _sum_riding(self, riding: torch.Tensor, n: int, bits: int) -> torch.Tensor:
@@ -267,9 +278,10 @@ class HeaderRider(Collective):
         bits = rider_digit_bits(parts[0].dtype, self.world_size, summed=True)
         if bits is None:
             return super().all_reduce_cat(parts)
-        rows = self._rows(_summed_values(self.code, bits), parts[0])
-        riding = torch.cat([*(p.reshape(self.local_workers, -1) for p in parts), rows], dim=1)
-        return self._sum_riding(riding, riding.shape[1] - rows.shape[1], bits)
+        values = _summed_values(self.code, bits)
+        rows = self._row_parts(values, parts[0])
+        riding = torch.cat([*(p.reshape(self.local_workers, -1) for p in parts), *rows], dim=1)
+        return self._sum_riding(riding, riding.shape[1] - (len(values) + 1), bits)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`Collective.all_to_all` (the first call appends the header to every part,
@@ -321,8 +333,8 @@ class HeaderRider(Collective):
         extra = (len(digits) + 1) * x.element_size()
         if payload is None:
             payload = [flat.shape[1] * x.element_size()] * self.local_workers
-        rows = self._rows(digits, x)
-        gathered = self.comm.all_gather(torch.cat([flat, rows], dim=1),
+        rows = self._row_parts(digits, x)
+        gathered = self.comm.all_gather(torch.cat([flat, *rows], dim=1),
                                         [p + extra for p in payload])
         n = flat.shape[1]
         if self.flags is not None and self._listed is None:
@@ -331,7 +343,8 @@ class HeaderRider(Collective):
             # message's dtype (rider_digit_bits), so comparing the gathered rows with this
             # rank's own is exact; ranks out of step are found at the step's end.
             head = gathered[:, n:]
-            self.disagree = (head[:, :-1] != rows[:1, :-1]).any()
+            # rows[0] is this rank's digits alone (the flag is its own block).
+            self.disagree = (head[:, :-1] != rows[0][:1]).any()
             self.bad_flag = (head[:, -1] > 0).any()
             return gathered[:, :n].reshape(self.world_size, *x.shape[1:])
         seen = [[int(v) for v in row] for row in gathered[:, n:].tolist()]

@@ -45,9 +45,37 @@ def nonfinite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> tor
     of any tensor holds NaN or Inf), one op fewer where there is one row."""
     filled = [t for t in tensors if t.numel()]
     if workers == 1 and filled:
-        whole = filled[0] if len(filled) == 1 else torch.cat([t.reshape(-1) for t in filled])
-        return nonfinite_flag(whole).reshape(1)
+        return _nonfinite_by_dtype(filled).reshape(1)
     return ~finite_rows_at_once(tensors, workers)
+
+
+def _nonfinite_by_dtype(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """0-d bool: whether any entry of the (non-empty) ``tensors`` is NaN or Inf, one pass
+    over one concatenation per dtype.
+
+    Why per dtype: a concatenation of mixed dtypes promotes every entry (float32 residuals
+    next to a compressor's float64 counters become float64), which copies each tensor
+    separately (one launch per tensor on a GPU) instead of once in one ``cat``. Each group's
+    extremes test is exact in its own dtype (a largest magnitude or a minimum and maximum
+    never overflow), and NaN plus anything is NaN, so adding the groups' tests (promoted in
+    the one ``add``) gives the same answer as the test of the promoted concatenation.
+    """
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    if len(groups) == 1:
+        whole = tensors[0] if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+        return nonfinite_flag(whole)
+    total: torch.Tensor | None = None
+    for dtype, group in groups.items():
+        if not (dtype.is_floating_point or dtype.is_complex):
+            continue  # integers and bools are finite (the promoted test passed them too)
+        whole = group[0] if len(group) == 1 else torch.cat([t.reshape(-1) for t in group])
+        test = extremes_test(whole)
+        total = test if total is None else total + test
+    if total is None:
+        return torch.zeros((), dtype=torch.bool, device=tensors[0].device)
+    return total.ne(0)
 
 
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
@@ -63,9 +91,7 @@ def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device) -> torc
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return torch.zeros((), dtype=torch.bool, device=device)
-    if len(tensors) == 1:
-        return nonfinite_flag(tensors[0])
-    return nonfinite_flag(torch.cat([t.reshape(-1) for t in tensors]))
+    return _nonfinite_by_dtype(tensors)
 
 
 def changed_tensors(tree: Any, before: Any) -> list[torch.Tensor] | None:
