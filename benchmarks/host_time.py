@@ -152,13 +152,6 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def verdict_table(found: list[dict[str, Any]]) -> str:
-    lines = ["| target | measured | verdict |", "|---|---:|---|"]
-    for v in found:
-        lines.append(f"| {v['target']} | {v['value']:g} | {'met' if v['met'] else 'missed'} |")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -194,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "host_time.json").write_text(
         json.dumps({"meta": meta, "rows": rows, "verdicts": found}, indent=1) + "\n")
-    text = table(rows) + "\n\n" + verdict_table(found) + "\n"
+    text = table(rows) + "\n\n" + op_counts.verdict_table(found) + "\n"
     (args.out / "host_time.md").write_text(text)
     print(text)
     return 0
