@@ -246,11 +246,14 @@ def rtt_echo(bind: str, count: int, timeout: float) -> None:
                 conn.sendall(_recv_exactly(conn, PROBE_BYTES))
 
 
-def rtt_ping(to: str, count: int, timeout: float) -> dict[str, Any]:
-    """Connect (retrying while the echo starts) and time ``count`` request/reply round trips.
+def connect_retrying(to: str, timeout: float) -> tuple[socket.socket, float]:
+    """Connect to ``host:port``, retrying every 50 ms while the peer starts, for ``timeout`` s.
 
     Returns:
-        ``{"samples_ms", "min_ms", "median_ms", "connect_ms"}``.
+        The connected socket and the seconds its successful attempt took.
+
+    Raises:
+        OSError: no attempt connected within ``timeout``.
     """
     host, port = to.rsplit(":", 1)
     deadline = time.monotonic() + timeout
@@ -258,12 +261,21 @@ def rtt_ping(to: str, count: int, timeout: float) -> dict[str, Any]:
         started = time.perf_counter()
         try:
             sock = socket.create_connection((host, int(port)), timeout=timeout)
-            break
+            return sock, time.perf_counter() - started
         except OSError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    connect_ms = (time.perf_counter() - started) * 1e3
+
+
+def rtt_ping(to: str, count: int, timeout: float) -> dict[str, Any]:
+    """Connect (retrying while the echo starts) and time ``count`` request/reply round trips.
+
+    Returns:
+        ``{"samples_ms", "min_ms", "median_ms", "connect_ms"}``.
+    """
+    sock, connect_s = connect_retrying(to, timeout)
+    connect_ms = connect_s * 1e3
     samples = []
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

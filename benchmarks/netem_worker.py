@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _netlab_launch as launch
+from .netem_delay import connect_retrying
 
 log = logging.getLogger("netem_worker")
 
@@ -87,16 +88,7 @@ def goodput_recv(bind: str, expected: int, timeout: float) -> dict[str, float]:
 
 def goodput_send(to: str, count: int, timeout: float) -> None:
     """Connect (retrying while the receiver starts) and send ``count`` bytes."""
-    host, port = to.rsplit(":", 1)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=timeout)
-            break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    sock, _ = connect_retrying(to, timeout)
     block = b"\0" * (1 << 20)
     with sock:
         left = count
