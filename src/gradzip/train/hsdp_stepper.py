@@ -31,7 +31,7 @@ from gradzip import fsdp as gradzip_fsdp
 from gradzip.compressors.base import Compressor
 from gradzip.outer.sharded import ShardedOuter
 from gradzip.train.outer_stepper import OuterStepper, _like
-from gradzip.train.steppers import to_device
+from gradzip.train.steppers import DDPStepper, to_device
 
 __all__ = ["HSDPStepper", "ShardedOuterStepper", "shard_model"]
 
@@ -101,9 +101,10 @@ class _Sharded:
         return self.plain
 
 
-class HSDPStepper(_Sharded):
-    """One rank of an HSDP run averaging every step's gradient (interface of
-    :class:`~gradzip.train.steppers.DDPStepper`)."""
+class HSDPStepper(_Sharded, DDPStepper):
+    """One rank of an HSDP run averaging every step's gradient: a
+    :class:`~gradzip.train.steppers.DDPStepper` whose model is sharded and whose hook is
+    FSDP2's, so only building and stepping differ (the reductions are :class:`_Sharded`'s)."""
 
     def __init__(self, model: nn.Module, task: Any, compressor: Compressor, cfg: Any,
                  optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -126,34 +127,6 @@ class HSDPStepper(_Sharded):
             (loss / len(micro)).backward()
             total += float(loss.detach()) / len(micro)
         return total
-
-    @property
-    def averaged(self) -> dict[str, Tensor]:
-        return {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        # The hook reports this rank's counters as numbers; the loop expects per-worker lists.
-        return {k: ([v] if k.endswith("_bytes") else v) for k, v in self.hook.stats.items()}
-
-    @property
-    def engine(self) -> Any:
-        return self.hook.engine
-
-    @property
-    def compressor_state(self) -> Any:
-        return self.hook.engine.compressor_state
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's gradzip state (shard-sized residuals)."""
-        return self.hook.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.hook.load_state_dict(state)
-
-    def compression_error(self) -> dict[str, float | None]:
-        """Pooled over every rank: the shards of every replica."""
-        return self.hook.engine.compression_error(pool=self.all_sum)
 
 
 class ShardedOuterStepper(_Sharded, OuterStepper):
