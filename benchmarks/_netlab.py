@@ -116,6 +116,12 @@ def shaping_commands(ns: str, dev: str, rate_mbit: float) -> list[list[str]]:
     return [[*base, "del", "dev", dev, "root"], [*base, "add", "dev", dev, "root", "handle", "1:", *tbf]]
 
 
+def change_command(ns: str, dev: str, rate_mbit: float) -> list[str]:
+    """The ``tc`` command changing the rate of the tbf cap of :func:`shaping_commands` in place."""
+    return ["tc", "-n", ns, "qdisc", "change", "dev", dev, "root", "handle", "1:", "tbf", "rate",
+            f"{rate_mbit:g}mbit", "burst", str(tbf_burst_bytes(rate_mbit)), "latency", "100ms"]
+
+
 def topology_commands(hub: str, workers: Sequence[str], addresses: Sequence[str],
                       prefixlen: int) -> list[list[str]]:
     """Everything after ``ip netns add``: bridge in the hub, one veth per worker, addresses."""
@@ -244,6 +250,18 @@ class Lab:
                 self.runner(delete)
             for cmd in rest:
                 self.runner(cmd)
+
+    def change_rate(self, rate_mbit: float) -> None:
+        """Change the cap of every link shaped by :meth:`shape` in place (``tc qdisc change``:
+        the queue and the connections on it are kept, as when a real path's rate changes).
+
+        Raises:
+            LabError: a ``tc`` command failed (for example, :meth:`shape` was never called).
+        """
+        links = [(ns, WORKER_IFNAME) for ns in self.names]
+        links += [(self.hub, f"h{i}") for i in range(self.workers)]
+        for ns, dev in links:
+            self.runner(change_command(ns, dev, rate_mbit))
 
     def destroy(self) -> list[str]:
         """Delete every namespace this lab created (veths and qdiscs go with them).

@@ -52,6 +52,12 @@ METHODS: dict[str, tuple[str, dict[str, Any], int]] = {
     for c in outer.CONFIGS if c.key != "diloco100"
 }
 METHODS["powersgd4"] = ("per-step PowerSGD r4", {"compressor": "powersgd:rank=4"}, 0)
+# DiLoCo with the outer settings gradzip now takes from H (``gradzip.outer_defaults``).
+METHODS["diloco30-default"] = ("DiLoCo fp32 H=30, default outer", {"outer-steps": 30}, 30)
+# gradzip choosing the per-step level itself (``gradzip.Auto``, its default levels and every);
+# ``auto10`` decides every 10 steps instead of 50, to follow a link that changes within a run.
+METHODS["auto"] = ("per-step auto", {"compressor": "auto"}, 0)
+METHODS["auto10"] = ("per-step auto, every 10", {"compressor": "auto(every=10)"}, 0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 
@@ -103,9 +109,20 @@ def kernel_tx(lab: netlab.Lab) -> list[int]:
 
 
 def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str, port: int,
-            tmp: Path) -> dict[str, Any]:
-    """Train one method over the current shaping; the run's evaluation records and counters."""
-    tag = f"{method}-{rate:g}mbit"
+            tmp: Path, changes: Sequence[tuple[float, float]] = (),
+            tag: str | None = None) -> dict[str, Any]:
+    """Train one method over the current shaping; the run's evaluation records and counters.
+
+    Args:
+        lab, args, rate, method, port, tmp: the lab, the launcher's options, the link's rate
+            (Mbit/s, already shaped), a key of :data:`METHODS`, the rendezvous port, and the
+            directory of the ranks' logs.
+        changes: ``(seconds, rate)`` pairs, in order: at ``seconds`` after the workers are
+            started the links' rate becomes ``rate`` (:meth:`~benchmarks._netlab.Lab.change_rate`).
+            The caller restores the first rate before the next run.
+        tag: the run directory's name under ``args.runs`` (``<method>-<rate>mbit`` by default).
+    """
+    tag = tag or f"{method}-{rate:g}mbit"
     out = args.runs / tag
     if out.exists():
         raise netlab.LabError(f"`--runs` must not hold {tag} already, got {str(args.runs)!r}")
@@ -114,8 +131,18 @@ def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str,
     started = time.perf_counter()
     procs = [netlab.spawn(netlab.netns_exec(ns, argv), _env(lab, port, rank),
                           tmp / f"{tag}-rank{rank}.log") for rank, ns in enumerate(lab.names)]
-    stop = (lambda: target_reached(out / "metrics.jsonl", args.target)) \
-        if args.stop_at_target else (lambda: False)
+    pending, applied = list(changes), []
+
+    def stop() -> bool:
+        # The link changes on the wall clock of the run, whatever the method is doing: polled
+        # here, every 0.2 s, so a change lands within 0.2 s of its time.
+        while pending and time.perf_counter() - started >= pending[0][0]:
+            at, new_rate = pending.pop(0)
+            lab.change_rate(new_rate)
+            applied.append({"seconds": round(time.perf_counter() - started, 3),
+                            "planned_seconds": at, "rate_mbit": new_rate})
+        return args.stop_at_target and target_reached(out / "metrics.jsonl", args.target)
+
     problem = netlab.wait_all(procs, args.run_timeout, stop=stop, poll=0.2, grace=1.0)
     wall = time.perf_counter() - started
     record: dict[str, Any] = {
@@ -125,6 +152,8 @@ def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str,
         "kernel_tx_bytes": [a - b for a, b in zip(kernel_tx(lab), before, strict=True)],
         "stopped_at_target": problem == "stopped",
     }
+    if changes:
+        record["link_changes"] = applied
     if problem not in (None, "stopped"):
         tails = launch.rank_log_tails(tmp, tag, lab.workers)
         log.error("%s: %s\n%s", tag, problem, launch.format_tails(tails))
@@ -132,7 +161,7 @@ def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str,
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     keep = ("kind", "step", "epoch", "perplexity", "train_seconds", "seconds", "eval_seconds",
-            "wire_bytes", "rounds", "train_loss")
+            "wire_bytes", "rounds", "train_loss", "level", "level_steps")
     record["evaluations"] = [{k: r[k] for k in keep if k in r} for r in rows
                              if r.get("kind") in ("eval", "epoch")]
     return record

@@ -169,6 +169,9 @@ class TrainLoop:
         now and the cumulative byte counters. Every process calls it (collectives)."""
         assert self.stepper is not None
         metrics = self.task.metrics(self.stepper.all_sum(self._evaluate().double()))
+        report = self._report()
+        if "choice" in report:  # auto: the level in use, and the steps run at each so far
+            metrics.update(level=report["choice"], level_steps=report["counts"]["steps"])
         return {"kind": "eval", "epoch": epoch, "step": step, "lr": lr, **metrics,
                 **self._bytes(), "rounds": self.stepper.stats["steps"]}
 
