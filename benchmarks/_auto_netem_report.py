@@ -183,11 +183,39 @@ def write_outputs(out: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
     return doc
 
 
+def merge(out: Path, parts: list[Path]) -> dict[str, Any]:
+    """Write ``out`` from the runs of several results files of the same task and target (for
+    example one per seed, or passes added later); the first file's meta is kept, with every
+    part's under ``parts``.
+
+    Raises:
+        ValueError: the parts' targets or workers differ, or a (seed, link, method) repeats.
+    """
+    docs = [json.loads(p.read_text(encoding="utf-8")) for p in parts]
+    targets = {d["meta"]["target_perplexity"] for d in docs}
+    workers = {d["meta"]["args"]["workers"] for d in docs}
+    if len(targets) != 1 or len(workers) != 1:
+        raise ValueError(f"`parts` must share one target and worker count, got targets "
+                         f"{sorted(targets)} and workers {sorted(workers)}")
+    runs = [r for d in docs for r in d["runs"]]
+    keys = [(r["seed"], r["link"], r["method"]) for r in runs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"`parts` must not repeat a (seed, link, method), got {keys}")
+    meta = {**docs[0]["meta"], "parts": [{"file": p.name, "meta": d["meta"]}
+                                         for p, d in zip(parts, docs, strict=True)]}
+    return write_outputs(out, meta, runs, targets.pop())
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the tables of a results file, for its own target or the one given."""
+    """Print the tables of a results file, for its own target or the one given; or, with
+    ``--merge OUT PART...``, write ``OUT`` from several results files."""
     args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m benchmarks._auto_netem_report RESULTS.json [TARGET]",
+    if len(args) >= 3 and args[0] == "--merge":
+        print(markdown(merge(Path(args[1]), [Path(a) for a in args[2:]])))
+        return 0
+    if not args or args[0] == "--merge":
+        print("usage: python -m benchmarks._auto_netem_report RESULTS.json [TARGET]\n"
+              "       python -m benchmarks._auto_netem_report --merge OUT.json PART.json ...",
               file=sys.stderr)
         return 2
     doc = json.loads(Path(args[0]).read_text(encoding="utf-8"))

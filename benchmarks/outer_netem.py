@@ -55,9 +55,13 @@ METHODS["powersgd4"] = ("per-step PowerSGD r4", {"compressor": "powersgd:rank=4"
 # DiLoCo with the outer settings gradzip now takes from H (``gradzip.outer_defaults``).
 METHODS["diloco30-default"] = ("DiLoCo fp32 H=30, default outer", {"outer-steps": 30}, 30)
 # gradzip choosing the per-step level itself (``gradzip.Auto``, its default levels and every);
-# ``auto10`` decides every 10 steps instead of 50, to follow a link that changes within a run.
+# ``auto10`` decides every 10 steps instead of 50, to follow a link that changes within a run;
 METHODS["auto"] = ("per-step auto", {"compressor": "auto"}, 0)
 METHODS["auto10"] = ("per-step auto, every 10", {"compressor": "auto(every=10)"}, 0)
+# ... and its first decision at step 1 (by the link alone: no step has been timed yet), so a
+# slow link does not carry the first level's traffic for the warm-up steps.
+METHODS["autof"] = ("per-step auto, from step 1, every 10",
+                    {"compressor": "auto(warmup=1,every=10)"}, 0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 

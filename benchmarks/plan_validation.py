@@ -18,6 +18,10 @@ Sources (benchmarks/results/):
 * ``outer_netem.json``: 4 workers, the transformer LM, 40/150 Mbit/s, per-step and DiLoCo
   H=30; it recorded no compute time, so each link's compute is calibrated from its SparseLoCo
   row (whose exchange is ~0.1 MB per 30 steps); that row is not scored.
+* ``auto_netem.json``, ``auto_netem_rtt.json``: 2 workers, the same LM, 1000/150/40/10 Mbit/s
+  (and 40 Mbit/s with a 100 ms round trip), per seed; compute calibrated from the DiLoCo
+  H=30 row (not scored); ``none``, PowerSGD rank 4, and ``auto`` as the mix of the levels it
+  ran.
 
 Writes ``benchmarks/results/plan_validation.{json,md}``: per row the prediction, the
 measurement and the error; the target is every row within 25%.
@@ -185,6 +189,57 @@ def outer_netem(cache: TimingCache) -> list[dict[str, Any]]:
     return out
 
 
+#: ``auto``'s default levels by the label its records use.
+AUTO_LEVELS = {"none": "none", "fp16": "fp16", "powersgd-r4": "powersgd:rank=4",
+               "powersgd-r2": "powersgd:rank=2", "powersgd-r1": "powersgd:rank=1",
+               "topk-1%": "topk:ratio=0.01"}
+
+
+def auto_netem(name: str, cache: TimingCache) -> list[dict[str, Any]]:
+    """The fixed links of an ``auto_netem.py`` run: each (seed, link)'s compute calibrated from
+    its DiLoCo row, then per-step ``none`` and PowerSGD rank 4 predicted, and ``auto`` as the
+    mix of the levels it ran, by its steps at each."""
+    d = json.loads((RESULTS / name).read_text())
+    meta, w = d["meta"], d["meta"]["args"]["workers"]
+    rtt_added = float(meta["args"].get("rtt_ms") or 0.0)
+    rows = [r for r in d["rows"] if "error" not in r and "@" not in r["link"]]
+    runs = {(r["seed"], r["link"], r["method"]): r for r in d["runs"]}
+    none = next(r for r in rows if r["method"] == "none")
+    model = Model(_outer_shapes(none["bytes_per_worker_per_sync"], w), cache, _share(meta, w))
+    out = []
+    for seed, link in dict.fromkeys((r["seed"], r["link"]) for r in rows):
+        here = {r["method"]: r for r in rows if (r["seed"], r["link"]) == (seed, link)}
+        if "diloco30-default" not in here:
+            continue
+        bw = meta["goodput"][link]["mbit_per_s"]
+        # Without an added delay the lab's round trip is well under a millisecond (taken as
+        # 0, as for outer_netem.json); with one, the round trip measured on the link.
+        rtt = meta["rtt"][link]["median_ms"] if rtt_added else 0.0
+        probe = Setting(w, bw, rtt, 1.0)
+        overhead = model.predict_ms("none", probe, outer_steps=30)[0] - 1.0
+        compute = 1e3 * here["diloco30-default"]["seconds_per_step"] - overhead
+        setting = Setting(w, bw, rtt, compute)
+        for method, spec in (("none", "none"), ("powersgd4", "powersgd:rank=4")):
+            if method in here:
+                pred, wire = model.predict_ms(spec, setting)
+                out.append(_row(name, f"{method} (seed {seed})", float(link), pred,
+                                1e3 * here[method]["seconds_per_step"], compute_ms=compute,
+                                rtt_ms=rtt, compute_from="diloco30-default row",
+                                predicted_wire_bytes=wire,
+                                measured_wire_bytes=here[method]["bytes_per_worker_per_sync"]))
+        for method in (m for m in here if m.startswith("auto")):
+            steps = runs[seed, link, method]["evaluations"][-1]["level_steps"]
+            total = sum(steps.values())
+            pred = sum(n * model.predict_ms(AUTO_LEVELS[lv], setting)[0]
+                       for lv, n in steps.items() if n) / total
+            out.append(_row(name, f"{method} (seed {seed}, mix)", float(link), pred,
+                            1e3 * here[method]["seconds_per_step"], compute_ms=compute,
+                            rtt_ms=rtt, compute_from="diloco30-default row",
+                            predicted_wire_bytes=None,
+                            measured_wire_bytes=here[method]["bytes_per_worker_per_sync"]))
+    return out
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
@@ -223,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = TimingCache(args.timings)
     load = os.getloadavg()
     rows = (netem_steps("netem_steps.json", cache) + netem_steps("netem_steps_auto_now.json", cache)
-            + netem("netem.json", cache) + netem("netem_tta.json", cache) + outer_netem(cache))
+            + netem("netem.json", cache) + netem("netem_tta.json", cache) + outer_netem(cache)
+            + [row for name in ("auto_netem.json", "auto_netem_rtt.json")
+               if (RESULTS / name).exists() for row in auto_netem(name, cache)])
     meta = {**machine_info(), "loadavg": list(os.getloadavg()), "loadavg_start": list(load),
             "target": TARGET, "timings": os.path.relpath(args.timings, HERE.parent)}
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -178,3 +178,24 @@ def test_quality_is_compared_only_for_runs_that_were_not_stopped(tmp_path, capsy
     assert report.main([str(out)]) == 0
     assert "quality within" in capsys.readouterr().out
     assert report.main([]) == 2
+
+
+def test_passes_merge_into_one_document(tmp_path, capsys):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "all.json"
+    report.write_outputs(a, {"args": {"workers": 2}}, [_run("none", "40", 0, [(10, 700, 9.0)])],
+                         800)
+    report.write_outputs(b, {"args": {"workers": 2}}, [_run("none", "40", 1, [(10, 700, 11.0)]),
+                                                       _run("auto", "40", 1, [(10, 700, 10.0)])],
+                         800)
+    assert report.main(["--merge", str(out), str(a), str(b)]) == 0
+    doc = json.loads(out.read_text())
+    assert [p["file"] for p in doc["meta"]["parts"]] == ["a.json", "b.json"]
+    [none] = [m for m in doc["methods"] if m["method"] == "none"]
+    assert none["seeds"] == 2 and none["seconds_to_target"]["mean"] == 10.0
+    with pytest.raises(ValueError, match="must not repeat"):
+        report.merge(out, [a, a])
+    report.write_outputs(b, {"args": {"workers": 4}}, [], 800)
+    with pytest.raises(ValueError, match="one target and worker count"):
+        report.merge(out, [a, b])
+    assert report.main(["--merge"]) == 2
+    assert "usage" in capsys.readouterr().err
