@@ -210,7 +210,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="link cap in Mbit/s each way, or 'auto': chosen from a compute probe "
                         "so that a dense step's communication takes --comm-compute x compute")
     p.add_argument("--comm-compute", type=float, default=1.0)
-    p.add_argument("--configs", nargs="+", default=list(worker.CONFIGS), choices=worker.CONFIGS)
+    p.add_argument("--configs", nargs="+", choices=worker.CONFIGS,
+                   default=[c for c in worker.CONFIGS if not c.endswith(("-allgather", "-sharded"))])
     p.add_argument("--gradzip-modes", nargs="+", default=["default", "sync"],
                    choices=["default", "sync"],
                    help="gradzip hook modes to time; 'sync' only where register() has a "

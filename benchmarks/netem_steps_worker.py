@@ -41,7 +41,12 @@ from . import _netlab_launch as launch
 
 #: Configuration name -> gradzip spec (``None``: not a gradzip hook).
 GRADZIP_SPECS = {"gradzip-none": "none", "gradzip-fp16": "fp16",
-                 "gradzip-powersgd-r4": "powersgd:rank=4"}
+                 "gradzip-powersgd-r4": "powersgd:rank=4",
+                 # The all-gathered and the sharded exchange of one compressor, side by side.
+                 "gradzip-topk1-allgather": "topk:ratio=0.01,exchange=allgather",
+                 "gradzip-topk1-sharded": "topk:ratio=0.01,exchange=sharded",
+                 "gradzip-qsgd-allgather": "qsgd:exchange=allgather",
+                 "gradzip-qsgd-sharded": "qsgd:exchange=sharded"}
 CONFIGS = ("floor", "ddp", "torch-fp16", "torch-powersgd-r4", *GRADZIP_SPECS)
 SYNC_SUFFIX = "-sync"
 #: Options the launcher (``netem_steps.py``) takes and passes on, in the order it passes them.

@@ -145,7 +145,7 @@ def command(cfg: Config, seed: int, corpus: Path, out: Path,
             "out": str(out)}
     args = [sys.executable, "-m", "gradzip", "train", "--quiet", "--no-scale-lr"]
     for key, value in opts.items():
-        args += [f"--{key}", str(value)]
+        args += [f"--{key}"] if value is True else [f"--{key}", str(value)]  # True: a flag
     return args
 
 

@@ -62,6 +62,10 @@ METHODS["auto10"] = ("per-step auto, every 10", {"compressor": "auto(every=10)"}
 # slow link does not carry the first level's traffic for the warm-up steps.
 METHODS["autof"] = ("per-step auto, from step 1, every 10",
                     {"compressor": "auto(warmup=1,every=10)"}, 0)
+# auto deciding every 10 steps, and leaving per-step communication for DiLoCo once a steady
+# decision predicts outer steps faster (``--auto-outer``; H among 10, 30, 100).
+METHODS["auto-outer10"] = ("auto every 10, then outer steps",
+                           {"compressor": "auto(every=10)", "auto-outer": True}, 0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 
