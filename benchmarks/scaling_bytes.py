@@ -71,8 +71,13 @@ def measure(spec: str, workers: int, steps: int, tensors: int = TENSORS) -> dict
     wire = (engine.stats["wire_bytes"][0] - after_first) / (steps - 1)
     payload = 4 * sum(s.numel() for s in shapes.values())
     compressor = engine.compressor
-    forms = (sorted(set(exchange_forms(compressor, shapes, workers).values()))
-             if hasattr(compressor, "exchange_for") else ["dense"])
+    taken = compressor.report(engine.compressor_state).get("exchange")
+    if taken is not None:  # forms that follow each step's counts (the threshold's sized form)
+        forms = sorted(f for f, n in taken.items() if n)
+    elif hasattr(compressor, "exchange_for"):
+        forms = sorted(set(exchange_forms(compressor, shapes, workers).values()))
+    else:
+        forms = ["dense"]
     del engine
     gc.collect()
     return {"spec": spec, "workers": workers, "tensors": tensors, "wire_bytes_per_step": wire,

@@ -86,15 +86,19 @@ def grads_of(shapes: dict[str, torch.Size], workers: int, step: int) -> dict[str
 
 
 def forms_of(engine: gradzip.Engine, shapes: dict[str, torch.Size], workers: int) -> dict[str, int]:
-    """Tensors per exchange form the engine's compressor took (``{"dense": n}`` without one)."""
+    """Tensors per exchange form the engine's compressor took (``{"dense": n}`` without one);
+    for the threshold's sized form, whose form follows each step's counts, tensor-calls per
+    form over the run."""
     compressor = engine.compressor
-    if hasattr(compressor, "exchange_for"):  # the sparsifiers
+    report = compressor.report(engine.compressor_state).get("exchange")
+    if report is not None:  # the quantisers' forms, or the threshold's tensor-calls per form
+        return {k: v for k, v in report.items() if v}
+    if hasattr(compressor, "exchange_for"):  # the sparsifiers whose forms follow from shapes
         counts: dict[str, int] = {}
         for form in exchange_forms(compressor, shapes, workers).values():
             counts[form] = counts.get(form, 0) + 1
         return counts
-    report = compressor.report(engine.compressor_state).get("exchange")
-    return {k: v for k, v in report.items() if v} if report else {"dense": len(shapes)}
+    return {"dense": len(shapes)}
 
 
 def _per_step(cumulative: Sequence[Sequence[int]]) -> list[list[int]]:
