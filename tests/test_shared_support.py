@@ -11,7 +11,7 @@ import torch
 
 import gradzip
 from gradzip.comm import run_processes
-from gradzip.comm.base import allreduce_wire_bytes
+from gradzip.comm.base import allreduce_wire_bytes, ordered_wire_bytes
 from gradzip.compressors.base import Job, StepContext
 from gradzip.ops.blocks import block_layout, block_positions, top_blocks
 
@@ -109,18 +109,35 @@ def test_simulated_bytes_are_the_formula() -> None:
         sparse = [s.numel() for s in SHAPES.values() if compressor.sends_sparse(s.numel())]
         blocks = sum(compressor.blocks_for(n)[0] for n in sparse)
         values = sum(compressor.blocks_for(n)[1] for n in sparse) * compressor.block
-        dense = 4 * sum(s.numel() for s in SHAPES.values() if not compressor.sends_sparse(s.numel()))
-        wire = sum(allreduce_wire_bytes(b, workers) for b in (dense, 4 * blocks, 4 * values))
+        dense = sum(s.numel() for s in SHAPES.values() if not compressor.sends_sparse(s.numel()))
+        # Two ordered all-reduces: the scores, then the chosen values with the dense tensors;
+        # each an all-to-all of W parts and an all-gather of one part.
+        parts = [-(-m // workers) for m in (blocks, values + dense)]
+        wire = sum(ordered_wire_bytes(m, 4, workers) for m in (blocks, values + dense))
+        assert wire == sum(2 * (workers - 1) * 4 * p for p in parts)
         assert comm.meter.wire == [wire] * workers
-        assert comm.meter.payload == [dense + 4 * blocks + 4 * values] * workers
-        assert comm.meter.calls == 3
-    # The per-tensor formula: flat in W, and below the dense ring by the ratio of entries.
+        assert comm.meter.payload == [sum((workers + 1) * 4 * p for p in parts)] * workers
+        assert comm.meter.calls == 4
+    # The per-tensor formula: flat in W (up to whole parts), far below the dense ring.
     big = gradzip.compressor_from_spec("sharedtopk:ratio=0.01")
     n = 256 * 256
-    cost = {w: big.wire_bytes(n, w) for w in (2, 8, 32, 128, 512)}
-    assert cost[512] <= 1.15 * cost[8]
+    cost = {w: big.wire_bytes(n, w) for w in (2, 8, 32, 128)}
+    assert cost[128] <= 1.15 * cost[8]
     assert cost[2] == 4 * (n // 256 + 3 * 256)
     assert all(c < allreduce_wire_bytes(4 * n, w) / 30 for w, c in cost.items())
+
+
+def test_all_reduce_ordered_adds_in_rank_order() -> None:
+    for workers in (1, 3, 5):
+        comm = gradzip.SimulatedGroup(workers)
+        x = torch.randn(workers, 11, generator=torch.Generator().manual_seed(workers))
+        total = x[0].clone()
+        for w in range(1, workers):
+            total += x[w]
+        assert torch.equal(comm.all_reduce_ordered(x), total)
+        assert comm.meter.wire == [ordered_wire_bytes(11, 4, workers)] * workers
+    with pytest.raises(ValueError, match=r"`x` must be \[local workers, m\]"):
+        gradzip.SimulatedGroup(2).all_reduce_ordered(torch.zeros(2, 3, 4))
 
 
 def test_results_do_not_depend_on_grouping() -> None:

@@ -69,6 +69,10 @@ class BlockLayout:
         block padded with zeros, so the size depends on shapes only)."""
         return self.block * sum(self.keep)
 
+    def on(self, device: torch.device | str) -> BlockLayout:
+        """This layout with its tensors on ``device`` (cached per layout and device)."""
+        return _layout_on(self, str(torch.device(device)))
+
 
 @lru_cache(maxsize=64)
 def _host_layout(numels: tuple[int, ...], block: int, keep: tuple[int, ...]) -> BlockLayout:
@@ -87,14 +91,24 @@ def _host_layout(numels: tuple[int, ...], block: int, keep: tuple[int, ...]) -> 
                        torch.from_numpy(take))
 
 
-def block_layout(numels: Sequence[int], block: int, keep: Sequence[int]) -> BlockLayout:
+@lru_cache(maxsize=64)
+def _layout_on(layout: BlockLayout, device: str) -> BlockLayout:
+    return BlockLayout(layout.numels, layout.block, layout.blocks, layout.keep,
+                       layout.owner.to(device), layout.starts.to(device), layout.ends.to(device),
+                       layout.take.to(device))
+
+
+def block_layout(numels: Sequence[int], block: int, keep: Sequence[int],
+                 device: torch.device | str = "cpu") -> BlockLayout:
     """The layout of tensors of ``numels`` entries cut into blocks of ``block``, tensor ``t``
-    sending ``keep[t]`` blocks (built from the sizes only, cached: treat it as read-only).
+    sending ``keep[t]`` blocks (built from the sizes only, once per layout and device, cached:
+    treat it as read-only).
 
     Args:
         numels: entries of each tensor (at least one tensor, each at least one entry).
         block: entries per block (>= 1).
         keep: blocks each tensor sends, in ``[0, ceil(numel / block)]``.
+        device: where its index tensors live.
 
     Raises:
         ValueError: sizes out of range or of different lengths.
@@ -108,7 +122,7 @@ def block_layout(numels: Sequence[int], block: int, keep: Sequence[int]) -> Bloc
     if any(not 0 <= k <= -(-n // block) for n, k in zip(numels, keep, strict=True)):
         raise ValueError(f"`keep` must be in [0, blocks of each tensor], got {keep} for "
                          f"{numels} in blocks of {block}")
-    return _host_layout(numels, int(block), keep)
+    return _host_layout(numels, int(block), keep).on(device)
 
 
 def block_scores(flat: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -122,21 +136,20 @@ def block_scores(flat: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
 def top_blocks(scores: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """The chosen blocks of every tensor, ``[sum(keep)]`` int64 indices among the call's blocks:
     each tensor's ``keep`` best by ``scores[S]`` (the highest first; ties to the lower block;
-    NaN and infinity first)."""
-    device = scores.device
+    NaN and infinity first). ``layout`` lies where ``scores`` does (:meth:`BlockLayout.on`)."""
     # Stable both times: the first sort orders the call's blocks by score (equal scores keep
     # their block order), the second groups them by tensor keeping that order, so each tensor's
     # blocks come best first, ties to the lower block, whatever the other tensors hold.
     by_score = torch.sort(scores, descending=True, stable=True).indices
-    by_tensor = torch.sort(layout.owner.to(device)[by_score], stable=True).indices
-    return by_score[by_tensor][layout.take.to(device)]
+    by_tensor = torch.sort(layout.owner[by_score], stable=True).indices
+    return by_score[by_tensor][layout.take]
 
 
 def block_positions(chosen: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """``[sum(keep) * block]`` int64: the entries of the ``chosen`` blocks in the call's row,
-    block by block; the places past a shorter last block hold ``total`` (a padding slot)."""
-    device = chosen.device
-    offsets = torch.arange(layout.block, dtype=torch.int64, device=device)
-    pos = layout.starts.to(device)[chosen][:, None] + offsets[None, :]
-    inside = pos < layout.ends.to(device)[chosen][:, None]
+    block by block; the places past a shorter last block hold ``total`` (a padding slot).
+    ``layout`` lies where ``chosen`` does (:meth:`BlockLayout.on`)."""
+    offsets = torch.arange(layout.block, dtype=torch.int64, device=chosen.device)
+    pos = layout.starts[chosen][:, None] + offsets[None, :]
+    inside = pos < layout.ends[chosen][:, None]
     return torch.where(inside, pos, layout.total).reshape(-1)
