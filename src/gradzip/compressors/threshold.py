@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -10,33 +9,23 @@ from typing import Any, ClassVar
 import torch
 
 from gradzip._validate import check_bool, check_choice, check_int, check_real
-from gradzip.comm.base import Collective
+from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     choose_exchange,
     outside_own_part,
+    shard_layout,
     sharded_reduce,
 )
 from gradzip.compressors.sparse import index_bytes
 from gradzip.compressors.threshold_capacity import reduce_capacity
+from gradzip.compressors.threshold_law import next_lambda
 from gradzip.compressors.threshold_sized import reduce_sized
 from gradzip.ops.select import topk_abs
 
 __all__ = ["HardThreshold"]
 
-# Budget mode's control law. With error feedback an entry is sent once its accumulated
-# residual crosses lambda, so one step's density reacts to lambda steeply and with a lag of
-# about 1 / density steps: a controller driven by the raw step density toggles between
-# "nothing sent" and "a flood" (a limit cycle between the clamps). The law therefore follows
-# a moving average of step densities (newest weight _SMOOTHING), corrects by small powers
-# and by at most _MAX_STEP_FACTOR per step, and keeps a run-density term that pays back an
-# early overshoot. Tuned on synthetic gradients (decaying, growing, jumping and heavy-tailed
-# scales; budgets 1e-3 to 0.2): the run's density lands within a few percent of the budget.
-_MAX_STEP_FACTOR = 1.25
-_GAIN_RECENT = 0.3
-_GAIN_RUN = 0.3
-_SMOOTHING = 0.05
 _COUNTERS = ("sent", "offered", "step_sent", "step_offered")
 _FORMS = ("allgather", "sharded", "dense")
 
@@ -289,8 +278,16 @@ class HardThreshold(Compressor):
         """Each tensor's form from the call's counts, and the entries offered outside the
         workers' own parts per tensor (what the sharded form counts against the budget)."""
         workers, world = comm.local_workers, comm.world_size
+        # Only a tensor whose sharded form costs less than its dense all-reduce can go sharded
+        # (the sized all-gather goes dense beyond that): the others take the sized form with
+        # no count here, and a call with none of the first kind exchanges nothing more.
+        forms = self._choose_by_shape([j for j in jobs if not self._may_shard(j.numel, world)],
+                                      world)
+        open_jobs = [j for j in jobs if self._may_shard(j.numel, world)]
+        if not open_jobs:
+            return forms, {}
         counts = []
-        for job in jobs:
+        for job in open_jobs:
             above = job.tensor.reshape(workers, -1).abs() >= lam  # NaN never reaches lambda
             part = -(-job.numel // world)
             own = torch.stack([above[w, r * part : (r + 1) * part].sum()
@@ -302,14 +299,21 @@ class HardThreshold(Compressor):
         # count. The all-gather pads to its densest worker: priced at the mean count, a lower
         # bound, the sharded form is taken only where it is cheaper even so.
         sums = comm.all_reduce(torch.stack(counts, dim=1)).tolist()
-        forms: dict[str, list[Job]] = {form: [] for form in _FORMS}
         offered: dict[str, int] = {}
-        for t, job in enumerate(jobs):
+        for t, job in enumerate(open_jobs):
             whole, own = int(sums[2 * t]), int(sums[2 * t + 1])
             form = self.exchange_for(job.numel, world, sent=-(-whole // world))
             forms["allgather" if form == "dense" else form].append(job)
             offered[job.name] = whole - own
-        return forms, offered
+        # Every form keeps the call's order of tensors (the collectives' order on every worker).
+        order = {j.name: i for i, j in enumerate(jobs)}
+        return {f: sorted(js, key=lambda j: order[j.name]) for f, js in forms.items()}, offered
+
+    def _may_shard(self, numel: int, world: int) -> bool:
+        """Whether a tensor of ``numel`` entries may take the sharded form at some count: its
+        sharded bytes are below its dense all-reduce's (shapes and configuration only)."""
+        lay = shard_layout(numel, world, self._kept(numel), self.owner_keep)
+        return numel > 0 and lay.wire_bytes < allreduce_wire_bytes(4 * numel, world)
 
     def _reduce_sharded(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
                         comm: Collective, offered: Mapping[str, int] | None = None) -> None:
@@ -370,18 +374,9 @@ class HardThreshold(Compressor):
             # they are tensors).
             step_sent, step_offered = float(state["step_sent"]), float(state["step_offered"])
         if self.budget is not None and step_offered > 0:
-            step_density = step_sent / step_offered
-            recent = state["recent"]
-            recent = step_density if recent < 0 else recent + _SMOOTHING * (step_density - recent)
-            state["recent"] = float(recent)
-            run_density = float(state["sent"]) / float(state["offered"])
-            factor = (max(recent, 1e-12) / self.budget) ** _GAIN_RECENT * (
-                max(run_density, 1e-12) / self.budget
-            ) ** _GAIN_RUN
-            factor = min(max(factor, 1 / _MAX_STEP_FACTOR), _MAX_STEP_FACTOR)
-            state["lam"] = float(state["lam"] * factor)
-            if not math.isfinite(state["lam"]) or state["lam"] <= 0:
-                state["lam"] = float(torch.finfo(torch.float32).tiny)
+            state["recent"], state["lam"] = next_lambda(
+                state["lam"], state["recent"], step_sent / step_offered,
+                float(state["sent"]) / float(state["offered"]), self.budget)
         state["step_sent"] = state["step_sent"] * 0
         state["step_offered"] = state["step_offered"] * 0
 
