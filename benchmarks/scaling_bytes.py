@@ -1,6 +1,7 @@
 """Wire bytes per worker per step as the number of workers grows, for the sparsifiers before
 (``exchange=allgather``) and after (``exchange=auto``, which picks the sharded exchange where
-it costs less), with ``none`` (a dense fp32 ring all-reduce) as the yardstick.
+it costs less), shared-support Top-k (``sharedtopk``: block scores and the chosen blocks'
+values, both all-reduced), with ``none`` (a dense fp32 ring all-reduce) as the yardstick.
 
 A simulated group of ``W`` workers reduces 8 tensors of 256 x 256 (``--tensors``) (random normal gradients,
 one seed) for ``--steps`` steps through the engine (error feedback on); the figure is the
@@ -46,6 +47,7 @@ SPECS = [
     ("threshold budget 1%, auto", "threshold:budget=0.01"),
     ("chunktopk (SparseLoCo), all-gather", "chunktopk:chunk=4096,k=64,bits=2,exchange=allgather"),
     ("chunktopk (SparseLoCo), auto", "chunktopk:chunk=4096,k=64,bits=2"),
+    ("shared-support Top-k 1%", "sharedtopk:ratio=0.01"),
 ]
 WORKERS = [2, 8, 32, 128, 512]
 
@@ -71,8 +73,16 @@ def measure(spec: str, workers: int, steps: int, tensors: int = TENSORS) -> dict
     wire = (engine.stats["wire_bytes"][0] - after_first) / (steps - 1)
     payload = 4 * sum(s.numel() for s in shapes.values())
     compressor = engine.compressor
-    forms = (sorted(set(exchange_forms(compressor, shapes, workers).values()))
-             if hasattr(compressor, "exchange_for") else ["dense"])
+    taken = compressor.report(engine.compressor_state).get("exchange")
+    if taken is not None:  # forms that follow each step's counts (the threshold's sized form)
+        forms = sorted(f for f, n in taken.items() if n)
+    elif hasattr(compressor, "exchange_for"):
+        forms = sorted(set(exchange_forms(compressor, shapes, workers).values()))
+    elif hasattr(compressor, "sends_sparse"):  # shared support, or dense where cheaper
+        forms = sorted({"shared" if compressor.sends_sparse(s.numel()) else "dense"
+                        for s in shapes.values()})
+    else:
+        forms = ["dense"]
     del engine
     gc.collect()
     return {"spec": spec, "workers": workers, "tensors": tensors, "wire_bytes_per_step": wire,

@@ -11,12 +11,13 @@ and the simulated one differ).
 
 The specs are the sparsifiers (Top-k 1%, the hard threshold with a 1% budget, ``chunktopk``)
 and the quantisers (QSGD, Sign), each with ``exchange=sharded``, ``exchange=allgather`` and
-``auto`` (the engine's choice), and ``none`` (an fp32 ring all-reduce) as the yardstick. The
+``auto`` (the engine's choice), shared-support Top-k 1% (``sharedtopk``: two all-reduces),
+and ``none`` (an fp32 ring all-reduce) as the yardstick. The
 per-worker figure is the mean over the steps after the first (the threshold's first step
 calibrates lambda) as a fraction of the fp32 payload (``4 * entries``). Flatness: the byte
-formula of every summing exchange (the fp32 ring's and the sharded ones) depends on ``W`` only
+formula of every summing exchange (the fp32 ring's, the sharded ones and the shared support's) depends on ``W`` only
 through the factor ``2 (W-1) / W`` (a worker sends ``(W-1)/W`` of a message in each of two
-phases); for every sharded spec, the fraction divided by that factor may vary over ``W`` by at
+phases); for every sharded or shared-support spec, the fraction divided by that factor may vary over ``W`` by at
 most ``FORMULA_SLACK`` (part rounding and headers).
 
 Outputs: ``NAME.json`` (per spec and ``W``: each rank's bytes per step, real and simulated,
@@ -59,6 +60,10 @@ BASES = {
     "sign": "sign",
 }
 EXCHANGES = ("sharded", "allgather", "auto")
+#: ``name -> spec`` of compressors with one exchange only, each run once.
+SINGLE = {"sharedtopk": "sharedtopk:ratio=0.01"}
+#: Labels of the exchanges whose bytes sum across workers (checked for flatness).
+SUMMING = ("sharded", "shared support")
 
 
 def specs(only: Sequence[str] | None = None) -> list[tuple[str, str]]:
@@ -71,6 +76,9 @@ def specs(only: Sequence[str] | None = None) -> list[tuple[str, str]]:
             joiner = "," if ":" in base else ":"
             spec = base if exchange == "auto" else f"{base}{joiner}exchange={exchange}"
             out.append((f"{name} ({exchange})", spec))
+    for name, spec in SINGLE.items():
+        if only is None or name in only:
+            out.append((f"{name} (shared support)", spec))
     return out
 
 
@@ -86,15 +94,24 @@ def grads_of(shapes: dict[str, torch.Size], workers: int, step: int) -> dict[str
 
 
 def forms_of(engine: gradzip.Engine, shapes: dict[str, torch.Size], workers: int) -> dict[str, int]:
-    """Tensors per exchange form the engine's compressor took (``{"dense": n}`` without one)."""
+    """Tensors per exchange form the engine's compressor took (``{"dense": n}`` without one);
+    for the threshold's sized form, whose form follows each step's counts, tensor-calls per
+    form over the run."""
     compressor = engine.compressor
-    if hasattr(compressor, "exchange_for"):  # the sparsifiers
-        counts: dict[str, int] = {}
+    report = compressor.report(engine.compressor_state).get("exchange")
+    if report is not None:  # the quantisers' forms, or the threshold's tensor-calls per form
+        return {k: v for k, v in report.items() if v}
+    counts: dict[str, int] = {}
+    if hasattr(compressor, "exchange_for"):  # the sparsifiers whose forms follow from shapes
         for form in exchange_forms(compressor, shapes, workers).values():
             counts[form] = counts.get(form, 0) + 1
         return counts
-    report = compressor.report(engine.compressor_state).get("exchange")
-    return {k: v for k, v in report.items() if v} if report else {"dense": len(shapes)}
+    if hasattr(compressor, "sends_sparse"):  # shared support, or dense where cheaper
+        for shape in shapes.values():
+            form = "shared" if compressor.sends_sparse(shape.numel()) else "dense"
+            counts[form] = counts.get(form, 0) + 1
+        return counts
+    return {"dense": len(shapes)}
 
 
 def _per_step(cumulative: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -162,7 +179,7 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[str]:
              f"{'yes, all ' + str(len(rows)) + ' configurations' if not unequal else 'NO: ' + ', '.join(unequal)}"]
     for label in dict.fromkeys(r["label"] for r in rows):
         mine = [r for r in rows if r["label"] == label]
-        if "sharded" not in label or len(mine) < 2:
+        if not any(word in label for word in SUMMING) or len(mine) < 2:
             continue
         fracs = {r["workers"]: r["fraction"] for r in mine}
         growth = max(fracs.values()) / min(fracs.values())
@@ -201,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, default=4)
     parser.add_argument("--side", type=int, default=128)
     parser.add_argument("--steps", type=int, default=3, help="steps per run (>= 2)")
-    parser.add_argument("--only", nargs="+", default=None, choices=sorted(BASES),
+    parser.add_argument("--only", nargs="+", default=None, choices=sorted([*BASES, *SINGLE]),
                         help="compressors to run besides `none` (default: all)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per worker count")
     parser.add_argument("--results", type=Path, default=RESULTS)

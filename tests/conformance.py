@@ -26,6 +26,7 @@ EXAMPLES = [
     "binmean",
     "scatterq",
     "scatterq:bits=4",
+    "sharedtopk:ratio=0.05,block=8",
     # Accordion is a compressor too; a short interval makes the tests cross a level switch.
     "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.5,interval=2,per_layer=True,lr_drop=True)",
     "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,eta=0.5,interval=1,per_layer=False,lr_drop=True)",

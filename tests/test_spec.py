@@ -76,7 +76,9 @@ def _run(compressor: gradzip.Compressor, steps: int) -> gradzip.Engine:
 def test_reports_density_of_plain_compressors_and_controllers() -> None:
     assert TopK(0.1).report({}) == {"density": 0.1}
     assert gradzip.NoCompression().report({}) == {}
-    engine = _run(HardThreshold(budget=0.1), 3)
+    # The all-gather form offers every worker's entries (the sharded one, which ``auto`` may
+    # take from a step's counts, offers those outside each worker's own part).
+    engine = _run(HardThreshold(budget=0.1, exchange="allgather"), 3)
     sent, offered = HardThreshold(budget=0.1).report(engine.compressor_state)["density_parts"]
     assert offered == 3 * 2 * (50 * 4 + 4) and 0 < sent < offered
     sched = Schedule.warmup("topk:ratio=0.1", 2)

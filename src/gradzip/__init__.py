@@ -20,6 +20,7 @@ from gradzip.compressors import (
     PowerSGD,
     RandK,
     ScatterQuant,
+    SharedTopK,
     Sign,
     TopK,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "Rule",
     "Schedule",
     "ScatterQuant",
+    "SharedTopK",
     "Sign",
     "ShardedOuter",
     "SimulatedGroup",

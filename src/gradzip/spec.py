@@ -48,6 +48,7 @@ from gradzip.compressors.powersgd import PowerSGD
 from gradzip.compressors.qsgd import QSGD
 from gradzip.compressors.randk import RandK
 from gradzip.compressors.scatterq import ScatterQuant
+from gradzip.compressors.shared import SharedTopK
 from gradzip.compressors.sign import Sign
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
@@ -77,7 +78,7 @@ __all__ = [
 #: tested by the conformance suite.
 COMPRESSORS: tuple[type[Compressor], ...] = (
     NoCompression, FP16, BF16, TopK, RandK, HardThreshold, PowerSGD, QSGD, Sign, ChunkTopK, BinMean,
-    ScatterQuant,
+    ScatterQuant, SharedTopK,
 )
 #: ``spec_name -> class`` of every compressor.
 REGISTRY: dict[str, type[Compressor]] = {cls.spec_name: cls for cls in COMPRESSORS}

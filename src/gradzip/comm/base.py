@@ -25,12 +25,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ByteMeter", "Collective", "allreduce_wire_bytes", "allgather_wire_bytes"]
+__all__ = ["ByteMeter", "Collective", "allreduce_wire_bytes", "allgather_wire_bytes",
+           "ordered_wire_bytes"]
 
 
 def allreduce_wire_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one worker sends in a ring all-reduce of an ``nbytes`` buffer."""
     return 2 * (world_size - 1) * nbytes // world_size
+
+
+def ordered_wire_bytes(entries: int, itemsize: int, world_size: int) -> int:
+    """Bytes one worker sends in :meth:`Collective.all_reduce_ordered` of ``entries`` values of
+    ``itemsize`` bytes: a ring all-reduce's, with the message cut into ``W`` whole parts."""
+    if world_size == 1 or entries == 0:
+        return 0
+    return 2 * (world_size - 1) * itemsize * -(-entries // world_size)
 
 
 def allgather_wire_bytes(nbytes: int, world_size: int) -> int:
@@ -150,6 +159,33 @@ class Collective(ABC):
                 f"{tuple(flat.shape)} with {self.local_workers} local workers"
             )
         flat.copy_(self.all_reduce(flat[None]))
+
+    def all_reduce_ordered(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x[L, m]`` over all workers, adding them in rank order on every backend.
+
+        A reduce-scatter then an all-gather: one :meth:`all_to_all` of ``W`` parts of
+        ``ceil(m / W)`` entries (part ``j`` to worker ``j``, which adds the parts it receives
+        in rank order), then one :meth:`all_gather` of the owners' sums. The wire bytes are a
+        ring all-reduce's (``2 (W-1) ceil(m / W)`` entries, counted by the two calls), and the
+        bits are the same in a process group as in the simulator (a backend's all-reduce may
+        add in another order: gloo's ring does from three workers on).
+
+        Returns:
+            ``[m]``, identical everywhere.
+        """
+        self._check(x)
+        if x.dim() != 2:
+            raise ValueError(f"`x` must be [local workers, m], got shape {tuple(x.shape)}")
+        world, m = self.world_size, x.shape[1]
+        if world == 1 or m == 0:
+            return self.all_reduce(x)
+        part = -(-m // world)
+        parts = torch.nn.functional.pad(x, (0, part * world - m)).reshape(x.shape[0], world, part)
+        received = self.all_to_all(parts)  # [L, W senders, part]
+        total = received[:, 0].clone()
+        for sender in range(1, world):  # rank order, on every worker and backend
+            total += received[:, sender]
+        return self.all_gather(total).reshape(-1)[:m]
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
         """Send part ``j`` of ``x[L, W, ...]`` to worker ``j`` (equal-size parts); returns

@@ -11,6 +11,7 @@ from gradzip.compressors.powersgd import PowerSGD
 from gradzip.compressors.qsgd import QSGD
 from gradzip.compressors.randk import RandK
 from gradzip.compressors.scatterq import ScatterQuant
+from gradzip.compressors.shared import SharedTopK
 from gradzip.compressors.sign import Sign
 from gradzip.compressors.threshold import HardThreshold
 from gradzip.compressors.topk import TopK
@@ -28,6 +29,7 @@ __all__ = [
     "PowerSGD",
     "RandK",
     "ScatterQuant",
+    "SharedTopK",
     "Sign",
     "StepContext",
     "TopK",

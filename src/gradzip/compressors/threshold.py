@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -10,34 +9,25 @@ from typing import Any, ClassVar
 import torch
 
 from gradzip._validate import check_bool, check_choice, check_int, check_real
-from gradzip.comm.base import Collective
+from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     choose_exchange,
     outside_own_part,
+    shard_layout,
     sharded_reduce,
 )
-from gradzip.compressors.sparse import gather_flat, index_bytes, select_positions
+from gradzip.compressors.sparse import index_bytes
+from gradzip.compressors.threshold_capacity import reduce_capacity
+from gradzip.compressors.threshold_law import next_lambda
 from gradzip.compressors.threshold_sized import reduce_sized
-from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
 from gradzip.ops.select import topk_abs
 
 __all__ = ["HardThreshold"]
 
-# Budget mode's control law. With error feedback an entry is sent once its accumulated
-# residual crosses lambda, so one step's density reacts to lambda steeply and with a lag of
-# about 1 / density steps: a controller driven by the raw step density toggles between
-# "nothing sent" and "a flood" (a limit cycle between the clamps). The law therefore follows
-# a moving average of step densities (newest weight _SMOOTHING), corrects by small powers
-# and by at most _MAX_STEP_FACTOR per step, and keeps a run-density term that pays back an
-# early overshoot. Tuned on synthetic gradients (decaying, growing, jumping and heavy-tailed
-# scales; budgets 1e-3 to 0.2): the run's density lands within a few percent of the budget.
-_MAX_STEP_FACTOR = 1.25
-_GAIN_RECENT = 0.3
-_GAIN_RUN = 0.3
-_SMOOTHING = 0.05
 _COUNTERS = ("sent", "offered", "step_sent", "step_offered")
+_FORMS = ("allgather", "sharded", "dense")
 
 
 @dataclass(frozen=True)
@@ -92,9 +82,16 @@ class HardThreshold(Compressor):
     ``(W - 1) * numel`` outside the workers' own parts.
     Message sizes then follow from shapes and the budget alone; the entries offered are
     still counted for the budget, with one all-reduce of the counts per call (read on the
-    host, as the all-gather form reads its sizes). The all-gather form's bytes, which vary
-    by step, are estimated at ``budget * numel`` entries per worker for the choice. The
-    absolute ``lam`` mode has no budget to size the parts and always all-gathers.
+    host, as the all-gather form reads its sizes). The absolute ``lam`` mode has no budget
+    to size the parts and always all-gathers.
+
+    With ``exchange="auto"`` (budget, no ``padded``, no ``capacity``) the form is chosen at
+    every call from that call's counts: every worker counts its entries at or above lambda in
+    each tensor (and in its own part), one all-reduce sums the counts, and the all-gather is
+    priced at the mean count per worker (what passes lambda varies by step: with error
+    feedback early steps pass several times the budget, late ones less). A tensor's form may
+    thus change from step to step; ``report()["exchange"]`` counts the tensor-calls of each
+    form since the start (part of the state, so a resumed run continues the count).
 
     Args:
         lam: the absolute threshold (> 0), or ``None`` with ``budget``.
@@ -146,15 +143,35 @@ class HardThreshold(Compressor):
                 f"parts), got lam={self.lam!r}, padded={self.padded!r}"
             )
 
-    def exchange_for(self, numel: int, world: int) -> str:
+    def exchange_for(self, numel: int, world: int, sent: int | None = None) -> str:
         """How a tensor of ``numel`` entries travels among ``world`` workers: ``"dense"``,
-        ``"allgather"`` or ``"sharded"`` (shapes and configuration only: every worker agrees;
-        in the sized form, ``"allgather"`` here may still send a tensor dense when its densest
-        worker's count makes that cheaper, and its bytes are estimated at the budget's)."""
-        per = self.slots_for(numel) if self.fixed_capacity else self._kept(numel)
+        ``"allgather"`` or ``"sharded"``.
+
+        Args:
+            numel: the tensor's entries.
+            world: the number of workers.
+            sent: entries per worker the sized all-gather is priced at (the step's mean
+                count, identical on every worker); ``None``: the budget's (before any count
+                is known). Ignored with a ``capacity`` (the slots price it).
+
+        Returns:
+            The form. In the sized form, ``"allgather"`` may still send a tensor dense when
+            its densest worker's count makes that cheaper.
+        """
+        if self.fixed_capacity:
+            per, extra = self.slots_for(numel), 0
+        else:  # the sized form also all-gathers its count (4 bytes)
+            per, extra = self._kept(numel) if sent is None else sent, 4
         return choose_exchange(self.exchange, numel, world, self._kept(numel),
-                               per * (4 + index_bytes(numel)), self.owner_keep,
+                               per * (4 + index_bytes(numel)) + extra, self.owner_keep,
                                sharded_ok=self.budget is not None and not self.padded)
+
+    @property
+    def chooses_by_count(self) -> bool:
+        """Whether each call chooses its tensors' forms from the call's all-reduced counts
+        (``exchange="auto"`` with a budget, without ``padded`` or ``capacity``)."""
+        return (self.exchange == "auto" and self.budget is not None and not self.padded
+                and not self.fixed_capacity)
 
     def slots_for(self, numel: int) -> int:
         """Entries one worker's all-gathered message holds for a tensor of ``numel`` entries:
@@ -190,7 +207,21 @@ class HardThreshold(Compressor):
             {key: torch.zeros((), dtype=torch.float64) for key in _COUNTERS}
             if self.fixed_capacity else dict.fromkeys(_COUNTERS, 0)
         )
-        return {"lam": float(self.lam) if self.lam is not None else -1.0, "recent": -1.0, **counters}
+        state = {"lam": float(self.lam) if self.lam is not None else -1.0, "recent": -1.0,
+                 **counters}
+        if not self.fixed_capacity:
+            # Tensor-calls per form since the start: in the sized form the form depends on
+            # the step's counts (read on the host there anyway), so it is counted, not
+            # derived from shapes.
+            state["exchange"] = dict.fromkeys(_FORMS, 0)
+        return state
+
+    def upgrade_state(self, state: Any, *, fresh: Mapping[str, Any], step: int) -> Any:
+        """A sized form's state saved before its forms were counted gains zero counts."""
+        if (isinstance(state, Mapping) and "exchange" in fresh and "exchange" not in state
+                and set(state) == set(fresh) - {"exchange"}):
+            return {**state, "exchange": dict.fromkeys(_FORMS, 0)}
+        return state
 
     def _calibrate(self, jobs: Sequence[Job], comm: Collective) -> float:
         assert self.budget is not None
@@ -211,25 +242,81 @@ class HardThreshold(Compressor):
         if state["lam"] < 0 and any(j.numel for j in jobs):
             state["lam"] = self._calibrate(jobs, comm)
         lam = state["lam"]
-        forms: dict[str, list[Job]] = {"sharded": [], "dense": [], "allgather": []}
-        for job in jobs:
-            # Per tensor, from sizes and configuration only: the same form on every worker.
-            form = self.exchange_for(job.numel, comm.world_size)
-            if form == "dense" and not self.fixed_capacity:
-                form = "allgather"  # the sized form chooses dense from the counts it learns
-            forms[form].append(job)
+        if self.chooses_by_count and comm.world_size > 1:
+            forms, offered = self._choose_by_count(jobs, lam, comm)
+        else:
+            forms, offered = self._choose_by_shape(jobs, comm.world_size), None
+        dense = 0
         if forms["sharded"]:
-            self._reduce_sharded(forms["sharded"], lam, state, comm)
+            self._reduce_sharded(forms["sharded"], lam, state, comm, offered)
         dense_reduce(forms["dense"], comm)
         if forms["allgather"] and not self.fixed_capacity:
             # The default: exact sizes exchanged first, so the message follows what passes
             # lambda (the counts are read on the host once per call, the same on every rank).
-            _count(state, *reduce_sized(forms["allgather"], lam, self.padded, comm))
+            sent, total, dense = reduce_sized(forms["allgather"], lam, self.padded, comm)
+            _count(state, sent, total)
         elif forms["allgather"]:
-            self._reduce_gathered(forms["allgather"], lam, state, comm)
+            _count(state, *reduce_capacity(forms["allgather"], lam, self.slots_for, self.padded,
+                                           comm))
+        if "exchange" in state:
+            taken = {"allgather": len(forms["allgather"]) - dense, "sharded": len(forms["sharded"]),
+                     "dense": len(forms["dense"]) + dense}
+            state["exchange"] = {f: state["exchange"][f] + taken[f] for f in _FORMS}
+
+    def _choose_by_shape(self, jobs: Sequence[Job], world: int) -> dict[str, list[Job]]:
+        forms: dict[str, list[Job]] = {form: [] for form in _FORMS}
+        for job in jobs:
+            # Per tensor, from sizes and configuration only: the same form on every worker.
+            form = self.exchange_for(job.numel, world)
+            if form == "dense" and not self.fixed_capacity:
+                form = "allgather"  # the sized form chooses dense from the counts it learns
+            forms[form].append(job)
+        return forms
+
+    def _choose_by_count(self, jobs: Sequence[Job], lam: float, comm: Collective
+                         ) -> tuple[dict[str, list[Job]], dict[str, int]]:
+        """Each tensor's form from the call's counts, and the entries offered outside the
+        workers' own parts per tensor (what the sharded form counts against the budget)."""
+        workers, world = comm.local_workers, comm.world_size
+        # Only a tensor whose sharded form costs less than its dense all-reduce can go sharded
+        # (the sized all-gather goes dense beyond that): the others take the sized form with
+        # no count here, and a call with none of the first kind exchanges nothing more.
+        forms = self._choose_by_shape([j for j in jobs if not self._may_shard(j.numel, world)],
+                                      world)
+        open_jobs = [j for j in jobs if self._may_shard(j.numel, world)]
+        if not open_jobs:
+            return forms, {}
+        counts = []
+        for job in open_jobs:
+            above = job.tensor.reshape(workers, -1).abs() >= lam  # NaN never reaches lambda
+            part = -(-job.numel // world)
+            own = torch.stack([above[w, r * part : (r + 1) * part].sum()
+                               for w, r in enumerate(comm.local_ranks)])
+            counts += [above.sum(dim=1), own]
+        # The decision must be the same on every worker (each takes its own collectives for
+        # each form), so it is taken from the counts summed over the group by one all-reduce
+        # (identical everywhere, read on the host once per call), never from a worker's own
+        # count. The all-gather pads to its densest worker: priced at the mean count, a lower
+        # bound, the sharded form is taken only where it is cheaper even so.
+        sums = comm.all_reduce(torch.stack(counts, dim=1)).tolist()
+        offered: dict[str, int] = {}
+        for t, job in enumerate(open_jobs):
+            whole, own = int(sums[2 * t]), int(sums[2 * t + 1])
+            form = self.exchange_for(job.numel, world, sent=-(-whole // world))
+            forms["allgather" if form == "dense" else form].append(job)
+            offered[job.name] = whole - own
+        # Every form keeps the call's order of tensors (the collectives' order on every worker).
+        order = {j.name: i for i, j in enumerate(jobs)}
+        return {f: sorted(js, key=lambda j: order[j.name]) for f, js in forms.items()}, offered
+
+    def _may_shard(self, numel: int, world: int) -> bool:
+        """Whether a tensor of ``numel`` entries may take the sharded form at some count: its
+        sharded bytes are below its dense all-reduce's (shapes and configuration only)."""
+        lay = shard_layout(numel, world, self._kept(numel), self.owner_keep)
+        return numel > 0 and lay.wire_bytes < allreduce_wire_bytes(4 * numel, world)
 
     def _reduce_sharded(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
-                        comm: Collective) -> None:
+                        comm: Collective, offered: Mapping[str, int] | None = None) -> None:
         workers = comm.local_workers
         # NaN never reaches lambda. A worker's own part travels whole to itself (it holds the
         # owner's residual there): it offers entries of the other parts only.
@@ -237,52 +324,22 @@ class HardThreshold(Compressor):
         # What the budget counts: every worker's entries at or above lambda, summed over the
         # group (identical on every worker, so lambda stays the same everywhere), out of the
         # entries outside each worker's own part ((W - 1) n in all: the parts tile a tensor).
-        offered = comm.all_reduce(torch.stack([m.sum(dim=1) for m in masks], dim=1))
-        _count(state, offered.sum(dtype=torch.float64), (comm.world_size - 1) * sum(j.numel for j in jobs))
+        # ``offered``: those sums, already learnt with the choice of forms.
+        total = (comm.all_reduce(torch.stack([m.sum(dim=1) for m in masks], dim=1)).sum(
+            dtype=torch.float64) if offered is None else sum(offered[j.name] for j in jobs))
+        _count(state, total, (comm.world_size - 1) * sum(j.numel for j in jobs))
         sharded_reduce(jobs, masks, [self._kept(j.numel) for j in jobs], comm, self.owner_keep)
-
-    def _reduce_gathered(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
-                         comm: Collective) -> None:
-        # Calls whose flat positions would pass int32 go in pieces (nothing depends on which
-        # tensors share a call).
-        piece: list[Job] = []
-        for job in jobs:
-            if piece and sum(j.numel for j in piece) + job.numel > MAX_ENTRIES:
-                self._gather_call(piece, lam, state, comm)
-                piece = []
-            piece.append(job)
-        if piece:
-            self._gather_call(piece, lam, state, comm)
-
-    def _gather_call(self, jobs: Sequence[Job], lam: float, state: dict[str, Any],
-                     comm: Collective) -> None:
-        workers, world = comm.local_workers, comm.world_size
-        numels = [j.numel for j in jobs]
-        slots = [self.slots_for(n) for n in numels]
-        layout = segment_layout(numels, slots, jobs[0].tensor.device)
-        # A fresh buffer (it becomes the residuals): the call's tensors laid end to end.
-        flat = torch.cat([j.tensor.reshape(workers, -1) for j in jobs], dim=1)
-        # Each tensor's ``slots`` largest entries: every entry at or above lambda when there
-        # are no more of them than slots, else the largest of them. Sizes come from shapes
-        # only, so no worker reads a count on the host.
-        positions = select_positions(flat, layout)
-        picked = flat.gather(1, positions)
-        above = picked.abs() >= lam  # NaN never reaches lambda
-        values = picked.masked_fill(above.logical_not(), 0.0)  # a slot below lambda: padding
-        received = gather_flat(jobs, flat, positions, layout, comm, values=values,
-                               left=picked.masked_fill(above, 0.0))
-        if self.padded:  # the wire's volume: every slot of every worker
-            sent = torch.tensor(float(world * layout.selected), dtype=torch.float64)
-        else:  # what workers sent: the non-zero values of every worker's message
-            sent = received.ne(0).sum(dtype=torch.float64)
-        _count(state, sent, world * layout.total)
 
     def report(self, state: Mapping[str, Any]) -> dict[str, Any]:
         """Entries sent and offered by all workers since the start (completed steps; a host
-        read of two counters)."""
+        read of two counters) and, in the sized form, the tensor-calls of each exchange form
+        (``"exchange"``)."""
         if "sent" not in state:
             return {}
-        return {"density_parts": (int(state["sent"]), int(state["offered"]))}
+        out: dict[str, Any] = {"density_parts": (int(state["sent"]), int(state["offered"]))}
+        if "exchange" in state:
+            out["exchange"] = {f: n for f, n in state["exchange"].items() if n}
+        return out
 
     def check_state(self, state: Mapping[str, Any], *, fresh: Mapping[str, Any],
                     shapes: Mapping[str, torch.Size], workers: int) -> str | None:
@@ -303,6 +360,9 @@ class HardThreshold(Compressor):
                 return f"{key}: must be {want}, got {value!r}"
         if float(state["sent"]) > float(state["offered"]):
             return f"sent: must be <= offered ({float(state['offered'])!r}), got {float(state['sent'])!r}"
+        for form, count in state.get("exchange", {}).items():
+            if form not in _FORMS or not isinstance(count, int) or count < 0:
+                return f"exchange.{form}: must be a form of {_FORMS} with a count >= 0, got {count!r}"
         return None
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
@@ -314,18 +374,9 @@ class HardThreshold(Compressor):
             # they are tensors).
             step_sent, step_offered = float(state["step_sent"]), float(state["step_offered"])
         if self.budget is not None and step_offered > 0:
-            step_density = step_sent / step_offered
-            recent = state["recent"]
-            recent = step_density if recent < 0 else recent + _SMOOTHING * (step_density - recent)
-            state["recent"] = float(recent)
-            run_density = float(state["sent"]) / float(state["offered"])
-            factor = (max(recent, 1e-12) / self.budget) ** _GAIN_RECENT * (
-                max(run_density, 1e-12) / self.budget
-            ) ** _GAIN_RUN
-            factor = min(max(factor, 1 / _MAX_STEP_FACTOR), _MAX_STEP_FACTOR)
-            state["lam"] = float(state["lam"] * factor)
-            if not math.isfinite(state["lam"]) or state["lam"] <= 0:
-                state["lam"] = float(torch.finfo(torch.float32).tiny)
+            state["recent"], state["lam"] = next_lambda(
+                state["lam"], state["recent"], step_sent / step_offered,
+                float(state["sent"]) / float(state["offered"]), self.budget)
         state["step_sent"] = state["step_sent"] * 0
         state["step_offered"] = state["step_offered"] * 0
 

@@ -26,7 +26,7 @@ __all__ = ["reduce_sized"]
 
 
 def reduce_sized(jobs: Sequence[Job], lam: float, padded: bool, comm: Collective
-                 ) -> tuple[int, int]:
+                 ) -> tuple[int, int, int]:
     """Average every job (each worker sends its entries ``>= lam``) and record residuals.
 
     Args:
@@ -36,8 +36,9 @@ def reduce_sized(jobs: Sequence[Job], lam: float, padded: bool, comm: Collective
         comm: the collective.
 
     Returns:
-        ``(sent, offered)``: entries all workers sent (or, padded, that the wire carries)
-        and entries offered (``W`` times the jobs' entries).
+        ``(sent, offered, dense)``: entries all workers sent (or, padded, that the wire
+        carries), entries offered (``W`` times the jobs' entries) and the number of jobs sent
+        dense (their densest worker's count made that cheaper).
     """
     if _selects_per_call(jobs[0].tensor.device):
         selected, all_counts = _select_call(jobs, lam, comm)
@@ -71,7 +72,7 @@ def reduce_sized(jobs: Sequence[Job], lam: float, padded: bool, comm: Collective
         [widest[t] for t in sparse_ids],
         comm,
     )
-    return sent, offered
+    return sent, offered, len(jobs) - len(sparse_ids)
 
 
 def _selects_per_call(device: torch.device) -> bool:
