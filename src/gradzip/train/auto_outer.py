@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from gradzip.comm import Collective, ProcessGroupCollective, SimulatedGroup
 from gradzip.compressors.base import Compressor
-from gradzip.plan import Auto, Candidate, outer_switch
+from gradzip.plan import Auto, Candidate, Traffic, measure_traffic, outer_switch
 from gradzip.spec import compressor_from_spec
 from gradzip.train.metrics import format_bytes
 from gradzip.train.outer_stepper import OuterStepper
@@ -86,6 +86,7 @@ class SwitchingStepper:
         self.outer: OuterStepper | None = None
         self._saved_outer: dict[str, Any] | None = None  # loaded, built at first use
         self._fresh: list[dict[str, Any]] = []  # evaluations the loop has not taken yet
+        self._traffic: dict[str, Traffic] | None = None  # by spec, simulated once
         # Plain data, all of it in checkpoints.
         self.steps = 0  # optimizer steps taken through this stepper
         self.seen = 0  # Auto decisions evaluated
@@ -128,7 +129,8 @@ class SwitchingStepper:
             # collectives that follow (the parameter exchange, the outer loop's) match.
             verdict = outer_switch(record, spec, self.shapes, self.world, margin=self.auto.margin,
                                    candidates=self.candidates,
-                                   bandwidth_mbit=self.cfg.auto_outer_bandwidth_mbit)
+                                   bandwidth_mbit=self.cfg.auto_outer_bandwidth_mbit,
+                                   traffic=self._known_traffic())
             verdict = {"kind": "outer_switch", **verdict}
             self.evaluations += 1
             self.last = verdict
@@ -136,6 +138,20 @@ class SwitchingStepper:
             if verdict["switch"] and self.pending is None:
                 self.pending = verdict
         self.seen = count
+
+    def _known_traffic(self) -> dict[str, Traffic]:
+        """Every level's and candidate's traffic by spec: Auto's own (cached on it; the
+        same shapes unless rules route some tensors elsewhere), the candidates' simulated
+        once here (seconds for a large model, not to be paid at every decision)."""
+        if self._traffic is None:
+            by_label = self.auto.traffic(self.shapes, self.world)
+            known = {level.spec(): by_label[label] for label, level in  # type: ignore[union-attr]
+                     zip(self.auto.labels, self.auto.levels, strict=True)}
+            for c in self.candidates:
+                if c.spec not in known:
+                    known[c.spec] = measure_traffic(c.spec, self.world, shapes=self.shapes)
+            self._traffic = known
+        return self._traffic
 
     def take_records(self) -> list[dict[str, Any]]:
         """The switch evaluations made since the last call (for the run's decision log)."""
