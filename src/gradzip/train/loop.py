@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 from gradzip.compressors.base import Compressor
 from gradzip.control.batch import BatchSizeController
+from gradzip.train.auto_outer import SwitchingStepper
 from gradzip.train.metrics import MetricsWriter, progress_bar
 from gradzip.train.outer_stepper import OuterStepper
-from gradzip.train.auto_outer import SwitchingStepper
 from gradzip.train.rule_records import control_fields, new_rule_decisions, rule_counts, rule_fields
 from gradzip.train.schedules import lr_at, milestone_epochs, set_lr
 from gradzip.train.steppers import DDPStepper, SimStepper, to_device

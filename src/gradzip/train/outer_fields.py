@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 from gradzip._validate import check_bool, check_int
