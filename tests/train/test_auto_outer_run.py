@@ -126,17 +126,24 @@ def test_the_cli_names_the_switch_and_why(tmp_path: Path, capsys) -> None:
     assert "for per-step none (gain 50%" in lines[0]
 
 
-@pytest.mark.parametrize("stop", [1, 2], ids=["switch-pending", "switched"])
+@pytest.mark.parametrize(("level", "stop"), [("none", 1), ("none", 2), ("topk:ratio=0.3", 1)],
+                         ids=["switch-pending", "switched", "residuals-dropped-after-resume"])
 def test_a_run_resumed_across_the_switch_equals_the_uninterrupted_run(tmp_path: Path,
-                                                                      stop: int) -> None:
+                                                                      level: str, stop: int) -> None:
     """Stopped after epoch 1 the switch is decided but not carried out; after epoch 2 the
-    outer loop runs. Either way the resumed run's records and parameters are the same bits."""
+    outer loop runs. Either way the resumed run's records and parameters are the same bits.
+    Top-k 30% keeps error-feedback residuals (restored from the checkpoint, then dropped) and
+    sends 0.6x a dense all-reduce's bytes, so a dense exchange every 2 steps still gains 17%."""
     whole, part = tmp_path / "whole", tmp_path / "part"
-    run(RunConfig(**FORCED, epochs=3, out=str(whole)))  # type: ignore[arg-type]
-    run(RunConfig(**FORCED, epochs=stop, out=str(part)))  # type: ignore[arg-type]
+    cfg = {**FORCED, "compressor": AUTO.replace("levels=none", f"levels={level}")}
+    run(RunConfig(**cfg, epochs=3, out=str(whole)))  # type: ignore[arg-type]
+    run(RunConfig(**cfg, epochs=stop, out=str(part)))  # type: ignore[arg-type]
     first = _summary(part)["auto_outer"]
     assert first["switched"] == (stop == 2)
-    run(RunConfig(**FORCED, epochs=3, out=str(part)), resume=True)  # type: ignore[arg-type]
+    run(RunConfig(**cfg, epochs=3, out=str(part)), resume=True)  # type: ignore[arg-type]
+    switch = _summary(whole)["auto_outer"]["switch"]
+    assert switch["switched_at"] == 6
+    assert (switch["dropped_residual_norm"] > 0) == (level != "none")
     assert records(part) == records(whole)
     mine, ref = _final_parameters(part), _final_parameters(whole)
     assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
@@ -182,16 +189,20 @@ def test_procs_switch_like_the_simulator_and_resume_across_the_switch(tmp_path: 
     """Two gloo processes take the same decision, send what the simulator counts and, the
     arithmetic being the same, train the same bits; stopped after the switch and resumed
     (each rank rebuilding its outer loop), they end with the simulator's uninterrupted run."""
-    base: dict[str, Any] = {**FORCED, "timeout": 300, "threads": 1}
+    # Top-k 30% (see above): residuals to drop, their norm pooled over the ranks.
+    base: dict[str, Any] = {**FORCED, "timeout": 300, "threads": 1,
+                            "compressor": AUTO.replace("levels=none", "levels=topk:ratio=0.3")}
     procs, sim = tmp_path / "procs", tmp_path / "sim"
     run(RunConfig(**base, epochs=3, launcher="sim", out=str(sim)))  # type: ignore[arg-type]
     run(RunConfig(**base, epochs=2, launcher="procs", out=str(procs)))  # type: ignore[arg-type]
     a, b = _summary(procs)["auto_outer"], _summary(sim)["auto_outer"]
     assert a["switched"] and _unmeasured(a["switch"]) == _unmeasured(b["switch"])
-    assert a["switch"]["dropped_residual_norm"] == b["switch"]["dropped_residual_norm"]
+    assert a["switch"]["dropped_residual_norm"] == b["switch"]["dropped_residual_norm"] > 0
     run(RunConfig(**base, epochs=3, launcher="procs", out=str(procs)), resume=True)  # type: ignore[arg-type]
-    # Every record: bytes, rounds, the H in force, losses and accuracy.
-    assert records(procs) == records(sim)
+    # Every record: bytes, rounds, the H in force, losses and accuracy; all but the relative
+    # compression error, which a process group pools over the ranks in another order.
+    assert ([{k: v for k, v in r.items() if k != "compression_error"} for r in records(procs)]
+            == [{k: v for k, v in r.items() if k != "compression_error"} for r in records(sim)])
     reference = _final_parameters(sim)
     for rank in (0, 1):
         mine = _final_parameters(procs, rank)
