@@ -7,6 +7,7 @@ import pytest
 from gradzip import Auto
 from gradzip.plan.candidates import Candidate
 from gradzip.plan.switch import OUTER_CANDIDATES, outer_switch
+from gradzip.plan.traffic import measure_traffic
 from test_auto import SHAPES, WORLD, LinkClock, drive
 
 
@@ -32,6 +33,24 @@ def test_slow_link_switches_only_after_the_critical_phase() -> None:
     assert set(pred) == {"topk-1%", "diloco-h10", "diloco-h30", "diloco-h100"}
     assert got[1]["gain"] == pytest.approx(1 - pred["diloco-h100"] / pred["topk-1%"])
     assert got[1]["bandwidth_mbit"] == pytest.approx(10, rel=1e-6)
+
+
+def test_known_traffic_is_used_and_gives_the_same_verdict() -> None:
+    engine = drive(LinkClock(10, 1e-3), 60)
+    record = Auto.decisions(engine)[-1]
+    spec = _spec(engine, record["level"])
+    fresh = outer_switch(record, spec, SHAPES, WORLD, margin=0.05)
+    auto = engine.compressor  # type: ignore[attr-defined]
+    by_label = auto.traffic(SHAPES, WORLD)
+    known = {lv.spec(): by_label[lb] for lb, lv in zip(auto.labels, auto._levels, strict=True)}
+    assert outer_switch(record, spec, SHAPES, WORLD, margin=0.05, traffic=known) == fresh
+    # What is given is what is priced: the level's traffic read from the mapping.
+    doubled = {**known, spec: measure_traffic("none", WORLD, shapes=SHAPES)}
+    other = outer_switch(record, spec, SHAPES, WORLD, margin=0.05, traffic=doubled)
+    assert other["predicted_ms"][record["level"]] != fresh["predicted_ms"][record["level"]]
+    with pytest.raises(ValueError, match="`traffic` must map specs to Traffic among 4 workers"):
+        outer_switch(record, spec, SHAPES, WORLD, margin=0.05,
+                     traffic={"none": measure_traffic("none", 3, shapes=SHAPES)})
 
 
 def test_fast_link_stays_per_step() -> None:

@@ -7,6 +7,7 @@ import os
 import shlex
 from typing import Any
 
+from gradzip.train.auto_outer import switch_line
 from gradzip.train.metrics import format_bytes
 from gradzip.train.rundir import read_manifest
 
@@ -71,6 +72,8 @@ def result_lines(summary: dict[str, Any], cfg: Any) -> list[str]:
         lines.append(f"outer-step training (H={cfg.outer_steps}): per optimizer step "
                      f"{format_bytes(per_step)} sent per worker vs {format_bytes(dense_step)} "
                      f"for per-step dense averaging ({dense_step / per_step:.1f}x less)")
+    if summary.get("auto_outer") is not None:  # --auto-outer: whether it switched, and why
+        lines.append(switch_line(summary["auto_outer"]))
     lines.append(f"wrote {os.path.join(cfg.out, 'metrics.jsonl')} and "
                  f"{os.path.join(cfg.out, 'summary.json')}"
                  + (f"; tensorboard --logdir {os.path.join(cfg.out, 'tensorboard')}"

@@ -8,7 +8,8 @@ outer-step candidates (``H`` local steps between exchanges, the outer settings f
 cost model. It proposes a switch only when the phase is past the critical regime (Auto's
 guard said ``critical: False``) and the best outer-step candidate is predicted faster by
 the hysteresis margin. It decides; carrying the switch out (the exchange of parameters and
-the construction of the outer loop) belongs to the caller.
+the construction of the outer loop) belongs to the caller, as ``gradzip train --auto-outer``
+does (:mod:`gradzip.train.auto_outer`).
 
 Both sides are priced from link and compute alone: the per-step level's measured compression
 overhead is not in the record, so per-step communication is priced at its cheapest and a
@@ -23,7 +24,7 @@ from typing import Any
 from gradzip._validate import check_int, check_real
 from gradzip.plan.candidates import Candidate
 from gradzip.plan.model import Setting, predict_candidate
-from gradzip.plan.traffic import measure_traffic
+from gradzip.plan.traffic import Traffic, measure_traffic
 
 __all__ = ["OUTER_CANDIDATES", "outer_switch"]
 
@@ -36,7 +37,8 @@ _NEEDED = ("critical", "level", "compute_ms", "bandwidth_mbit", "rtt_ms", "calls
 def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str, Sequence[int]],
                  workers: int, *, margin: float,
                  candidates: Sequence[Candidate] = OUTER_CANDIDATES,
-                 bandwidth_mbit: float | None = None) -> dict[str, Any]:
+                 bandwidth_mbit: float | None = None,
+                 traffic: Mapping[str, Traffic] | None = None) -> dict[str, Any]:
     """Weigh outer-step training against the per-step level of one Auto decision.
 
     Args:
@@ -50,6 +52,11 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
         candidates: the outer-step candidates (quality ``"outer"``), at least one.
         bandwidth_mbit: a link bandwidth to use instead of the measured one (> 0), e.g. a
             known link the probe cannot see; ``None``: the record's.
+        traffic: each spec's simulated traffic among ``workers`` for ``shapes``
+            (:func:`~gradzip.plan.traffic.measure_traffic`), where the caller has it (e.g.
+            :meth:`Auto.traffic <gradzip.plan.auto.Auto.traffic>`'s, keyed by spec): a spec
+            found there is not simulated again (a simulation of a large model takes
+            seconds); ``None``: every spec is simulated.
 
     Returns:
         The switch record: ``switch`` (bool), ``step``, ``reason``, the inputs
@@ -72,6 +79,10 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
                          f"got {candidates!r}")
     if bandwidth_mbit is not None:
         check_real("bandwidth_mbit", bandwidth_mbit, low=0, low_open=True)
+    if traffic is not None and (not isinstance(traffic, Mapping) or any(
+            not isinstance(t, Traffic) or t.workers != workers for t in traffic.values())):
+        raise ValueError(f"`traffic` must map specs to Traffic among {workers} workers, got "
+                         f"{traffic!r}")
     bandwidth = float(record["bandwidth_mbit"] if bandwidth_mbit is None else bandwidth_mbit)
     # The record's numbers are maxima over the ranks (Auto aggregates them before deciding),
     # so every rank builds the same setting and takes the same branch below: the switch
@@ -80,11 +91,17 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
                       max(float(record["compute_ms"]), 1e-6),
                       buckets=max(1, round(float(record["calls"]))), overlap=False)
     plain = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
+    known = dict(traffic or {})
+
+    def traffic_of(spec: str) -> Traffic:
+        if spec not in known:
+            known[spec] = measure_traffic(spec, workers, shapes=plain)
+        return known[spec]
+
     level = str(record["level"])
-    stay = predict_candidate(Candidate(level, level_spec, "lossless"),
-                             measure_traffic(level_spec, workers, shapes=plain), setting, None)
-    outer = {c.name: predict_candidate(c, measure_traffic(c.spec, workers, shapes=plain),
-                                       setting, None) for c in candidates}
+    stay = predict_candidate(Candidate(level, level_spec, "lossless"), traffic_of(level_spec),
+                             setting, None)
+    outer = {c.name: predict_candidate(c, traffic_of(c.spec), setting, None) for c in candidates}
     best = min(candidates, key=lambda c: outer[c.name].step_ms)
     gain = 1 - outer[best.name].step_ms / stay.step_ms
     if record["critical"]:

@@ -25,7 +25,7 @@ from gradzip.train.events import require_tensorboard
 from gradzip.train.fields import ACCORDION, OPTIM, SCHEDULE, Option, int_at_least, option, real_in
 from gradzip.train.hsdp_fields import HSDPFields, check_hsdp
 from gradzip.train.idle import ETA_DEFAULT, check_idle_options, idle_options
-from gradzip.train.outer_fields import OuterFields
+from gradzip.train.outer_fields import OuterFields, outer_steps_list
 from gradzip.train.rundir import check_out_dir
 from gradzip.train.schedules import milestone_epochs
 from gradzip.train.tasks import TASKS, get_task, parse_model_spec
@@ -153,7 +153,7 @@ class RunConfig(OuterFields, HSDPFields):
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (tuples as lists)."""
         out = dataclasses.asdict(self)
-        for key in ("milestones", "accordion_batch", "rules"):
+        for key in ("milestones", "accordion_batch", "rules", "auto_outer_steps"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out
@@ -187,6 +187,8 @@ class RunConfig(OuterFields, HSDPFields):
             values["accordion_batch"] = _batch_pair(values["accordion_batch"])
         if "rules" in values:
             values["rules"] = _rule_texts(values["rules"])
+        if "auto_outer_steps" in values:
+            values["auto_outer_steps"] = outer_steps_list(values["auto_outer_steps"])
         return cls(**values)
 
     @classmethod
@@ -332,6 +334,7 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
         _prefixed("accordion", compressor_from_spec, cfg.accordion)
         _prefixed("accordion", Accordion, cfg.compressor, cfg.accordion, eta=cfg.eta, interval=1)
     _check_schedule(cfg)
+    cfg = dataclasses.replace(cfg, auto_outer_steps=outer_steps_list(cfg.auto_outer_steps))
     cfg.check_outer()
     if cfg.accordion_batch is not None:
         small, large = _batch_pair(cfg.accordion_batch)

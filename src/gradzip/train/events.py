@@ -19,6 +19,7 @@ tag                         from the record
 ``levels/<level>``          share of tensors at each level (Accordion, level schedules), from
                             the first record that shows the level
 ``accordion/critical_fraction``, ``batch/global``, ``batch/critical_fraction``  controllers
+``auto/outer_steps``        ``--auto-outer``: H of outer-step training once switched, else 0
 ``step/loss``, ``step/lr``, ``step/wire_bytes``  step records
 ==========================  =====================================================
 
@@ -53,7 +54,7 @@ _EPOCH_TAGS = {
     "epoch_wire_bytes": "bytes/epoch_wire", "compression": "compression/rate",
     "payload_fraction": "compression/payload_fraction", "density": "density",
     "critical_fraction": "accordion/critical_fraction", "global_batch": "batch/global",
-    "batch_critical_fraction": "batch/critical_fraction",
+    "batch_critical_fraction": "batch/critical_fraction", "outer_steps": "auto/outer_steps",
 }
 _STEP_TAGS = {"loss": "step/loss", "lr": "step/lr", "wire_bytes": "step/wire_bytes"}
 

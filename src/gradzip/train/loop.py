@@ -18,9 +18,10 @@ from torch import Tensor, nn
 
 from gradzip.compressors.base import Compressor
 from gradzip.control.batch import BatchSizeController
+from gradzip.train.auto_outer import SwitchingStepper
 from gradzip.train.metrics import MetricsWriter, progress_bar
 from gradzip.train.outer_stepper import OuterStepper
-from gradzip.train.rule_records import new_rule_decisions, rule_counts, rule_fields
+from gradzip.train.rule_records import control_fields, new_rule_decisions, rule_counts, rule_fields
 from gradzip.train.schedules import lr_at, milestone_epochs, set_lr
 from gradzip.train.steppers import DDPStepper, SimStepper, to_device
 
@@ -59,7 +60,7 @@ class TrainLoop:
                 weight_decay=cfg.weight_decay, nesterov=cfg.nesterov,
             )
         self.compressor: Compressor | None = None
-        self.stepper: SimStepper | DDPStepper | OuterStepper | None = None
+        self.stepper: SimStepper | DDPStepper | OuterStepper | SwitchingStepper | None = None
         self.batch_controller = self._batch_controller()
         self.decisions: list[dict[str, Any]] = []
         self._decision_count = 0
@@ -119,16 +120,15 @@ class TrainLoop:
         rule's records carry its ``rule`` text)."""
         self.decisions.extend(new_rule_decisions(self._engine(), self.done["marks"]))
         counts = self._report().get("counts")
-        if counts is None:
-            return
-        count = counts["decisions"]
-        if count != self._decision_count:
+        if counts is not None and counts["decisions"] != self._decision_count:
             # Every point since the last poll: one step can hold two (an LR drop seen in an
             # interval's last step), and the latest alone would miss the drop's records.
             state = self.stepper.compressor_state  # type: ignore[union-attr]
             self.decisions.extend(self.compressor.decisions(  # type: ignore[union-attr]
                 state, since=self._decision_count))
-            self._decision_count = count
+            self._decision_count = counts["decisions"]
+        # --auto-outer's weighing of those decisions (after them: each follows its decision).
+        self.decisions.extend(getattr(self.stepper, "take_records", list)())
 
     def _bytes(self) -> dict[str, int]:
         """Cumulative counters, max over all workers (a collective in a process group)."""
@@ -175,33 +175,6 @@ class TrainLoop:
         return {"kind": "eval", "epoch": epoch, "step": step, "lr": lr, **metrics,
                 **self._bytes(), "rounds": self.stepper.stats["steps"]}
 
-    def _control_fields(self, marks: dict[str, Any]) -> dict[str, Any]:
-        """Accordion and batch-size fields of an epoch record; updates ``marks`` in place."""
-        rec: dict[str, Any] = {}
-        report = self._report()
-        if "counts" in report:
-            counts = report["counts"]
-            crit = counts["critical_steps"] - marks.get("critical_steps", 0)
-            steady = counts["steady_steps"] - marks.get("steady_steps", 0)
-            marks.update(critical_steps=counts["critical_steps"],
-                         steady_steps=counts["steady_steps"])
-            levels = report["levels"]
-            rec["critical"] = sum(v == "critical" for v in levels.values())
-            # Fraction of (tensor, step) pairs of this epoch reduced at the critical level.
-            rec["critical_fraction"] = crit / max(crit + steady, 1)
-            rec["levels"] = levels
-        ctl = self.batch_controller
-        if ctl is not None:
-            counts = ctl.counts
-            crit = counts["critical_rounds"] - marks.get("critical_rounds", 0)
-            steady = counts["steady_rounds"] - marks.get("steady_rounds", 0)
-            marks.update(critical_rounds=counts["critical_rounds"],
-                         steady_rounds=counts["steady_rounds"])
-            rec["batch_level"] = ctl.level
-            rec["global_batch"] = ctl.batch_size
-            rec["batch_critical_fraction"] = crit / max(crit + steady, 1)
-        return rec
-
     def summary_fields(self) -> dict[str, Any]:
         """Controller counters for ``summary.json`` (empty without Accordion)."""
         out: dict[str, Any] = {}
@@ -212,6 +185,7 @@ class TrainLoop:
             out["batch_counts"] = {**self.batch_controller.counts,
                                    "samples": self.batch_controller.samples}
         out.update(rule_counts(self._engine()))
+        out.update(getattr(self.stepper, "summary_fields", dict)())  # --auto-outer's switch
         return out
 
     def extra_files(self) -> dict[str, Any]:
@@ -284,6 +258,8 @@ class TrainLoop:
         stepper_cls: Any = SimStepper if self.cfg.launcher == "sim" else DDPStepper
         if self.cfg.outer_steps:
             stepper_cls = OuterStepper
+        if self.cfg.auto_outer:  # per-step first, outer steps once Auto's decisions say so
+            stepper_cls = SwitchingStepper
         if self.cfg.hsdp:
             # Imported here: torch's FSDP2 is slow to import and most runs never use it.
             from gradzip.train import hsdp_stepper
@@ -384,7 +360,8 @@ class TrainLoop:
             # Relative compression error of the epoch (read once, which starts the next span;
             # see gradzip.engine.error): ``compression_error`` and, with a controller, per level.
             rec.update(stepper.compression_error())
-            rec.update(self._control_fields(done["marks"]))
+            rec.update(control_fields(self._report(), self.batch_controller, done["marks"]))
+            rec.update(getattr(stepper, "epoch_fields", dict)())  # --auto-outer: H in force
             rec.update(rule_fields(self._engine(), done["marks"]))
             now = time.perf_counter()
             rec["eval_seconds"] = now - eval_start

@@ -4,16 +4,44 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from gradzip._validate import check_bool, check_int
 from gradzip.outer.optim import OUTER_KINDS, OuterOptimizer
+from gradzip.plan.auto import Auto
+from gradzip.spec import compressor_from_spec
 from gradzip.train.fields import OPTIM, int_at_least, option, real_in
 
-__all__ = ["INNER_OPTIMIZERS", "OUTER", "OuterFields"]
+__all__ = ["AUTO_OUTER_STEPS", "INNER_OPTIMIZERS", "OUTER", "OuterFields", "outer_steps_list"]
 
 #: The optimizer each worker steps (``adamw``: betas 0.9, 0.95, with ``--weight-decay``).
 INNER_OPTIMIZERS = ("sgd", "adamw")
 #: The ``gradzip train --help`` section.
 OUTER = "outer-step training (DiLoCo family)"
+#: The ``H`` values ``--auto-outer`` weighs by default.
+AUTO_OUTER_STEPS = (10, 30, 100)
+
+
+def outer_steps_list(value: Any) -> tuple[int, ...]:
+    """``auto_outer_steps`` as a tuple of distinct integers >= 1 (text: ``"10,30,100"``).
+
+    Raises:
+        ValueError, TypeError: not such a list, naming ``auto_outer_steps``.
+    """
+    if isinstance(value, str):
+        try:
+            value = [int(v) for v in value.replace(" ", "").split(",") if v]
+        except ValueError:
+            raise ValueError("`auto_outer_steps` must be comma-separated integers, got "
+                             f"{value!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"`auto_outer_steps` must be a non-empty list of H values, got {value!r}")
+    steps = tuple(check_int("auto_outer_steps", v, minimum=1) for v in value)
+    if len(set(steps)) != len(steps):
+        raise ValueError(f"`auto_outer_steps` must not repeat a value, got {list(steps)}")
+    return steps
 
 
 @dataclasses.dataclass
@@ -38,6 +66,18 @@ class OuterFields:
     outer_delay: int = option(0, "streaming: inner steps between sending a fragment and applying "
                               "it (< H/P), the exchange overlapped with them", group=OUTER,
                               metavar="TAU", check=int_at_least(0))
+    auto_outer: bool = option(False, "with --compressor auto: leave per-step communication for "
+                              "outer-step training (DiLoCo, dense exchange, outer settings from "
+                              "H) at the first decision past the critical phase where an outer "
+                              "candidate is predicted faster by auto's margin; no switch back",
+                              group=OUTER, check=check_bool)
+    auto_outer_steps: tuple[int, ...] = option(
+        AUTO_OUTER_STEPS, "the H values --auto-outer weighs (default 10,30,100)", group=OUTER,
+        metavar="H1,H2")
+    auto_outer_bandwidth_mbit: float | None = option(
+        None, "a link bandwidth --auto-outer prices with instead of the probed one (a known "
+        "link the probe cannot see)", group=OUTER, metavar="MBIT",
+        check=real_in(low=0, low_open=True))
 
     def check_outer(self) -> None:
         """The checks that span several of these options (one-line errors).
@@ -46,8 +86,10 @@ class OuterFields:
             ValueError: streaming options without ``outer_steps``, the batch-size controller
                 with it, ``outer_steps`` not a multiple of ``fragments``, ``outer_delay`` not
                 below ``outer_steps / fragments``, an outer momentum the outer optimizer
-                cannot take, or error feedback off under ``ef-momentum``.
+                cannot take, error feedback off under ``ef-momentum``, or ``auto_outer``
+                with an option it does not take (see :meth:`check_auto_outer`).
         """
+        self.check_auto_outer()
         h, p, tau = self.outer_steps, self.fragments, self.outer_delay
         if not h:
             if p != 1 or tau or self.outer_lr is not None or self.outer_momentum is not None:
@@ -70,3 +112,40 @@ class OuterFields:
             OuterOptimizer.build(self.outer_optimizer, lr=self.outer_lr, momentum=self.outer_momentum)
         except ValueError as err:
             raise ValueError(str(err).replace("`momentum`", "`outer_momentum`")) from None
+
+    def check_auto_outer(self) -> None:
+        """The checks of ``auto_outer`` and its options (one-line errors).
+
+        Raises:
+            ValueError: its options without it; or it with a compressor other than ``auto``
+                alone, with ``outer_steps`` (the switch chooses H), a controller around the
+                compressor, ``hsdp``, ``accordion_batch``, an outer optimizer other than
+                Nesterov, or fewer than 2 workers.
+        """
+        steps = outer_steps_list(self.auto_outer_steps)
+        if not self.auto_outer:
+            if steps != AUTO_OUTER_STEPS or self.auto_outer_bandwidth_mbit is not None:
+                raise ValueError("`auto_outer_steps` and `auto_outer_bandwidth_mbit` need "
+                                 "`auto_outer`, got auto_outer=False")
+            return
+        compressor = getattr(self, "compressor", "none")  # RunConfig fields, as below
+        if not isinstance(compressor_from_spec(compressor), Auto):
+            raise ValueError("`compressor` must be auto (e.g. 'auto' or 'auto(every=20)') with "
+                             f"`auto_outer`, got {compressor!r}")
+        refused = [("outer_steps", self.outer_steps, 0, "the switch chooses H"),
+                   ("accordion", getattr(self, "accordion", None), None, "auto is the controller"),
+                   ("level_schedule", getattr(self, "level_schedule", None), None,
+                    "auto is the controller"),
+                   ("warmup_steps", getattr(self, "warmup_steps", 0), 0, "auto is the controller"),
+                   ("hsdp", getattr(self, "hsdp", 0), 0, "sharded models are not switched"),
+                   ("accordion_batch", getattr(self, "accordion_batch", None), None,
+                    "it reads per-step averaged gradients"),
+                   ("outer_optimizer", self.outer_optimizer, "nesterov",
+                    "the candidates' outer settings are Nesterov's")]
+        for name, value, allowed, why in refused:
+            if value != allowed:
+                raise ValueError(f"`{name}` must be {allowed!r} with `auto_outer` ({why}), got "
+                                 f"{value!r}")
+        workers = getattr(self, "workers", 2)
+        if workers < 2:
+            raise ValueError(f"`workers` must be >= 2 with `auto_outer`, got {workers}")

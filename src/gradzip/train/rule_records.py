@@ -1,4 +1,4 @@
-"""What per-parameter rules add to a run's records.
+"""What controllers and per-parameter rules add to a run's records.
 
 The main compressor's report fills an epoch record's ``density``, ``levels`` and
 ``critical_fraction`` and the summary's ``accordion_counts``; a rule's compressor (an
@@ -18,7 +18,34 @@ from typing import Any
 
 from gradzip.compressors.base import Compressor
 
-__all__ = ["new_rule_decisions", "rule_counts", "rule_fields", "rule_reports"]
+__all__ = ["control_fields", "new_rule_decisions", "rule_counts", "rule_fields", "rule_reports"]
+
+
+def control_fields(report: dict[str, Any], batch_controller: Any,
+                   marks: dict[str, Any]) -> dict[str, Any]:
+    """The main controller's and the batch-size controller's fields of an epoch record
+    (``report``: the main compressor's ``report``, ``{}`` if none); updates ``marks`` in place."""
+    rec: dict[str, Any] = {}
+    if "counts" in report:
+        counts = report["counts"]
+        crit = counts["critical_steps"] - marks.get("critical_steps", 0)
+        steady = counts["steady_steps"] - marks.get("steady_steps", 0)
+        marks.update(critical_steps=counts["critical_steps"], steady_steps=counts["steady_steps"])
+        levels = report["levels"]
+        rec["critical"] = sum(v == "critical" for v in levels.values())
+        # Fraction of (tensor, step) pairs of this epoch reduced at the critical level.
+        rec["critical_fraction"] = crit / max(crit + steady, 1)
+        rec["levels"] = levels
+    ctl = batch_controller
+    if ctl is not None:
+        counts = ctl.counts
+        crit = counts["critical_rounds"] - marks.get("critical_rounds", 0)
+        steady = counts["steady_rounds"] - marks.get("steady_rounds", 0)
+        marks.update(critical_rounds=counts["critical_rounds"], steady_rounds=counts["steady_rounds"])
+        rec["batch_level"] = ctl.level
+        rec["global_batch"] = ctl.batch_size
+        rec["batch_critical_fraction"] = crit / max(crit + steady, 1)
+    return rec
 
 
 def rule_reports(engine: Any) -> list[tuple[str, Compressor, dict[str, Any]]]:

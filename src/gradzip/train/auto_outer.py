@@ -1,0 +1,350 @@
+"""``--auto-outer``: per-step communication first, outer-step training once it pays.
+
+:class:`SwitchingStepper` runs a run's steps through the per-step stepper
+(:class:`~gradzip.train.steppers.SimStepper` or :class:`~gradzip.train.steppers.DDPStepper`,
+with ``--compressor auto``) and, after every step, weighs each new decision of
+:class:`~gradzip.Auto` with :func:`~gradzip.plan.outer_switch`. The first decision that says
+switch (past the critical phase, an outer-step candidate predicted faster by Auto's margin) is
+carried out at the start of the next step, so the loop's optimizer step of the deciding step
+has run:
+
+1. the parameters are averaged over the workers (one dense fp32 all-reduce, counted in the
+   run's bytes; per-step training keeps the replicas equal, so this changes no bit of them, but
+   it makes the outer loop's anchor the same on every worker by construction);
+2. the per-step engine's error-feedback residuals are dropped (their norm is recorded): they
+   are compression error of past *gradients*, while the outer loop compresses parameter
+   deltas, another space and scale; sending them once densely would cost a full exchange to
+   correct one step's compression error;
+3. an :class:`~gradzip.train.outer_stepper.OuterStepper` takes over, its anchor the averaged
+   parameters, ``H``, outer learning rate and momentum the candidate's, the exchange dense
+   (``none``), and each worker's inner optimizer continuing from the loop optimizer's state.
+
+Counters are cumulative across the switch (the per-step ones, the exchange, the outer ones),
+and a checkpoint holds the per-step state, the switch and the outer loop's state, so a run
+resumed on either side of the switch continues exactly. Training does not switch back.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from gradzip.comm import Collective, ProcessGroupCollective, SimulatedGroup
+from gradzip.compressors.base import Compressor
+from gradzip.plan import Auto, Candidate, Traffic, measure_traffic, outer_switch
+from gradzip.spec import compressor_from_spec
+from gradzip.train.metrics import format_bytes
+from gradzip.train.outer_stepper import OuterStepper
+from gradzip.train.steppers import DDPStepper, SimStepper, to_device
+
+__all__ = ["SwitchingStepper", "outer_candidates", "switch_line"]
+
+log = logging.getLogger(__name__)
+
+#: The counters the loop reads, summed across the switch.
+_COUNTERS = ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes")
+
+
+def outer_candidates(steps: tuple[int, ...]) -> tuple[Candidate, ...]:
+    """The outer-step candidates of ``--auto-outer``: DiLoCo's dense exchange at each ``H``,
+    the outer learning rate and momentum from ``H`` by the default rule."""
+    return tuple(Candidate(f"diloco-h{h}", "none", "outer", h) for h in steps)
+
+
+class SwitchingStepper:
+    """The stepper of a run with ``auto_outer`` (the interface of
+    :class:`~gradzip.train.steppers.SimStepper`): per-step communication until Auto's decision
+    says outer steps pay, outer-step training from then on.
+
+    Args:
+        model, task, compressor, cfg, optimizer, device: as for the other steppers;
+            ``compressor`` must be an :class:`~gradzip.Auto`.
+
+    Raises:
+        TypeError: ``compressor`` is not an Auto.
+    """
+
+    def __init__(self, model: nn.Module, task: Any, compressor: Compressor, cfg: Any,
+                 optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        if not isinstance(compressor, Auto):
+            raise TypeError(f"`compressor` must be an Auto with auto_outer, got "
+                            f"{type(compressor).__name__}")
+        self.model, self.task, self.cfg, self.device = model, task, cfg, device
+        self.auto, self.loop_optimizer = compressor, optimizer
+        kind: Any = SimStepper if cfg.launcher == "sim" else DDPStepper
+        self.per_step: SimStepper | DDPStepper = kind(model, task, compressor, cfg, optimizer,
+                                                      device)
+        self.world = self.per_step.world
+        self.local_ranks = self.per_step.local_ranks
+        self.candidates = outer_candidates(tuple(cfg.auto_outer_steps))
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+        self.outer: OuterStepper | None = None
+        self._saved_outer: dict[str, Any] | None = None  # loaded, built at first use
+        self._fresh: list[dict[str, Any]] = []  # evaluations the loop has not taken yet
+        self._traffic: dict[str, Traffic] | None = None  # by spec, simulated once
+        # Plain data, all of it in checkpoints.
+        self.steps = 0  # optimizer steps taken through this stepper
+        self.seen = 0  # Auto decisions evaluated
+        self.evaluations = 0
+        self.last: dict[str, Any] | None = None  # the latest evaluation
+        self.pending: dict[str, Any] | None = None  # decided, to be carried out next step
+        self.switch: dict[str, Any] | None = None  # carried out
+        self.exchange = {"payload": [0] * len(self.local_ranks),
+                         "wire": [0] * len(self.local_ranks)}
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
+        """One step: per-step (then the new Auto decisions weighed), or outer-step training
+        (carrying a pending switch out first)."""
+        if self.pending is not None:
+            self._carry_out()
+        outer = self._outer()
+        if outer is not None:
+            loss = outer.step(batches, carries)
+        else:
+            loss = self.per_step.step(batches, carries)
+            self._weigh_new_decisions()
+        self.steps += 1
+        return loss
+
+    def _weigh_new_decisions(self) -> None:
+        """Weigh each Auto decision made during the last step against outer-step training."""
+        state = self.per_step.compressor_state
+        if state is None:
+            return
+        count = Auto.counts(state)["decisions"]
+        if count == self.seen:
+            return
+        for record in Auto.decisions(state, since=self.seen):
+            label = str(record["level"])
+            spec = self.auto.levels[self.auto.labels.index(label)].spec()  # type: ignore[union-attr]
+            # The record's inputs are maxima over the ranks (Auto aggregates them before it
+            # decides) and everything else here is configuration or shapes, so every rank
+            # reaches the same verdict and carries the switch out at the same step: the
+            # collectives that follow (the parameter exchange, the outer loop's) match.
+            verdict = outer_switch(record, spec, self.shapes, self.world, margin=self.auto.margin,
+                                   candidates=self.candidates,
+                                   bandwidth_mbit=self.cfg.auto_outer_bandwidth_mbit,
+                                   traffic=self._known_traffic())
+            verdict = {"kind": "outer_switch", **verdict}
+            self.evaluations += 1
+            self.last = verdict
+            self._fresh.append(verdict)
+            if verdict["switch"] and self.pending is None:
+                self.pending = verdict
+        self.seen = count
+
+    def _known_traffic(self) -> dict[str, Traffic]:
+        """Every level's and candidate's traffic by spec: Auto's own (cached on it; the
+        same shapes unless rules route some tensors elsewhere), the candidates' simulated
+        once here (seconds for a large model, not to be paid at every decision)."""
+        if self._traffic is None:
+            by_label = self.auto.traffic(self.shapes, self.world)
+            known = {level.spec(): by_label[label] for label, level in  # type: ignore[union-attr]
+                     zip(self.auto.labels, self.auto.levels, strict=True)}
+            for c in self.candidates:
+                if c.spec not in known:
+                    known[c.spec] = measure_traffic(c.spec, self.world, shapes=self.shapes)
+            self._traffic = known
+        return self._traffic
+
+    def take_records(self) -> list[dict[str, Any]]:
+        """The switch evaluations made since the last call (for the run's decision log)."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
+
+    # -- the switch -------------------------------------------------------------------------
+    def _collective(self) -> Collective:
+        return SimulatedGroup(self.world) if self.cfg.launcher == "sim" else ProcessGroupCollective()
+
+    @torch.no_grad()
+    def _average_parameters(self) -> None:
+        """One dense fp32 all-reduce of every trained parameter; the mean replaces them."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+        comm = self._collective()
+        # The simulated workers share the one replica: each contributes it.
+        message = flat.expand(self.world, -1) if comm.simulated else flat[None]
+        mean = comm.all_reduce(message) / self.world
+        offset = 0
+        for p in params:
+            p.copy_(mean[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.exchange = {"payload": list(comm.meter.payload), "wire": list(comm.meter.wire)}
+
+    def _drop_residuals(self) -> float:
+        """Drop the per-step engine's error-feedback residuals; their norm over every worker."""
+        engine = self.per_step.engine
+        residuals = dict(engine.residuals) if engine is not None else {}
+        squares = torch.zeros(self.world, dtype=torch.float64)
+        for name in sorted(residuals):
+            rows = residuals[name].detach().reshape(len(self.local_ranks), -1)
+            for i, rank in enumerate(self.local_ranks):
+                squares[rank] += float(torch.linalg.vector_norm(rows[i].double())) ** 2
+        if engine is not None:
+            engine.residuals = {}
+        # Each worker's sum in its own slot, zeros elsewhere: the sum over ranks is exact and
+        # the total below adds the workers in rank order, as the simulator does.
+        squares = self.per_step.all_sum(squares)
+        return float(sum(float(s) for s in squares)) ** 0.5
+
+    def _build_outer(self, verdict: dict[str, Any]) -> OuterStepper:
+        cfg = dataclasses.replace(
+            self.cfg, outer_steps=int(verdict["outer_steps"]), outer_lr=verdict["outer_lr"],
+            outer_momentum=verdict["outer_momentum"], outer_optimizer="nesterov", fragments=1,
+            outer_delay=0, rules=(), dense_1d=False, min_numel=0, auto_outer=False)
+        for p in self.model.parameters():
+            p.grad = None  # the last per-step gradient is spent; replicas start without one
+        return OuterStepper(self.model, self.task, compressor_from_spec("none"), cfg,
+                            self.loop_optimizer, self.device)
+
+    def _carry_out(self) -> None:
+        """Average the parameters, drop the residuals, start the outer loop (every rank at
+        the same step: the decision was the same everywhere)."""
+        verdict, self.pending = self.pending, None
+        assert verdict is not None
+        self._average_parameters()
+        norm = self._drop_residuals()
+        self.outer = self._build_outer(verdict)
+        state = self.loop_optimizer.state_dict()
+        for inner in self.outer.inner:  # each worker continues the per-step optimizer's state
+            inner.load_state_dict(copy.deepcopy(state))
+        self.switch = {**verdict, "switched_at": self.steps,
+                       "exchange_payload_bytes": max(self.exchange["payload"]),
+                       "exchange_wire_bytes": max(self.exchange["wire"]),
+                       "dropped_residual_norm": norm}
+        if 0 in self.local_ranks:
+            log.info("%s", switch_line({"switched": True, "switch": self.switch}))
+
+    def _outer(self) -> OuterStepper | None:
+        """The outer stepper once switched (built here after a resume: its construction is a
+        collective in a process group, so it waits for the loop, where every rank is)."""
+        if self.outer is None and self._saved_outer is not None:
+            assert self.switch is not None
+            outer = self._build_outer(self.switch)
+            outer.load_state_dict(self._saved_outer)
+            self.outer, self._saved_outer = outer, None
+        return self.outer
+
+    # -- the interface the loop uses --------------------------------------------------------
+    @property
+    def engine(self) -> Any:
+        """The per-step engine (its rules and Auto's state stay readable after the switch)."""
+        return self.per_step.engine
+
+    @property
+    def compressor_state(self) -> Any:
+        """Auto's state (after the switch, as it was at the switch)."""
+        return self.per_step.compressor_state
+
+    @property
+    def averaged(self) -> dict[str, Tensor]:
+        outer = self._outer()
+        return outer.averaged if outer is not None else self.per_step.averaged
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Cumulative counters: per-step, plus the exchange and the outer loop's once
+        switched (the exchange counts as one round)."""
+        per = self.per_step.stats
+        out = {k: list(per[k]) for k in _COUNTERS}
+        out["steps"], out["skipped_steps"] = int(per["steps"]), int(per["skipped_steps"])
+        outer = self._outer()
+        if outer is None:
+            return out
+        extra = outer.stats
+        for key, own in (("payload_bytes", "payload"), ("wire_bytes", "wire"),
+                         ("dense_payload_bytes", "payload"), ("dense_wire_bytes", "wire")):
+            out[key] = [a + b + c for a, b, c in zip(out[key], self.exchange[own], extra[key],
+                                                     strict=True)]
+        out["steps"] += 1 + int(extra["steps"])
+        out["skipped_steps"] += int(extra["skipped_steps"])
+        return out
+
+    def epoch_fields(self) -> dict[str, Any]:
+        """The epoch record's ``outer_steps``: ``H`` once switched, else 0."""
+        return {"outer_steps": int(self.switch["outer_steps"]) if self.switch else 0}
+
+    def summary_fields(self) -> dict[str, Any]:
+        """``auto_outer`` for ``summary.json``: whether and where the run switched, the
+        evaluation that decided it (inputs, predictions, candidate, gain), the exchange's bytes
+        and the dropped residual norm; without a switch, the latest evaluation."""
+        return {"auto_outer": {"switched": self.switch is not None,
+                               "evaluations": self.evaluations,
+                               "switch": self.switch,
+                               "last": self.last if self.switch is None else None}}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The per-step state (Auto's included), the switch, and the outer loop's state."""
+        outer = self.outer.state_dict() if self.outer is not None else self._saved_outer
+        return {"per_step": self.per_step.state_dict(), "outer": outer,
+                "switching": {"steps": self.steps, "seen": self.seen,
+                              "evaluations": self.evaluations, "last": self.last,
+                              "pending": self.pending, "switch": self.switch,
+                              "exchange": copy.deepcopy(self.exchange)}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (the outer loop is rebuilt at its first use).
+
+        Raises:
+            ValueError: a state of another kind of run, or inconsistent.
+        """
+        if not isinstance(state, dict) or set(state) != {"per_step", "outer", "switching"}:
+            raise ValueError("the state must be an auto_outer run's (keys per_step, outer, "
+                             f"switching), got {sorted(state) if isinstance(state, dict) else state!r}")
+        own = state["switching"]
+        if (own["switch"] is None) != (state["outer"] is None):
+            raise ValueError("the state's `outer` must be present exactly when it switched")
+        if len(own["exchange"]["payload"]) != len(self.local_ranks):
+            raise ValueError(f"the state's exchange counters must hold {len(self.local_ranks)} "
+                             f"workers, got {len(own['exchange']['payload'])}")
+        self.per_step.load_state_dict(state["per_step"])
+        self.steps, self.seen = int(own["steps"]), int(own["seen"])
+        self.evaluations, self.last = int(own["evaluations"]), own["last"]
+        self.pending, self.switch = own["pending"], own["switch"]
+        self.exchange = copy.deepcopy(own["exchange"])
+        self.outer = None
+        self._saved_outer = to_device(state["outer"], self.device) if state["outer"] else None
+        self._fresh = []
+
+    def compression_error(self) -> dict[str, float | None]:
+        outer = self._outer()
+        return outer.compression_error() if outer is not None else self.per_step.compression_error()
+
+    def all_sum(self, x: Tensor) -> Tensor:
+        return self.per_step.all_sum(x)
+
+    def all_max(self, x: Tensor) -> Tensor:
+        return self.per_step.all_max(x)
+
+    def sync_buffers(self) -> None:
+        outer = self._outer()
+        (outer if outer is not None else self.per_step).sync_buffers()
+
+
+def switch_line(entry: dict[str, Any]) -> str:
+    """One line saying whether a run switched to outer steps and why (``entry``: the
+    summary's ``auto_outer``)."""
+    rec = entry.get("switch") if entry.get("switched") else entry.get("last")
+    if rec is None:
+        return "auto-outer: no decision weighed outer steps (stayed per-step)"
+    ms = rec["predicted_ms"]
+    prices = (f"predicted {ms[rec['candidate']]:.1f} ms/step against {ms[rec['level']]:.1f} "
+              f"for per-step {rec['level']} (gain {100 * rec['gain']:.0f}%; compute "
+              f"{rec['compute_ms']:.1f} ms, link {rec['bandwidth_mbit']:.3g} Mbit/s, rtt "
+              f"{rec['rtt_ms']:.2f} ms)")
+    if entry.get("switched"):
+        return (f"auto-outer: switched to outer steps after step {rec['switched_at']} "
+                f"({rec['candidate']}: H={rec['outer_steps']}, outer lr {rec['outer_lr']:g}, "
+                f"momentum {rec['outer_momentum']:g}) because the phase is steady and it is "
+                f"{prices}; parameters averaged once ({format_bytes(rec['exchange_wire_bytes'])}"
+                f" per worker), error-feedback residual of norm "
+                f"{rec['dropped_residual_norm']:.3g} dropped")
+    why = "the phase is critical" if rec["reason"] == "critical" else "it gains too little"
+    return (f"auto-outer: stayed per-step (last decision at step {rec['step']}: {why}; "
+            f"{rec['candidate']} {prices})")

@@ -1,0 +1,209 @@
+"""``gradzip train --compressor auto --auto-outer``: per-step communication, then outer steps.
+
+The switch is forced without reading a clock: Auto's only level is ``none`` and the link is
+given as 1e-6 Mbit/s, so a dense exchange is predicted to take ~10^8 ms against a few ms of
+compute, and outer steps at H = 2 halve the predicted step time whatever the machine measures;
+``eta=100`` makes only Auto's first decision critical. Decisions come at the start of steps 2
+and 5 (0-based, ``every=3, warmup=2``); the one at step 5 says switch, so the run switches
+after 6 optimizer steps (the end of epoch 1: digits at 2 workers takes 6 steps an epoch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_resume import TINY, records
+
+from gradzip.cli import main
+from gradzip.comm.base import allreduce_wire_bytes
+from gradzip.train.config import resolve_config
+from gradzip.train.rundir import load_rank_file, read_manifest
+from gradzip.train.runner import RunConfig, run
+
+AUTO = "auto(levels=none,every=3,warmup=2,eta=100)"
+FORCED: dict[str, Any] = {**TINY, "compressor": AUTO, "auto_outer": True,
+                          "auto_outer_steps": (2,), "auto_outer_bandwidth_mbit": 1e-6}
+#: Fields of a switch evaluation measured by the clock (the only ones runs may differ in).
+MEASURED = {"compute_ms", "rtt_ms", "predicted_ms", "gain"}
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _decisions(out: Path) -> list[dict[str, Any]]:
+    return json.loads((out / "accordion_decisions.json").read_text())
+
+
+def _unmeasured(record: dict[str, Any] | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    return {k: v for k, v in record.items() if k not in MEASURED and k not in {
+        "reduce_ms", "bandwidth_mbit", "wire_bytes"}}
+
+
+def _final_parameters(out: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    manifest = read_manifest(out)
+    assert manifest is not None
+    return load_rank_file(out, manifest, rank)["model"]
+
+
+def test_the_run_switches_after_the_first_steady_decision_and_counts_every_byte(tmp_path: Path) -> None:
+    out = tmp_path / "switch"
+    summary = run(RunConfig(**FORCED, epochs=3, log_every=1, out=str(out)))  # type: ignore[arg-type]
+    switch = summary["auto_outer"]["switch"]
+    assert summary["auto_outer"]["switched"] and summary["auto_outer"]["evaluations"] == 2
+    assert switch["step"] == 5 and switch["switched_at"] == 6
+    assert (switch["candidate"], switch["outer_steps"], switch["reason"]) == ("diloco-h2", 2,
+                                                                              "steady and faster")
+    assert (switch["outer_lr"], switch["outer_momentum"]) == (0.7, 0.5)  # the H rule at H = 2
+    assert switch["gain"] > 0.49 and switch["bandwidth_mbit"] == 1e-6
+    # The decision log: each Auto decision followed by its weighing.
+    log = _decisions(out)
+    assert [(r.get("kind"), r["step"]) for r in log] == [
+        (None, 2), ("outer_switch", 2), (None, 5), ("outer_switch", 5)]
+    assert [r.get("switch") for r in log] == [None, False, None, True]
+    assert log[1]["reason"] == "critical"
+    rows = records(out)
+    epochs = [r for r in rows if r["kind"] == "epoch"]
+    assert [r["outer_steps"] for r in epochs] == [0, 2, 2]
+    # Bytes: the per-step run's until the switch, one dense exchange of the parameters, then
+    # one outer exchange every 2 steps (6 in the 12 steps after the switch).
+    per_step = tmp_path / "per-step"
+    run(RunConfig(**{**TINY, "compressor": AUTO}, epochs=1, out=str(per_step)))  # type: ignore[arg-type]
+    outer = tmp_path / "outer"
+    run(RunConfig(**TINY, epochs=1, outer_steps=2, out=str(outer)))  # type: ignore[arg-type]
+    before = records(per_step)[-1]
+    sync = records(outer)[-1]
+    assert sync["rounds"] == 3
+    numel = sum(p.numel() for p in _final_parameters(out).values())
+    exchange = allreduce_wire_bytes(4 * numel, 2)
+    assert switch["exchange_wire_bytes"] == exchange and switch["exchange_payload_bytes"] == 4 * numel
+    last = epochs[-1]
+    for key, ex in (("wire_bytes", exchange), ("payload_bytes", 4 * numel),
+                    ("dense_wire_bytes", exchange), ("dense_payload_bytes", 4 * numel)):
+        assert sync[key] % 3 == 0
+        assert last[key] == before[key] + ex + 6 * (sync[key] // 3), key
+    assert last["rounds"] == 6 + 1 + 6 and summary["rounds"] == 13 and summary["steps"] == 18
+    # Step records: the per-step bytes until step 6, then the exchange at step 7 (with no
+    # outer exchange yet), then bytes at every second step only.
+    wire = {r["step"]: r["wire_bytes"] for r in rows if r["kind"] == "step"}
+    assert wire[6] == before["wire_bytes"]
+    assert wire[7] == wire[6] + exchange
+    assert [s for s in range(8, 19) if wire[s] > wire[s - 1]] == [8, 10, 12, 14, 16, 18]
+
+
+def test_a_critical_phase_keeps_per_step_communication(tmp_path: Path, capsys) -> None:
+    """With ``eta`` tiny every decision is critical: weighed, never switched."""
+    out = tmp_path / "critical"
+    main(["train", "--task", "digits", "--workers", "2", "--limit-train", "200", "--milestones",
+          "20", "--epochs", "2", "--compressor", "auto(levels=none,every=3,warmup=2,eta=1e-9)",
+          "--auto-outer", "--auto-outer-steps", "2", "--auto-outer-bandwidth-mbit", "1e-6",
+          "--out", str(out), "--quiet"])
+    lines = capsys.readouterr().out.splitlines()
+    assert sum(line.startswith("auto-outer: stayed per-step (last decision at step 11: the "
+                               "phase is critical") for line in lines) == 1
+    summary = _summary(out)
+    assert not summary["auto_outer"]["switched"] and summary["auto_outer"]["evaluations"] == 4
+    assert summary["auto_outer"]["last"]["reason"] == "critical"
+    assert summary["rounds"] == summary["steps"] == 12
+    assert all(r["outer_steps"] == 0 for r in records(out) if r["kind"] == "epoch")
+
+
+def test_the_cli_names_the_switch_and_why(tmp_path: Path, capsys) -> None:
+    main(["train", "--task", "digits", "--workers", "2", "--limit-train", "200", "--milestones",
+          "20", "--epochs", "2", "--compressor", AUTO, "--auto-outer", "--auto-outer-steps", "2",
+          "--auto-outer-bandwidth-mbit", "1e-6", "--out", str(tmp_path / "cli"), "--quiet"])
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("auto-outer: ")]
+    assert len(lines) == 1
+    assert lines[0].startswith("auto-outer: switched to outer steps after step 6 (diloco-h2: "
+                               "H=2, outer lr 0.7, momentum 0.5) because the phase is steady")
+    assert "for per-step none (gain 50%" in lines[0]
+
+
+@pytest.mark.parametrize(("level", "stop"), [("none", 1), ("none", 2), ("topk:ratio=0.3", 1)],
+                         ids=["switch-pending", "switched", "residuals-dropped-after-resume"])
+def test_a_run_resumed_across_the_switch_equals_the_uninterrupted_run(tmp_path: Path,
+                                                                      level: str, stop: int) -> None:
+    """Stopped after epoch 1 the switch is decided but not carried out; after epoch 2 the
+    outer loop runs. Either way the resumed run's records and parameters are the same bits.
+    Top-k 30% keeps error-feedback residuals (restored from the checkpoint, then dropped) and
+    sends 0.6x a dense all-reduce's bytes, so a dense exchange every 2 steps still gains 17%."""
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    cfg = {**FORCED, "compressor": AUTO.replace("levels=none", f"levels={level}")}
+    run(RunConfig(**cfg, epochs=3, out=str(whole)))  # type: ignore[arg-type]
+    run(RunConfig(**cfg, epochs=stop, out=str(part)))  # type: ignore[arg-type]
+    first = _summary(part)["auto_outer"]
+    assert first["switched"] == (stop == 2)
+    run(RunConfig(**cfg, epochs=3, out=str(part)), resume=True)  # type: ignore[arg-type]
+    switch = _summary(whole)["auto_outer"]["switch"]
+    assert switch["switched_at"] == 6
+    assert (switch["dropped_residual_norm"] > 0) == (level != "none")
+    assert records(part) == records(whole)
+    mine, ref = _final_parameters(part), _final_parameters(whole)
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    a, b = _summary(part), _summary(whole)
+    for key in ("final_accuracy", "bytes_sent_per_worker", "payload_bytes_per_worker",
+                "dense_bytes_per_worker", "steps", "rounds", "skipped_steps", "accordion_counts"):
+        assert a[key] == b[key], key
+    assert _unmeasured(a["auto_outer"]["switch"]) == _unmeasured(b["auto_outer"]["switch"])
+    assert ([_unmeasured(r) for r in _decisions(part)]
+            == [_unmeasured(r) for r in _decisions(whole)])
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"compressor": "powersgd:rank=2"}, "`compressor` must be auto (e.g. 'auto' or "
+                                        "'auto(every=20)') with `auto_outer`, got 'powersgd:rank=2'"),
+    ({"outer_steps": 4}, "`outer_steps` must be 0 with `auto_outer` (the switch chooses H), got 4"),
+    ({"hsdp": 2, "launcher": "procs"}, "`hsdp` must be 0 with `auto_outer`"),
+    ({"accordion_batch": (32, 64)}, "`accordion_batch` must be None with `auto_outer`"),
+    ({"warmup_steps": 5}, "`warmup_steps` must be 0 with `auto_outer`"),
+    ({"outer_optimizer": "sgd"}, "`outer_optimizer` must be 'nesterov' with `auto_outer`"),
+    ({"workers": 1}, "`workers` must be >= 2 with `auto_outer`, got 1"),
+    ({"auto_outer_steps": "0,3"}, "`auto_outer_steps` must be >= 1, got 0"),
+    ({"auto_outer_steps": (3, 3)}, "`auto_outer_steps` must not repeat a value, got [3, 3]"),
+    ({"auto_outer": False}, "`auto_outer_steps` and `auto_outer_bandwidth_mbit` need "
+                            "`auto_outer`, got auto_outer=False"),
+    ({"auto_outer_bandwidth_mbit": 0.0}, "`auto_outer_bandwidth_mbit` must be"),
+])
+def test_auto_outer_with_what_it_does_not_take_is_a_one_line_error(tmp_path: Path, extra,
+                                                                   message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        resolve_config(RunConfig(**{**FORCED, "out": str(tmp_path / "x"), **extra}))  # type: ignore[arg-type]
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_command_line_reads_the_h_list(tmp_path: Path) -> None:
+    cfg = RunConfig.from_dict({**FORCED, "auto_outer_steps": "10, 30", "out": str(tmp_path / "y")})
+    assert resolve_config(cfg).auto_outer_steps == (10, 30)
+    assert cfg.to_dict()["auto_outer_steps"] == [10, 30]
+
+
+@pytest.mark.slow
+def test_procs_switch_like_the_simulator_and_resume_across_the_switch(tmp_path: Path) -> None:
+    """Two gloo processes take the same decision, send what the simulator counts and, the
+    arithmetic being the same, train the same bits; stopped after the switch and resumed
+    (each rank rebuilding its outer loop), they end with the simulator's uninterrupted run."""
+    # Top-k 30% (see above): residuals to drop, their norm pooled over the ranks.
+    base: dict[str, Any] = {**FORCED, "timeout": 300, "threads": 1,
+                            "compressor": AUTO.replace("levels=none", "levels=topk:ratio=0.3")}
+    procs, sim = tmp_path / "procs", tmp_path / "sim"
+    run(RunConfig(**base, epochs=3, launcher="sim", out=str(sim)))  # type: ignore[arg-type]
+    run(RunConfig(**base, epochs=2, launcher="procs", out=str(procs)))  # type: ignore[arg-type]
+    a, b = _summary(procs)["auto_outer"], _summary(sim)["auto_outer"]
+    assert a["switched"] and _unmeasured(a["switch"]) == _unmeasured(b["switch"])
+    assert a["switch"]["dropped_residual_norm"] == b["switch"]["dropped_residual_norm"] > 0
+    run(RunConfig(**base, epochs=3, launcher="procs", out=str(procs)), resume=True)  # type: ignore[arg-type]
+    # Every record: bytes, rounds, the H in force, losses and accuracy; all but the relative
+    # compression error, which a process group pools over the ranks in another order.
+    assert ([{k: v for k, v in r.items() if k != "compression_error"} for r in records(procs)]
+            == [{k: v for k, v in r.items() if k != "compression_error"} for r in records(sim)])
+    reference = _final_parameters(sim)
+    for rank in (0, 1):
+        mine = _final_parameters(procs, rank)
+        assert all(torch.equal(mine[k], v) for k, v in reference.items())
