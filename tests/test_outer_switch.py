@@ -82,3 +82,40 @@ def test_invalid_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="`candidates`"):
         outer_switch(record, "none", SHAPES, WORLD, margin=0.05,
                      candidates=[Candidate("none", "none", "lossless")])
+
+
+def _steady(record: dict, **changes: object) -> dict:
+    return {**record, "critical": False, **changes}
+
+
+def test_the_smallest_h_within_the_margin_of_the_fastest_is_taken() -> None:
+    engine = drive(LinkClock(10, 1e-3), 60)
+    record = Auto.decisions(engine)[-1]
+    spec = _spec(engine, record["level"])
+    # Compute dominating a dense exchange every 10 steps: every H is within 5% of the fastest
+    # (H = 100), and the most frequent synchronisation is taken.
+    slow_compute = _steady(record, compute_ms=1e5)
+    got = outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=1e3)
+    pred = got["predicted_ms"]
+    assert pred["diloco-h10"] <= 1.05 * pred["diloco-h100"] and pred["diloco-h100"] < pred[
+        "diloco-h10"]
+    assert (got["candidate"], got["outer_steps"]) == ("diloco-h10", 10)
+    # With no margin, the fastest.
+    assert outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.0,
+                        bandwidth_mbit=1e3)["candidate"] == "diloco-h100"
+
+
+def test_the_levels_measured_overhead_is_in_the_per_step_price() -> None:
+    engine = drive(LinkClock(10, 1e-3), 60)
+    record = Auto.decisions(engine)[-1]
+    level, spec = record["level"], _spec(engine, record["level"])
+    bare = {k: v for k, v in record.items() if k != "predicted_ms"}
+    base = outer_switch(bare, spec, SHAPES, WORLD, margin=0.05)["predicted_ms"][level]
+    # Auto's record says the level costs 40 ms more than the link and compute alone.
+    priced = {**record, "predicted_ms": {**record["predicted_ms"], level: base + 40.0}}
+    got = outer_switch(priced, spec, SHAPES, WORLD, margin=0.05)
+    assert got["predicted_ms"][level] == pytest.approx(base + 40.0)
+    # The overhead found at the record's link is kept at another link.
+    other = outer_switch(bare, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=100.0)
+    moved = outer_switch(priced, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=100.0)
+    assert moved["predicted_ms"][level] == pytest.approx(other["predicted_ms"][level] + 40.0)

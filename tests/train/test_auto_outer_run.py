@@ -54,7 +54,8 @@ def _final_parameters(out: Path, rank: int = 0) -> dict[str, torch.Tensor]:
 
 def test_the_run_switches_after_the_first_steady_decision_and_counts_every_byte(tmp_path: Path) -> None:
     out = tmp_path / "switch"
-    summary = run(RunConfig(**FORCED, epochs=3, log_every=1, out=str(out)))  # type: ignore[arg-type]
+    summary = run(RunConfig(**FORCED, epochs=3, log_every=1, eval_every=4,  # type: ignore[arg-type]
+                            out=str(out)))
     switch = summary["auto_outer"]["switch"]
     assert summary["auto_outer"]["switched"] and summary["auto_outer"]["evaluations"] == 2
     assert switch["step"] == 5 and switch["switched_at"] == 6
@@ -71,6 +72,10 @@ def test_the_run_switches_after_the_first_steady_decision_and_counts_every_byte(
     rows = records(out)
     epochs = [r for r in rows if r["kind"] == "epoch"]
     assert [r["outer_steps"] for r in epochs] == [0, 2, 2]
+    # Evaluations say whether and where the run switched (synchronised at 6 + 2k).
+    evals = [(r["step"], r["outer_steps"], r.get("switched_at")) for r in rows
+             if r["kind"] == "eval"]
+    assert evals == [(4, 0, None), (8, 2, 6), (16, 2, 6)]
     # Bytes: the per-step run's until the switch, one dense exchange of the parameters, then
     # one outer exchange every 2 steps (6 in the 12 steps after the switch).
     per_step = tmp_path / "per-step"

@@ -11,13 +11,16 @@ the hysteresis margin. It decides; carrying the switch out (the exchange of para
 the construction of the outer loop) belongs to the caller, as ``gradzip train --auto-outer``
 does (:mod:`gradzip.train.auto_outer`).
 
-Both sides are priced from link and compute alone: the per-step level's measured compression
-overhead is not in the record, so per-step communication is priced at its cheapest and a
-switch needs the margin over that (a conservative rule).
+The per-step level is priced from link and compute plus the compression overhead Auto
+measured for it (read from its own prediction in the record); the outer candidates from link
+and compute (their dense exchange has no compression). Among the candidates within the margin
+of the fastest, the one with the smallest ``H`` is taken: the model prices time, not the
+quality a rarer synchronisation costs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -99,11 +102,26 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
         return known[spec]
 
     level = str(record["level"])
-    stay = predict_candidate(Candidate(level, level_spec, "lossless"), traffic_of(level_spec),
-                             setting, None)
+    here = Candidate(level, level_spec, "lossless")
+    stay_ms = predict_candidate(here, traffic_of(level_spec), setting, None).step_ms
+    own = record.get("predicted_ms")
+    if isinstance(own, Mapping) and isinstance(own.get(level), (int, float)):
+        # Auto's own prediction of its level holds the level's measured compression overhead
+        # (time in reduce beyond the link's share), which link and compute alone leave out:
+        # that overhead, found at the record's link, is added to the per-step price. It is
+        # read from the record, identical on every rank.
+        at_record = dataclasses.replace(setting, bandwidth_mbit=float(record["bandwidth_mbit"]))
+        overhead = float(own[level]) - predict_candidate(here, traffic_of(level_spec),
+                                                         at_record, None).step_ms
+        stay_ms += max(0.0, overhead)
     outer = {c.name: predict_candidate(c, traffic_of(c.spec), setting, None) for c in candidates}
-    best = min(candidates, key=lambda c: outer[c.name].step_ms)
-    gain = 1 - outer[best.name].step_ms / stay.step_ms
+    fastest = min(p.step_ms for p in outer.values())
+    # A larger H synchronises less often, which costs quality per step (BENCHMARKS section 5:
+    # H = 100 ends worse than H = 30); the model prices time only, so the candidate taken is
+    # the one with the smallest H among those within the margin of the fastest.
+    best = min((c for c in candidates if outer[c.name].step_ms <= fastest * (1 + margin)),
+               key=lambda c: (c.outer_steps, outer[c.name].step_ms))
+    gain = 1 - outer[best.name].step_ms / stay_ms
     if record["critical"]:
         switch, reason = False, "critical"
     elif gain < margin:
@@ -114,7 +132,7 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
             "critical": bool(record["critical"]), "compute_ms": setting.step_ms,
             "bandwidth_mbit": bandwidth, "rtt_ms": setting.rtt_ms, "calls": setting.buckets,
             "level": level,
-            "predicted_ms": {level: stay.step_ms,
+            "predicted_ms": {level: stay_ms,
                              **{n: p.step_ms for n, p in outer.items()}},
             "candidate": best.name, "outer_steps": best.outer_steps,
             "outer_lr": best.outer_lr, "outer_momentum": best.outer_momentum, "gain": gain}

@@ -270,6 +270,15 @@ class SwitchingStepper:
         """The epoch record's ``outer_steps``: ``H`` once switched, else 0."""
         return {"outer_steps": int(self.switch["outer_steps"]) if self.switch else 0}
 
+    def eval_fields(self) -> dict[str, Any]:
+        """An evaluation record's ``outer_steps`` and, once switched, ``switched_at``: an
+        evaluation after the switch is of synchronised parameters only at ``switched_at + k H``
+        (between synchronisations each worker evaluates its own)."""
+        if not self.switch:
+            return {"outer_steps": 0}
+        return {"outer_steps": int(self.switch["outer_steps"]),
+                "switched_at": int(self.switch["switched_at"])}
+
     def summary_fields(self) -> dict[str, Any]:
         """``auto_outer`` for ``summary.json``: whether and where the run switched, the
         evaluation that decided it (inputs, predictions, candidate, gain), the exchange's bytes

@@ -172,6 +172,7 @@ class TrainLoop:
         report = self._report()
         if "choice" in report:  # auto: the level in use, and the steps run at each so far
             metrics.update(level=report["choice"], level_steps=report["counts"]["steps"])
+        metrics.update(getattr(self.stepper, "eval_fields", dict)())  # --auto-outer: H, switch
         return {"kind": "eval", "epoch": epoch, "step": step, "lr": lr, **metrics,
                 **self._bytes(), "rounds": self.stepper.stats["steps"]}
 
