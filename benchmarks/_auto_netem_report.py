@@ -39,12 +39,23 @@ def is_auto(method: str) -> bool:
     return method.startswith("auto")
 
 
+def synchronised(run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with only the evaluations of parameters every worker holds: under
+    ``--auto-outer``, after the switch (``switched_at``, with ``H`` = ``outer_steps``) those
+    at ``switched_at + k H``; between synchronisations each worker evaluates its own."""
+    if "evaluations" not in run:
+        return run
+    kept = [e for e in run["evaluations"] if e.get("switched_at") is None
+            or (e["step"] - e["switched_at"]) % e["outer_steps"] == 0]
+    return {**run, "evaluations": kept}
+
+
 def rows_of(runs: list[dict[str, Any]], target: float, workers: int) -> list[dict[str, Any]]:
     """One row per run: :func:`~benchmarks._outer_netem_report.summarize` plus the seed, the
     link's label, the link changes made and ``auto``'s levels."""
     out = []
     for run in runs:
-        row = summarize(run, target, workers)
+        row = summarize(synchronised(run), target, workers)
         row.update({k: run[k] for k in RUN_FIELDS if k in run})
         out.append(row)
     return out

@@ -169,7 +169,8 @@ def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str,
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
             if line.strip()]
     keep = ("kind", "step", "epoch", "perplexity", "train_seconds", "seconds", "eval_seconds",
-            "wire_bytes", "rounds", "train_loss", "level", "level_steps")
+            "wire_bytes", "rounds", "train_loss", "level", "level_steps", "outer_steps",
+            "switched_at")
     record["evaluations"] = [{k: r[k] for k in keep if k in r} for r in rows
                              if r.get("kind") in ("eval", "epoch")]
     return record

@@ -199,3 +199,17 @@ def test_passes_merge_into_one_document(tmp_path, capsys):
         report.merge(out, [a, b])
     assert report.main(["--merge"]) == 2
     assert "usage" in capsys.readouterr().err
+
+
+def test_after_a_switch_only_synchronised_evaluations_count():
+    run = _run("auto-outer10", "40", 0, [(10, 900, 5.0), (20, 850, 10.0), (30, 790, 15.0),
+                                         (40, 780, 20.0), (50, 700, 25.0)])
+    for e in run["evaluations"][1:]:  # switched after step 15, H = 10: synchronised at 25, 35...
+        e.update(outer_steps=10, switched_at=15)
+    run["evaluations"][0]["outer_steps"] = 0
+    kept = report.synchronised(run)["evaluations"]
+    assert [e["step"] for e in kept] == [10]
+    for e in run["evaluations"][1:]:
+        e["switched_at"] = 20  # synchronised at 30, 40, 50
+    [row] = report.rows_of([run], 800, 2)
+    assert (row["steps_to_target"], row["seconds_to_target"]) == (30, 15.0)

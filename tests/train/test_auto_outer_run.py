@@ -72,10 +72,11 @@ def test_the_run_switches_after_the_first_steady_decision_and_counts_every_byte(
     rows = records(out)
     epochs = [r for r in rows if r["kind"] == "epoch"]
     assert [r["outer_steps"] for r in epochs] == [0, 2, 2]
-    # Evaluations say whether and where the run switched (synchronised at 6 + 2k).
+    # Evaluations every 4 steps until the switch, then at each synchronisation (6 + 2k; not
+    # at an epoch's end, which has its own record); each says where the run switched.
     evals = [(r["step"], r["outer_steps"], r.get("switched_at")) for r in rows
              if r["kind"] == "eval"]
-    assert evals == [(4, 0, None), (8, 2, 6), (16, 2, 6)]
+    assert evals == [(4, 0, None), (8, 2, 6), (10, 2, 6), (14, 2, 6), (16, 2, 6)]
     # Bytes: the per-step run's until the switch, one dense exchange of the parameters, then
     # one outer exchange every 2 steps (6 in the 12 steps after the switch).
     per_step = tmp_path / "per-step"

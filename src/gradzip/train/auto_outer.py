@@ -270,6 +270,14 @@ class SwitchingStepper:
         """The epoch record's ``outer_steps``: ``H`` once switched, else 0."""
         return {"outer_steps": int(self.switch["outer_steps"]) if self.switch else 0}
 
+    def eval_due(self, step: int, every: int) -> bool:
+        """Whether the loop evaluates after ``step`` (``every``: its ``eval_every``): every
+        ``every`` steps before the switch; after it, at each synchronisation, the only steps
+        at which every worker holds the same parameters."""
+        if not self.switch:
+            return step % every == 0
+        return (step - int(self.switch["switched_at"])) % int(self.switch["outer_steps"]) == 0
+
     def eval_fields(self) -> dict[str, Any]:
         """An evaluation record's ``outer_steps`` and, once switched, ``switched_at``: an
         evaluation after the switch is of synchronised parameters only at ``switched_at + k H``

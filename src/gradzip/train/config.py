@@ -136,7 +136,9 @@ class RunConfig(OuterFields, HSDPFields):
     log_every: int = option(0, "also log a record every STEPS optimizer steps", metavar="STEPS",
                           check=int_at_least(0))
     eval_every: int = option(0, "also evaluate every STEPS optimizer steps (an 'eval' record; its "
-                           "train_seconds exclude evaluations)", metavar="STEPS", check=int_at_least(0))
+                           "train_seconds exclude evaluations; with --auto-outer, after the "
+                           "switch, at every synchronisation)", metavar="STEPS",
+                           check=int_at_least(0))
     cache_dir: str | None = option(None, "cache of decoded CIFAR arrays (default "
                                  "~/.cache/gradzip)")
     device: str = option("cpu", "cpu or cuda", choices=DEVICES)

@@ -323,7 +323,9 @@ class TrainLoop:
                     writer.write({"kind": "step", "epoch": epoch + i / spe, "step": step,
                                   "lr": lr, "loss": step_loss / len(stepper.local_ranks),
                                   "wire_bytes": max(stepper.stats["wire_bytes"])})
-                if cfg.eval_every and step % cfg.eval_every == 0 and i < spe:
+                due = getattr(stepper, "eval_due", None)  # --auto-outer: at synchronisations
+                if cfg.eval_every and (step % cfg.eval_every == 0 if due is None
+                                       else due(step, cfg.eval_every)) and i < spe:
                     # Out of the training clock: what time-to-target measurements subtract.
                     eval_start = time.perf_counter()
                     rec = self._eval_record(epoch + i / spe, step, lr)
