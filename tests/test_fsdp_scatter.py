@@ -219,7 +219,9 @@ def _errors(rank: int, mesh: Any, world: int) -> list[str]:
 def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
     out = {"none": _none(rank, mesh)}
-    out.update({spec: _observed(rank, mesh, spec) for spec in SPECS})
+    # At 4 ranks Top-k alone: the same code path as PowerSGD, at twice the start-up cost.
+    specs = SPECS if world == 2 else SPECS[:1]
+    out.update({spec: _observed(rank, mesh, spec) for spec in specs})
     if world == 2:  # the rest does not depend on the world size
         out.update(resume=_resume(rank, mesh, folder), nan=_nan(rank, mesh),
                    errors=_errors(rank, mesh, world))
@@ -250,7 +252,7 @@ def test_compressed_reduce_scatter_of_plain_fsdp2(world: int, tmp_path: Path) ->
             (world - 1) * 4 * r for r in none["rows"])
         assert stats["compression_rate"] == stats["reduce_scatter_wire_bytes"] / stats[
             "wire_bytes"]
-    for spec in SPECS:
+    for spec in SPECS if world == 2 else SPECS[:1]:
         _check_against_simulator([out[spec] for out in ranks], spec)
     if world != 2:
         return

@@ -24,16 +24,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.ddp.params import tree_to
 from gradzip.engine import STATS_KEYS, Engine
-from gradzip.fsdp.groups import param_groups, same_ranks
-from gradzip.fsdp.unsharded import UnshardedLayout, unsharded_layout
+from gradzip.fsdp.unsharded import (
+    ReduceScatter,
+    UnshardedLayout,
+    default_reduce_scatter,
+    unsharded_layouts,
+)
 from gradzip.options import EngineOptions
 
 __all__ = ["FSDPScatterState", "register_reduce_scatter"]
@@ -43,7 +44,7 @@ log = logging.getLogger("gradzip.fsdp")
 _FORMAT = "gradzip.fsdp.reduce_scatter/1"
 
 
-class _Comm(ReduceScatter):
+class _Comm(ReduceScatter):  # type: ignore[misc,valid-type]
     """FSDP2's reduce-scatter interface, answered by :meth:`FSDPScatterState.exchange`."""
 
     def __init__(self, state: FSDPScatterState, layout: UnshardedLayout) -> None:
@@ -90,7 +91,7 @@ class FSDPScatterState:
                 f"`mesh` must be 1-D (every rank a shard), got a {mesh.ndim}-D mesh of shape "
                 f"{tuple(mesh.shape)}; for replicate x shard use gradzip.fsdp.register"
             )
-        self.layouts: list[UnshardedLayout] = _layouts(model, mesh)
+        self.layouts: list[UnshardedLayout] = unsharded_layouts(model, mesh)
         #: name -> the parameter's unsharded shape (the engine's tensors).
         self.shapes: dict[str, torch.Size] = {
             s.name: s.shape for layout in self.layouts for s in layout.slots
@@ -238,7 +239,7 @@ class FSDPScatterState:
     def remove(self) -> None:
         """Give the model back FSDP2's own reduce-scatter."""
         for module in self._modules:
-            module.set_custom_reduce_scatter(DefaultReduceScatter())
+            module.set_custom_reduce_scatter(default_reduce_scatter())
         self._modules = []
 
     def __repr__(self) -> str:
@@ -250,50 +251,6 @@ def _count_step(ref: weakref.ref[FSDPScatterState]) -> None:
     state = ref()
     if state is not None and state._optimizer_steps is not None:
         state._optimizer_steps += 1
-
-
-def _layouts(model: nn.Module, mesh: DeviceMesh) -> list[UnshardedLayout]:
-    """Every parameter group of ``model`` with a trainable parameter, checked."""
-    if not isinstance(model, FSDPModule):
-        raise TypeError(
-            f"`model` must be fully_shard-ed (a torch.distributed.fsdp.FSDPModule), got "
-            f"{type(model).__name__}; call fully_shard(model, mesh=mesh) first"
-        )
-    names = {id(p): n for n, p in model.named_parameters()}
-    out: list[UnshardedLayout] = []
-    for module_name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        where = module_name or "<root>"
-        groups = param_groups(module)
-        if len(groups) > 1:
-            raise ValueError(f"FSDP module {where!r} has {len(groups)} parameter groups (a "
-                             "per-parameter mesh); gradzip needs one group per fully_shard call")
-        for group in groups:
-            sharded_on = group.mesh_info.mesh
-            if sharded_on.ndim != 1 or not same_ranks(sharded_on, mesh):
-                raise ValueError(
-                    f"FSDP module {where!r} is sharded on a {sharded_on.ndim}-D mesh of shape "
-                    f"{tuple(sharded_on.shape)}, not on `mesh` (shape {tuple(mesh.shape)}); "
-                    "shard it with fully_shard(module, mesh=mesh) (for HSDP use "
-                    "gradzip.fsdp.register)"
-                )
-            if not isinstance(group._reduce_scatter_comm, DefaultReduceScatter):
-                raise ValueError(
-                    f"FSDP module {where!r} already has a custom reduce-scatter "
-                    f"({type(group._reduce_scatter_comm).__name__}); call .remove() on the "
-                    "state that installed it"
-                )
-            if group.gradient_divide_factor is not None:
-                raise ValueError(f"FSDP module {where!r} has a gradient divide factor "
-                                 f"({group.gradient_divide_factor}); gradzip's reduce-scatter "
-                                 "averages (leave set_gradient_divide_factor unset)")
-            layout = unsharded_layout(module_name, module, group, names)
-            if layout is not None:
-                out.append(layout)
-    if not out:
-        raise ValueError("`model` must have a trainable parameter")
-    return out
 
 
 def register_reduce_scatter(model: nn.Module, compressor: Compressor | str, *, mesh: Any,

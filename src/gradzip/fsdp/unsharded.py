@@ -11,6 +11,10 @@ gradients.
 :class:`UnshardedLayout` maps that buffer to each parameter's whole gradient (its own shape,
 named by parameter, no padding) and back to this rank's row: what the engine exchanges in the
 compressed reduce-scatter of :mod:`gradzip.fsdp.scatter`.
+
+With :mod:`gradzip.fsdp.groups`, this is the only module that touches FSDP2's private parts
+(its reduce-scatter interface, which ``torch.distributed.fsdp`` does not export, and its
+parameter groups); another torch version fails here, at registration, with a message.
 """
 
 from __future__ import annotations
@@ -20,8 +24,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["UnshardedLayout", "UnshardedSlot", "unsharded_layout"]
+from gradzip.fsdp.groups import param_groups, same_ranks
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+except ImportError:  # another torch: unsharded_layouts says so, at registration
+    ReduceScatter = object  # type: ignore[assignment,misc]
+    DefaultReduceScatter = None  # type: ignore[assignment,misc]
+
+__all__ = ["ReduceScatter", "UnshardedLayout", "UnshardedSlot", "default_reduce_scatter",
+           "unsharded_layout", "unsharded_layouts"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +187,79 @@ def unsharded_layout(module_name: str, module: Any, group: Any,
     if not slots:
         return None
     return UnshardedLayout(module_name, module, group, tuple(slots), shards, offset)
+
+
+def default_reduce_scatter() -> Any:
+    """FSDP2's own reduce-scatter (what a removed state puts back)."""
+    return DefaultReduceScatter()
+
+
+def unsharded_layouts(model: nn.Module, mesh: DeviceMesh) -> list[UnshardedLayout]:
+    """Every parameter group of ``model`` with a trainable parameter, checked.
+
+    Args:
+        model: the root module, ``fully_shard``-ed on ``mesh``.
+        mesh: the 1-D mesh of the sharding.
+
+    Returns:
+        The groups' layouts, in module order.
+
+    Raises:
+        TypeError: ``model`` is not ``fully_shard``-ed.
+        ValueError: a module sharded on another mesh (a 2-D one included), with several
+            parameter groups, a custom reduce-scatter already, or a gradient divide factor;
+            a parameter not sharded on dimension 0; no trainable parameter.
+        RuntimeError: this torch's FSDP2 lacks what is read here.
+    """
+    try:
+        if DefaultReduceScatter is None:
+            raise AttributeError("no torch.distributed.fsdp._fully_shard reduce-scatter interface")
+        return _unsharded_layouts(model, mesh)
+    except AttributeError as exc:
+        raise RuntimeError(
+            f"gradzip's FSDP2 reduce-scatter reads FSDP2's parameter groups (tested on torch "
+            f"2.13); this torch ({torch.__version__}) differs: {exc}"
+        ) from exc
+
+
+def _unsharded_layouts(model: nn.Module, mesh: DeviceMesh) -> list[UnshardedLayout]:
+    if not isinstance(model, FSDPModule):
+        raise TypeError(
+            f"`model` must be fully_shard-ed (a torch.distributed.fsdp.FSDPModule), got "
+            f"{type(model).__name__}; call fully_shard(model, mesh=mesh) first"
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: list[UnshardedLayout] = []
+    for module_name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        where = module_name or "<root>"
+        groups = param_groups(module)
+        if len(groups) > 1:
+            raise ValueError(f"FSDP module {where!r} has {len(groups)} parameter groups (a "
+                             "per-parameter mesh); gradzip needs one group per fully_shard call")
+        for group in groups:
+            sharded_on = group.mesh_info.mesh
+            if sharded_on.ndim != 1 or not same_ranks(sharded_on, mesh):
+                raise ValueError(
+                    f"FSDP module {where!r} is sharded on a {sharded_on.ndim}-D mesh of shape "
+                    f"{tuple(sharded_on.shape)}, not on `mesh` (shape {tuple(mesh.shape)}); "
+                    "shard it with fully_shard(module, mesh=mesh) (for HSDP use "
+                    "gradzip.fsdp.register)"
+                )
+            if not isinstance(group._reduce_scatter_comm, DefaultReduceScatter):
+                raise ValueError(
+                    f"FSDP module {where!r} already has a custom reduce-scatter "
+                    f"({type(group._reduce_scatter_comm).__name__}); call .remove() on the "
+                    "state that installed it"
+                )
+            if group.gradient_divide_factor is not None:
+                raise ValueError(f"FSDP module {where!r} has a gradient divide factor "
+                                 f"({group.gradient_divide_factor}); gradzip's reduce-scatter "
+                                 "averages (leave set_gradient_divide_factor unset)")
+            layout = unsharded_layout(module_name, module, group, names)
+            if layout is not None:
+                out.append(layout)
+    if not out:
+        raise ValueError("`model` must have a trainable parameter")
+    return out
