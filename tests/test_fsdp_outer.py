@@ -278,5 +278,5 @@ def test_what_is_refused_before_any_process_group_is_needed() -> None:
         with pytest.raises(RuntimeError, match="needs an initialised torch.distributed"):
             gradzip.ShardedOuter(Net(1), mesh=None, inner_steps=1)
     for wrong in (Net(1), object()):  # a module has state_dict too, but is not gradzip state
-        with pytest.raises(TypeError, match=r"^`state` must be an FSDPHookState or a ShardedOuter"):
+        with pytest.raises(TypeError, match=r"^`state` must be an FSDPHookState, an FSDPScatterState or a ShardedOuter"):
             gradzip.fsdp.DCPEntry(wrong)
