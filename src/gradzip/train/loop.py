@@ -281,7 +281,7 @@ class TrainLoop:
         stepper_cls: Any = SimStepper if self.cfg.launcher == "sim" else DDPStepper
         if self.cfg.outer_steps:
             stepper_cls = OuterStepper
-        if self.cfg.hsdp:
+        if self.cfg.hsdp or self.cfg.fsdp:
             # Imported here: torch's FSDP2 is slow to import and most runs never use it.
             from gradzip.train import hsdp_stepper
 
