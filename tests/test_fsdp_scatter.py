@@ -2,12 +2,13 @@
 compressed through the engine, in real gloo processes of 2 and 4 ranks.
 
 One process-spawning run per world size checks everything (process start-up is most of its
-time): ``none`` equals plain FSDP2 and Top-k and PowerSGD equal the engine simulator fed the
-same unsharded gradients, bit for bit at 2 ranks (a sum of two is the same arithmetic in any
-order) and within rounding at 4 (gloo's all-reduce adds in another order than its
-reduce-scatter and the simulator), bytes follow the formula, residuals are the unsharded gradients' size, resume
-through a DCP checkpoint is bit-identical, a NaN on one rank is handled by the policy on
-every rank, and unsupported meshes and models are refused with one line.
+time): ``none`` equals plain FSDP2, and Top-k, PowerSGD and Accordion equal the engine
+simulator fed the same unsharded gradients, bit for bit at 2 ranks (a sum of two is the same
+arithmetic in any order) and within rounding at 4 (gloo's all-reduce adds in another order
+than its reduce-scatter and the simulator); bytes follow the formula, residuals are the
+unsharded gradients' size, resume through a DCP checkpoint is bit-identical, a NaN on one rank
+is handled by the policy on every rank, and unsupported meshes and models are refused with
+one line.
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ from fsdp_nets import Net, batch, sharded
 from gradzip.comm import run_processes
 from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.comm.header import rider_bytes
+from gradzip.control import Accordion
 from gradzip.fsdp import UnshardedLayout, UnshardedSlot
 
 STEPS = 4
 LR = 0.05
-SPECS = ["topk:ratio=0.2", "powersgd:rank=2"]
+SPECS = ["topk:ratio=0.2", "powersgd:rank=2",
+         "accordion(steady=topk:ratio=0.05,critical=topk:ratio=0.2,eta=2,interval=1,"
+         "per_layer=False,lr_drop=True)"]
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, out: int = 3,
@@ -80,10 +84,15 @@ def _observed(rank: int, mesh: Any, spec: str) -> dict[str, Any]:
         calls.append((state.layouts.index(layout), before, output.clone()))
 
     state.exchange = observed  # type: ignore[method-assign]  # the installed path, observed
-    _run(model, rank, range(STEPS), out=1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    levels = []
+    for step in range(STEPS):
+        _step(model, opt, step, rank, out=1)
+        if isinstance(state.compressor, Accordion):
+            levels.append(Accordion.levels(state.engine))
     layouts = [(layout.module, layout.slots, layout.row_numel) for layout in state.layouts]
     return {"calls": calls, "layouts": layouts, "shapes": dict(state.shapes),
-            "stats": state.stats, "residual_bytes": state.residual_bytes(),
+            "stats": state.stats, "residual_bytes": state.residual_bytes(), "levels": levels,
             "shard_bytes": sum(p.to_local().numel() * 4 for p in model.parameters())}
 
 
@@ -99,7 +108,10 @@ def _check_against_simulator(ranks: list[dict[str, Any]], spec: str) -> None:
         assert all(r["calls"][at][0] == index for r in ranks)
         stacked = {n: torch.stack([r["calls"][at][1][n] for r in ranks])
                    for n in ranks[0]["calls"][at][1]}
-        out = engine.reduce(stacked, finish_step=index == len(layouts) - 1, same_layout=True)
+        # The last call of a backward (FSDP2 reduces in backward order: the root last)
+        # finishes the step.
+        last = at % len(layouts) == len(layouts) - 1
+        out = engine.reduce(stacked, finish_step=last, same_layout=True)
         layout = layouts[index]
         flat = torch.cat([out[s.name].reshape(-1) for s in layout.slots])
         for shard, member in enumerate(ranks):
@@ -110,6 +122,10 @@ def _check_against_simulator(ranks: list[dict[str, Any]], spec: str) -> None:
                 assert torch.equal(got, want), (spec, at, shard)
             else:  # gloo's all-reduce adds in another order than the simulator
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if spec.startswith("accordion"):  # the run switches level: its decisions are exercised
+        assert {level for step in ranks[0]["levels"] for level in step.values()} == {
+            "steady", "critical"}
+        assert all(r["levels"] == ranks[0]["levels"] for r in ranks)
     for j, member in enumerate(ranks):
         for key in ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes",
                     "steps", "collective_calls"):
