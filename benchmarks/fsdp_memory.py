@@ -1,9 +1,11 @@
-"""Residual memory and bytes across replicas per rank: HSDP (``gradzip.fsdp``) against DDP.
+"""Residual memory and bytes per rank: HSDP (``gradzip.fsdp.register``), plain FSDP2 with a
+compressed reduce-scatter (``gradzip.fsdp.register_reduce_scatter``) and DDP.
 
 Runs one short training (gloo, CPU) of an MLP per mode and compressor and records, per rank,
 the engine's residual bytes and its payload and wire bytes per step: HSDP on a (replicas,
-shards) mesh exchanges shards over the replicate dimension; DDP (``gradzip.ddp``) exchanges
-the whole model over every rank. Nothing here is timed.
+shards) mesh exchanges shards over the replicate dimension; DDP (``gradzip.ddp``) and the
+FSDP2 reduce-scatter exchange the whole model's gradient over every rank (the latter beside
+what FSDP2's dense reduce-scatter would send). Nothing here is timed.
 
     python -m benchmarks.fsdp_memory            # writes benchmarks/results/fsdp_memory.json
 """
@@ -54,6 +56,19 @@ def _worker(rank: int, world: int, mode: str, replicas: int) -> list[dict[str, A
             state: Any = gradzip.ddp.register(model, spec, overlap=False)
             _train(model, rank)
             engine = state.engine
+        elif mode == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (world,))
+            model = _model()
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            state = gradzip.fsdp.register_reduce_scatter(model, spec, mesh=mesh)
+            _train(model, rank)
+            engine = state.engine
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
@@ -69,8 +84,13 @@ def _worker(rank: int, world: int, mode: str, replicas: int) -> list[dict[str, A
             _train(model, rank)
             engine = state.engine
         stats = engine.stats
+        extra = {}
+        if mode == "fsdp":
+            extra["fsdp_reduce_scatter_wire_bytes_per_step"] = (
+                state.stats["reduce_scatter_wire_bytes"] // STEPS)
         rows.append({
-            "mode": mode if mode == "ddp" else f"hsdp {replicas}x{world // replicas}",
+            **extra,
+            "mode": mode if mode in ("ddp", "fsdp") else f"hsdp {replicas}x{world // replicas}",
             "spec": spec, "rank": rank,
             "residual_bytes": sum(r.numel() * r.element_size() for r in engine.residuals.values()),
             "payload_bytes_per_step": stats["payload_bytes"][0] // STEPS,
@@ -85,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=str(RESULTS / "fsdp_memory.json"))
     args = parser.parse_args(argv)
     rows = []
-    for mode, world, replicas in (("ddp", 4, 4), ("hsdp", 4, 2), ("hsdp", 2, 1)):
+    for mode, world, replicas in (("ddp", 4, 4), ("hsdp", 4, 2), ("hsdp", 2, 1), ("fsdp", 4, 1)):
         for per_rank in run_processes(_worker, world, mode, replicas, timeout=600):
             rows += per_rank
     params = sum(p.numel() for p in _model().parameters())

@@ -15,6 +15,9 @@ from torch.distributed.fsdp import fully_shard
 
 import gradzip
 import gradzip.fsdp
+from fsdp_nets import Net
+from fsdp_nets import batch as _batch
+from fsdp_nets import sharded as _sharded
 from gradzip.comm import run_processes
 
 STEPS = 4
@@ -22,45 +25,9 @@ LR = 0.05
 MESHES = [(1, 2), (2, 2)]
 
 
-class Net(nn.Module):
-    """A per-feature scale (a parameter of the root group), then a ReLU MLP. ``nan_to_num``
-    keeps a NaN of the input out of the forward pass, so it reaches one gradient only: the
-    scale's entry of that feature, which lives in one shard."""
-
-    def __init__(self, out: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(12))
-        self.fc1 = nn.Linear(12, 32)
-        self.fc2 = nn.Linear(32, 16)
-        self.fc3 = nn.Linear(16, out)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in self.parameters():
-                fan_in = p.shape[1] if p.dim() > 1 else p.shape[0]
-                p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
-            self.scale.add_(1.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.nan_to_num(x * self.scale, nan=0.0)
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(h)))))
-
-
 def _mesh(world: int, replicas: int) -> Any:
     return init_device_mesh("cpu", (replicas, world // replicas),
                             mesh_dim_names=("replicate", "shard"))
-
-
-def _sharded(mesh: Any, out: int = 3) -> Net:
-    model = Net(out)
-    for layer in (model.fc1, model.fc2, model.fc3):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _batch(step: int, rank: int, out: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 12, generator=gen), torch.randn(8, out, generator=gen)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int,

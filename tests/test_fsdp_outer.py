@@ -18,47 +18,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import gradzip
+from fsdp_nets import Net
+from fsdp_nets import batch as _batch
+from fsdp_nets import sharded as _sharded
 from gradzip.comm import run_processes
 
 LR = 0.05
 MESHES = [(1, 2), (2, 2)]
-
-
-class Net(nn.Module):
-    """A per-feature scale (a parameter of the root group), then a ReLU MLP; with one output
-    the last layer has one row, so the second shard of its weight and bias is empty."""
-
-    def __init__(self, out: int) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(12))
-        self.fc1 = nn.Linear(12, 32)
-        self.fc2 = nn.Linear(32, 16)
-        self.fc3 = nn.Linear(16, out)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in self.parameters():
-                fan_in = p.shape[1] if p.dim() > 1 else p.shape[0]
-                p.copy_(torch.randn(p.shape, generator=gen) / fan_in**0.5)
-            self.scale.add_(1.0)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x * self.scale)))))
-
-
-def _batch(step: int, rank: int, out: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 12, generator=gen), torch.randn(8, out, generator=gen)
-
-
-def _sharded(mesh: Any, out: int) -> Net:
-    model = Net(out)
-    for layer in (model.fc1, model.fc2, model.fc3):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 def _inner(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, out: int) -> None:
@@ -310,5 +278,5 @@ def test_what_is_refused_before_any_process_group_is_needed() -> None:
         with pytest.raises(RuntimeError, match="needs an initialised torch.distributed"):
             gradzip.ShardedOuter(Net(1), mesh=None, inner_steps=1)
     for wrong in (Net(1), object()):  # a module has state_dict too, but is not gradzip state
-        with pytest.raises(TypeError, match=r"^`state` must be an FSDPHookState or a ShardedOuter"):
+        with pytest.raises(TypeError, match=r"^`state` must be an FSDPHookState, an FSDPScatterState or a ShardedOuter"):
             gradzip.fsdp.DCPEntry(wrong)

@@ -167,6 +167,7 @@ def test_a_run_resumed_across_the_switch_equals_the_uninterrupted_run(tmp_path: 
                                         "'auto(every=20)') with `auto_outer`, got 'powersgd:rank=2'"),
     ({"outer_steps": 4}, "`outer_steps` must be 0 with `auto_outer` (the switch chooses H), got 4"),
     ({"hsdp": 2, "launcher": "procs"}, "`hsdp` must be 0 with `auto_outer`"),
+    ({"fsdp": True, "launcher": "procs"}, "`fsdp` must be False with `auto_outer`"),
     ({"accordion_batch": (32, 64)}, "`accordion_batch` must be None with `auto_outer`"),
     ({"warmup_steps": 5}, "`warmup_steps` must be 0 with `auto_outer`"),
     ({"outer_optimizer": "sgd"}, "`outer_optimizer` must be 'nesterov' with `auto_outer`"),

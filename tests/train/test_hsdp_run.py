@@ -1,5 +1,6 @@
 """The runner under ``--hsdp REPLICAS``: FSDP2 inside islands, gradzip across them, in real
-gloo processes (2 x 2: 4 workers, 2 replicas of 2 shards)."""
+gloo processes (2 x 2: 4 workers, 2 replicas of 2 shards); and under ``--fsdp``: FSDP2 over
+every worker, its reduce-scatter through gradzip (2 workers)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,26 @@ def test_hsdp_outer_run_synchronises_shards_every_h_steps(tmp_path: Path) -> Non
     assert summary["final_test_loss"] == summary["final_test_loss"]  # finite, not NaN
 
 
+@pytest.mark.slow
+def test_fsdp_run_resumed_equals_the_uninterrupted_run_and_exchanges_the_whole_model(
+        tmp_path: Path) -> None:
+    base = {**TINY, "launcher": "procs", "timeout": 300, "threads": 1, "fsdp": True,
+            "compressor": "topk:ratio=0.1"}
+    run(RunConfig(**base, epochs=2, out=str(tmp_path / "whole")))
+    part = tmp_path / "part"
+    run(RunConfig(**base, epochs=1, out=str(part)))
+    run(RunConfig(**base, epochs=2, out=str(part)), resume=True)
+    assert_same_run(part, tmp_path / "whole")
+    # Each rank's engine holds the unsharded gradients: the dense equivalent of what it
+    # exchanges is the whole model per step.
+    dense = 4 * _parameters({**base, "fsdp": False}, tmp_path)
+    for row in records(part):
+        if row["kind"] == "epoch":
+            assert row["dense_payload_bytes"] == dense * row["step"]
+    summary = json.loads((part / "summary.json").read_text())
+    assert summary["config"]["fsdp"] is True
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     ({"hsdp": 2, "launcher": "sim"}, "`hsdp` needs one process per worker (--launcher procs or "
                                      "torchrun), got launcher='sim' with hsdp=2"),
@@ -70,6 +91,12 @@ def test_hsdp_outer_run_synchronises_shards_every_h_steps(tmp_path: Path) -> Non
      "`accordion_batch` must be unset with `hsdp`"),
     ({"hsdp": 2, "launcher": "procs", "outer_steps": 4, "fragments": 2, "outer_delay": 1},
      "`outer_delay` must be 0 with `hsdp`"),
+    ({"fsdp": True, "hsdp": 2, "launcher": "procs"}, "`fsdp` must be off with `hsdp`"),
+    ({"fsdp": True, "launcher": "sim"}, "`fsdp` needs one process per worker"),
+    ({"fsdp": True, "launcher": "procs", "outer_steps": 4}, "`outer_steps` must be unset with "
+                                                           "`fsdp`"),
+    ({"fsdp": True, "launcher": "procs", "accordion_batch": (64, 128)},
+     "`accordion_batch` must be unset with `fsdp`"),
 ])
 def test_hsdp_options_that_do_not_fit_are_one_line_errors(tmp_path: Path, extra: dict[str, Any],
                                                            message: str) -> None:

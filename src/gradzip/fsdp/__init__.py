@@ -1,4 +1,11 @@
-"""HSDP with a compressed exchange across replicas: FSDP2 ``fully_shard`` on a 2-D mesh.
+"""FSDP2 with a compressed gradient exchange: across replicas (HSDP), or the reduce-scatter.
+
+Two modes:
+
+* :func:`register`: HSDP, ``fully_shard`` on a 2-D mesh (below); the exchange across
+  replicas is compressed, residuals are shard-sized.
+* :func:`register_reduce_scatter`: plain FSDP2 on a 1-D mesh; the reduce-scatter itself is
+  compressed (see :mod:`gradzip.fsdp.scatter`), residuals are the unsharded gradients' size.
 
 Hybrid sharding shards a model inside an island (a node, a rack) and replicates it across
 islands; the exchange across islands is the slow one. gradzip plugs into FSDP2 at its
@@ -27,6 +34,9 @@ Usage::
 
 from gradzip.fsdp.dcp import DCPEntry
 from gradzip.fsdp.groups import GroupLayout, ShardSlot
+from gradzip.fsdp.scatter import FSDPScatterState, register_reduce_scatter
 from gradzip.fsdp.state import FSDPHookState, register
+from gradzip.fsdp.unsharded import UnshardedLayout, UnshardedSlot
 
-__all__ = ["DCPEntry", "FSDPHookState", "GroupLayout", "ShardSlot", "register"]
+__all__ = ["DCPEntry", "FSDPHookState", "FSDPScatterState", "GroupLayout", "ShardSlot",
+           "UnshardedLayout", "UnshardedSlot", "register", "register_reduce_scatter"]

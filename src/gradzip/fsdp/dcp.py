@@ -1,4 +1,4 @@
-"""An HSDP hook state or a sharded outer loop inside a ``torch.distributed.checkpoint`` (DCP)
+"""An HSDP hook state, a compressed reduce-scatter's state or a sharded outer loop inside a ``torch.distributed.checkpoint`` (DCP)
 checkpoint.
 
 ``dcp.save({"model": model.state_dict(), "gradzip": DCPEntry(state)}, checkpoint_id=folder)``
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradzip.ddp.params import tree_to
+from gradzip.fsdp.scatter import FSDPScatterState
 from gradzip.fsdp.state import FSDPHookState
 
 __all__ = ["DCPEntry"]
@@ -24,7 +25,8 @@ __all__ = ["DCPEntry"]
 
 class DCPEntry:
     """Per-rank gradzip state as a ``torch.distributed.checkpoint`` ``Stateful`` entry: an
-    :class:`FSDPHookState` or a :class:`~gradzip.ShardedOuter`.
+    :class:`FSDPHookState`, an :class:`~gradzip.fsdp.FSDPScatterState` or a
+    :class:`~gradzip.ShardedOuter`.
 
     Every rank's state goes under its own key (``rank00003``: the global rank), serialised as
     one opaque bytes value. Why: DCP keeps one copy of a value saved under the same key by
@@ -34,20 +36,21 @@ class DCPEntry:
     in the checkpoint makes ``dcp.load`` fail.
 
     Args:
-        state: the hook state, or a :class:`~gradzip.ShardedOuter` (any object whose per-rank
-            ``state_dict()``/``load_state_dict()`` hold tensors and plain values).
+        state: the hook state, the reduce-scatter state, or a :class:`~gradzip.ShardedOuter`
+            (any object whose per-rank ``state_dict()``/``load_state_dict()`` hold tensors
+            and plain values).
 
     Raises:
-        TypeError: ``state`` is neither.
+        TypeError: ``state`` is none of them.
     """
 
-    def __init__(self, state: FSDPHookState | Any) -> None:
+    def __init__(self, state: FSDPHookState | FSDPScatterState | Any) -> None:
         # Checked by what it does, not by class: the sharded outer loop lives above this
         # package (it imports gradzip.fsdp), so naming its class here would be an import cycle.
         if isinstance(state, nn.Module) or not all(
                 callable(getattr(state, m, None)) for m in ("state_dict", "load_state_dict")):
-            raise TypeError(f"`state` must be an FSDPHookState or a ShardedOuter, got "
-                            f"{type(state).__name__}")
+            raise TypeError(f"`state` must be an FSDPHookState, an FSDPScatterState or a "
+                            f"ShardedOuter, got {type(state).__name__}")
         self.state = state
 
     @staticmethod

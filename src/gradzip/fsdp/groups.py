@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["GroupLayout", "ShardSlot", "fsdp_groups", "split_mesh"]
+__all__ = ["GroupLayout", "ShardSlot", "fsdp_groups", "param_groups", "same_ranks", "split_mesh"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,8 @@ def split_mesh(mesh: Any, replicate_dim: str, shard_dim: str) -> tuple[DeviceMes
     return mesh[replicate_dim], mesh[shard_dim]
 
 
-def _param_groups(module: FSDPModule) -> list[Any]:
+def param_groups(module: FSDPModule) -> list[Any]:
+    """FSDP2's parameter groups of one ``fully_shard``-ed module (one per mesh)."""
     state = module._get_fsdp_state()
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is None:  # torch releases with one group per state
@@ -151,7 +152,8 @@ def _holders(fsdp_param: Any, shards: int) -> int:
     return math.ceil(size / math.ceil(size / shards))
 
 
-def _same_ranks(a: DeviceMesh, b: DeviceMesh) -> bool:
+def same_ranks(a: DeviceMesh, b: DeviceMesh) -> bool:
+    """Whether two meshes have the same shape and ranks."""
     return a.ndim == b.ndim and a.mesh.tolist() == b.mesh.tolist()
 
 
@@ -193,7 +195,7 @@ def _fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
     for module_name, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        groups = _param_groups(module)
+        groups = param_groups(module)
         where = module_name or "<root>"
         if len(groups) > 1:
             raise ValueError(
@@ -202,7 +204,7 @@ def _fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
             )
         for group in groups:
             mesh = group.mesh_info.mesh
-            if mesh.ndim != 1 or not _same_ranks(mesh, shard_mesh):
+            if mesh.ndim != 1 or not same_ranks(mesh, shard_mesh):
                 raise ValueError(
                     f"FSDP module {where!r} is sharded on a {mesh.ndim}-D mesh of shape "
                     f"{tuple(mesh.shape)}, not on mesh[shard_dim] (shape "

@@ -1,8 +1,10 @@
 """The runner's steppers under ``--hsdp REPLICAS``: the model ``fully_shard``-ed inside islands
-of ``workers / REPLICAS`` processes, the exchange across islands through gradzip.
+of ``workers / REPLICAS`` processes, the exchange across islands through gradzip; and under
+``--fsdp``: the model sharded over every worker, FSDP2's reduce-scatter through gradzip.
 
 :class:`HSDPStepper` averages every step's gradient (:func:`gradzip.fsdp.register`: FSDP2's
-reduce-scatter inside the island, the compressed exchange across replicas);
+reduce-scatter inside the island, the compressed exchange across replicas; under ``--fsdp``
+:func:`gradzip.fsdp.register_reduce_scatter`: the compressed reduce-scatter);
 :class:`ShardedOuterStepper` runs outer-step training (:class:`~gradzip.ShardedOuter`: inner
 steps inside the island, pseudo-gradient shards exchanged across replicas). Both offer the
 interface of :class:`~gradzip.train.steppers.DDPStepper`, plus :meth:`eval_model`.
@@ -39,11 +41,12 @@ __all__ = ["HSDPStepper", "ShardedOuterStepper", "shard_model"]
 def shard_model(model: nn.Module, cfg: Any, device: torch.device,
                 optimizer: torch.optim.Optimizer | None = None) -> tuple[DeviceMesh, nn.Module]:
     """Build the ``(hsdp, workers / hsdp)`` mesh and ``fully_shard`` the model on its shard
-    dimension (every rank calls this at the same point: the mesh's groups are collectives).
+    dimension, or under ``fsdp`` the 1-D mesh of every worker and the model sharded on it
+    (every rank calls this at the same point: the mesh's groups are collectives).
 
     Args:
         model: the loop's model (sharded in place).
-        cfg: the run's configuration (``hsdp``, ``workers``).
+        cfg: the run's configuration (``hsdp``, ``fsdp``, ``workers``).
         device: where the model lives.
         optimizer: the loop's optimizer, re-pointed at the sharded parameters (FSDP2 replaces
             every parameter with a DTensor one), or ``None``.
@@ -51,12 +54,17 @@ def shard_model(model: nn.Module, cfg: Any, device: torch.device,
     Returns:
         ``(mesh, unsharded copy of the model)``: the copy is what evaluation runs on.
     """
-    replicas = cfg.hsdp
-    mesh = init_device_mesh(device.type, (replicas, cfg.workers // replicas),
-                            mesh_dim_names=("replicate", "shard"))
+    if cfg.fsdp:
+        mesh = init_device_mesh(device.type, (cfg.workers,))
+        shard_mesh = mesh
+    else:
+        replicas = cfg.hsdp
+        mesh = init_device_mesh(device.type, (replicas, cfg.workers // replicas),
+                                mesh_dim_names=("replicate", "shard"))
+        shard_mesh = mesh["shard"]
     copy_ = copy.deepcopy(model)
     names = {id(p): n for n, p in model.named_parameters()}
-    fully_shard(model, mesh=mesh["shard"])
+    fully_shard(model, mesh=shard_mesh)
     if optimizer is not None:
         sharded = dict(model.named_parameters())
         for group in optimizer.param_groups:
@@ -112,8 +120,8 @@ class HSDPStepper(_Sharded, DDPStepper):
         self.world = dist.get_world_size()
         self.local_ranks = [dist.get_rank()]
         mesh, self.plain = shard_model(model, cfg, device, optimizer)
-        self.hook = gradzip_fsdp.register(model, compressor, mesh=mesh,
-                                          options=cfg.engine_options(optimizer))
+        register = gradzip_fsdp.register_reduce_scatter if cfg.fsdp else gradzip_fsdp.register
+        self.hook = register(model, compressor, mesh=mesh, options=cfg.engine_options(optimizer))
 
     def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
         for p in self.model.parameters():

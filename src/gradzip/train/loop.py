@@ -261,7 +261,7 @@ class TrainLoop:
             stepper_cls = OuterStepper
         if self.cfg.auto_outer:  # per-step first, outer steps once Auto's decisions say so
             stepper_cls = SwitchingStepper
-        if self.cfg.hsdp:
+        if self.cfg.hsdp or self.cfg.fsdp:
             # Imported here: torch's FSDP2 is slow to import and most runs never use it.
             from gradzip.train import hsdp_stepper
 

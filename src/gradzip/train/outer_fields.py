@@ -138,6 +138,7 @@ class OuterFields:
                     "auto is the controller"),
                    ("warmup_steps", getattr(self, "warmup_steps", 0), 0, "auto is the controller"),
                    ("hsdp", getattr(self, "hsdp", 0), 0, "sharded models are not switched"),
+                   ("fsdp", getattr(self, "fsdp", False), False, "sharded models are not switched"),
                    ("accordion_batch", getattr(self, "accordion_batch", None), None,
                     "it reads per-step averaged gradients"),
                    ("outer_optimizer", self.outer_optimizer, "nesterov",

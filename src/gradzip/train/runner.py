@@ -186,7 +186,7 @@ def _preflight(cfg: RunConfig, directory: RunDirectory) -> torch.nn.Module:
     _check_rules(cfg, model)
     _check_outer_steps(cfg, spe)
     build_compressor(cfg, spe)
-    if cfg.hsdp:
+    if cfg.hsdp or cfg.fsdp:
         # An HSDP run's rank files hold DTensors, which a weights-only load reads once this
         # module has registered them.
         import torch.distributed.tensor  # noqa: F401
@@ -194,7 +194,7 @@ def _preflight(cfg: RunConfig, directory: RunDirectory) -> torch.nn.Module:
         state = directory.load_rank(rank)
         assert state is not None
         try:
-            if cfg.hsdp:  # sharded values: their global shapes are checked
+            if cfg.hsdp or cfg.fsdp:  # sharded values: their global shapes are checked
                 _check_shapes(model, state["model"])
             else:
                 model.load_state_dict(state["model"])
