@@ -44,6 +44,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +93,16 @@ def _launch(cfg: RunConfig) -> subprocess.Popen[bytes]:
 
 def execute(runs: list[Planned], parallel: int, deadline: float | None,
             archive: Path | None, root: Path, estimate_s: float | None = None,
-            margin_s: float = MARGIN_S) -> dict[str, int]:
-    """Run what is not finished, ``parallel`` at a time, within ``deadline`` (a monotonic
-    time, or None). A run is launched only when it is expected to end before the deadline:
+            margin_s: float = MARGIN_S, clock: Callable[[], float] = time.monotonic
+            ) -> dict[str, int]:
+    """Run what is not finished, ``parallel`` at a time, within ``deadline`` (a time of
+    ``clock``, or None). A run is launched only when it is expected to end before the deadline:
     expected to take as long as the slowest finished run of its setting, or ``estimate_s``
     before one finished (``None``: launch). Runs still going shortly before the deadline are
     ended, their folders renamed ``*.stopped``. Returns counts: ``done``, ``skipped``, ``failed``,
-    ``stopped``, ``left`` (not launched)."""
+    ``stopped``, ``left`` (not launched). ``clock`` (seconds, never decreasing; default
+    ``time.monotonic``) is read once per pass of the polling loop, for the deadline and for
+    the runs' durations."""
     todo = [r for r in runs if finished(r.config) is None]
     counts = {"skipped": len(runs) - len(todo), "done": 0, "failed": 0, "stopped": 0, "left": 0}
     seconds: dict[str, list[float]] = {}
@@ -111,7 +115,7 @@ def execute(runs: list[Planned], parallel: int, deadline: float | None,
         return max(seen) if seen else (estimate_s or 0.0)
 
     while todo or active:
-        now = time.monotonic()
+        now = clock()
         while todo and len(active) < parallel:
             r = todo[0]
             if deadline is not None and now + estimate(r) > deadline - margin_s:
@@ -138,7 +142,7 @@ def execute(runs: list[Planned], parallel: int, deadline: float | None,
         time.sleep(0.2)
         for proc in [p for p in active if p.poll() is not None]:
             r, start = active.pop(proc)
-            took = time.monotonic() - start
+            took = clock() - start
             ok = proc.returncode == 0 and read_summary(r.config.out) is not None
             counts["done" if ok else "failed"] += 1
             if ok:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -34,6 +37,34 @@ def test_the_switch_turns_the_kernels_off(monkeypatch: pytest.MonkeyPatch) -> No
     assert not jit.enabled() and not qsgd_module._jit_usable()
     monkeypatch.setenv("GRADZIP_JIT", "1")
     assert jit.enabled() and qsgd_module._jit_usable()
+
+
+#: Calls both kernels once, then prints how often Numba compiled them and how often it loaded
+#: them from its disk cache.
+CACHE_PROBE = """
+import numpy as np
+from gradzip.ops import _jit_kernels, jit
+x = np.linspace(-1, 1, 200, dtype=np.float32)
+out = np.empty_like(x)
+jit.threshold_split_chunk(x, 0.5, out, np.empty(200, np.int64), np.empty_like(x), 0)
+packed = np.arange(2 * 40, dtype=np.uint8).reshape(2, 40) % 16
+jit.qsgd_sum(packed, 4, 0, 64, 32, np.ones((2, 2), np.float32), np.zeros(2, np.float32), 2)
+kernels = (_jit_kernels.split, _jit_kernels.qsgd)
+print(sum(sum(k.stats.cache_misses.values()) for k in kernels),
+      sum(sum(k.stats.cache_hits.values()) for k in kernels))
+"""
+
+
+def test_a_later_process_loads_the_kernels_from_the_disk_cache() -> None:
+    """Compiling QSGD's kernel takes seconds of CPU: every process after the first (a spawned
+    worker, a training run) must load both kernels from Numba's cache, not compile them."""
+    counts = []
+    for _ in range(2):  # the first may compile (a fresh checkout) and writes the cache
+        done = subprocess.run([sys.executable, "-c", CACHE_PROBE], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        counts.append(done.stdout.split())
+    assert counts[1] == ["0", "2"]  # no compilation, two kernels loaded
 
 
 @FAST

@@ -90,16 +90,24 @@ def test_deadline_launches_nothing_too_long_and_ends_runs_in_flight(tmp_path: Pa
     counts = claims.execute(runs, 1, time.monotonic() + 30, None, tmp_path, estimate_s=1000)
     assert counts == {"skipped": 0, "done": 0, "failed": 0, "stopped": 0, "left": 1}
     # Launched without an estimate, ended at the deadline, its partial files kept aside (and
-    # packed); the next call starts it afresh. 100,000 epochs: a run no machine finishes within
-    # the deadline (400 took under 15 s on a quiet one). 60 s: the run's process must have
-    # imported torch and created its folder before the deadline, which took over 15 s on a
-    # machine whose two cores ran ten other jobs; the test waits the whole minute either way.
-    archive = tmp_path / "out.tar.gz"
-    counts = claims.execute(runs, 1, time.monotonic() + 60, archive, tmp_path, margin_s=0.0)
-    assert counts["stopped"] == 1 and counts["done"] == 0
+    # packed); the next call starts it afresh. The deadline is reached on the run's progress,
+    # not on the wall clock: the clock reads before the deadline until the run's process has
+    # written its first epoch record, then past it, however slow the machine. 100,000 epochs:
+    # a run that cannot finish first.
     out = Path(runs[0].config.out)
+    metrics = out / "metrics.jsonl"
+
+    def clock() -> float:
+        recorded = metrics.is_file() and b'"kind": "epoch"' in metrics.read_bytes()
+        return 100.0 if recorded else 0.0
+
+    archive = tmp_path / "out.tar.gz"
+    counts = claims.execute(runs, 1, 50.0, archive, tmp_path, margin_s=0.0, clock=clock)
+    assert counts["stopped"] == 1 and counts["done"] == 0
     assert not out.exists() and out.with_name("seed0.stopped").is_dir()
-    assert "smoke/powersgd/gentle/seed0.log" in tarfile.open(archive).getnames()
+    names = tarfile.open(archive).getnames()
+    assert "smoke/powersgd/gentle/seed0.log" in names
+    assert "smoke/powersgd/gentle/seed0.stopped/metrics.jsonl" in names
 
 
 def test_plot_summarises_seeds_and_draws_one_panel_per_setting(tmp_path: Path) -> None:
