@@ -66,6 +66,10 @@ METHODS["autof"] = ("per-step auto, from step 1, every 10",
 # decision predicts outer steps faster (``--auto-outer``; H among 10, 30, 100).
 METHODS["auto-outer10"] = ("auto every 10, then outer steps",
                            {"compressor": "auto(every=10)", "auto-outer": True}, 0)
+# ... with H = 10 or 30 only (H = 100 synchronises too rarely for an early target).
+METHODS["auto-outer10-h30"] = ("auto every 10, then outer steps, H <= 30",
+                               {"compressor": "auto(every=10)", "auto-outer": True,
+                                "auto-outer-steps": "10,30"}, 0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 
