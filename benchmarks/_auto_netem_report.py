@@ -189,7 +189,7 @@ def write_outputs(out: Path, meta: dict[str, Any], runs: list[dict[str, Any]],
     """Write ``out`` (JSON) and ``out`` with ``.md`` (the table); return the document."""
     doc = build(meta, runs, target)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    out.write_text(json.dumps(doc) + "\n", encoding="utf-8")  # one line: the runs are large
     out.with_suffix(".md").write_text(markdown(doc) + "\n", encoding="utf-8")
     return doc
 

@@ -227,7 +227,8 @@ def auto_netem(name: str, cache: TimingCache) -> list[dict[str, Any]]:
                                 rtt_ms=rtt, compute_from="diloco30-default row",
                                 predicted_wire_bytes=wire,
                                 measured_wire_bytes=here[method]["bytes_per_worker_per_sync"]))
-        for method in (m for m in here if m.startswith("auto")):
+        # Per-step auto only: a run that switched to outer steps is not a mix of levels.
+        for method in (m for m in here if m.startswith("auto") and "outer" not in m):
             steps = runs[seed, link, method]["evaluations"][-1]["level_steps"]
             total = sum(steps.values())
             pred = sum(n * model.predict_ms(AUTO_LEVELS[lv], setting)[0]
