@@ -266,6 +266,6 @@ def test_describe_compressors_is_json_and_complete() -> None:
     rows = json.loads(json.dumps(gradzip.describe_compressors()))
     names = {row["name"] for row in rows}
     assert names == {"none", "fp16", "bf16", "topk", "randk", "threshold", "powersgd", "qsgd", "sign",
-                     "chunktopk", "binmean", "scatterq"}
+                     "chunktopk", "binmean", "scatterq", "sharedtopk"}
     powersgd = next(r for r in rows if r["name"] == "powersgd")
     assert {"name": "rank", "type": "int", "default": 1} in powersgd["parameters"]
