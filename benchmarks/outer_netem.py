@@ -70,6 +70,10 @@ METHODS["auto-outer10"] = ("auto every 10, then outer steps",
 METHODS["auto-outer10-h30"] = ("auto every 10, then outer steps, H <= 30",
                                {"compressor": "auto(every=10)", "auto-outer": True,
                                 "auto-outer-steps": "10,30"}, 0)
+# ... and its first decision at step 1 (as ``autof``).
+METHODS["autof-outer-h30"] = ("auto from step 1, every 10, then outer steps, H <= 30",
+                              {"compressor": "auto(warmup=1,every=10)", "auto-outer": True,
+                               "auto-outer-steps": "10,30"}, 0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 
