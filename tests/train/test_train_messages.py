@@ -30,6 +30,7 @@ TRAIN = ["train", "--task", "digits", "--workers", "2", "--limit-train", "200",
 #: writes the marker file named by ``argv[1]`` and blocks on stdin, where the test interrupts
 #: it (SIGINT, as Ctrl-C does); the point of the interruption does not depend on speed.
 _PAUSED_RUN = """
+import signal
 import sys
 from pathlib import Path
 
@@ -39,6 +40,9 @@ from gradzip.train.resume import Checkpointer
 
 marker, argv = Path(sys.argv[1]), sys.argv[2:]
 save = Checkpointer.__call__
+# A suite started in the background inherits SIGINT ignored, and Python then keeps it ignored:
+# Ctrl-C's handler is set here so that the test's SIGINT is what a terminal's would be.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def save_then_pause(self, loop):
