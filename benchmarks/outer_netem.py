@@ -74,6 +74,14 @@ METHODS["auto-outer10-h30"] = ("auto every 10, then outer steps, H <= 30",
 METHODS["autof-outer-h30"] = ("auto from step 1, every 10, then outer steps, H <= 30",
                               {"compressor": "auto(warmup=1,every=10)", "auto-outer": True,
                                "auto-outer-steps": "10,30"}, 0)
+# ... and that first decision allowed to switch (``--auto-outer-early``): outer steps from
+# step 1 where the probed link says they pay, as DiLoCo runs from the start.
+METHODS["autoe-outer-h30"] = ("auto from step 1, outer steps allowed at once, H <= 30",
+                              {"compressor": "auto(warmup=1,every=10)", "auto-outer": True,
+                               "auto-outer-early": True, "auto-outer-steps": "10,30"}, 0)
+METHODS["autoe-outer"] = ("auto from step 1, outer steps allowed at once",
+                          {"compressor": "auto(warmup=1,every=10)", "auto-outer": True,
+                           "auto-outer-early": True}, 0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 

@@ -35,6 +35,30 @@ def test_slow_link_switches_only_after_the_critical_phase() -> None:
     assert got[1]["bandwidth_mbit"] == pytest.approx(10, rel=1e-6)
 
 
+def test_early_waives_only_the_start_of_training() -> None:
+    engine = drive(LinkClock(10, 1e-3), 60)
+    first = Auto.decisions(engine, since=0)[0]
+    spec = _spec(engine, first["level"])
+    assert (first["critical"], first["reason"]) == (True, "first")
+    got = outer_switch(first, spec, SHAPES, WORLD, margin=0.05, early=True)
+    assert (got["switch"], got["reason"], got["critical"]) == (True, "first and faster", True)
+    # The same prices as without it: only the verdict changes.
+    plain = outer_switch(first, spec, SHAPES, WORLD, margin=0.05)
+    assert {k: v for k, v in got.items() if k not in {"switch", "reason"}} == {
+        k: v for k, v in plain.items() if k not in {"switch", "reason"}}
+    # A measured critical signal still forbids it: a norm change, a learning-rate drop.
+    for reason in ("norm_change", "lr_drop"):
+        kept = outer_switch({**first, "reason": reason}, spec, SHAPES, WORLD, margin=0.05,
+                            early=True)
+        assert (kept["switch"], kept["reason"]) == (False, "critical")
+    # And a first decision that gains too little (compute dwarfs the link) does not switch.
+    far = outer_switch({**first, "compute_ms": 1e9, "predicted_ms": {}}, spec, SHAPES, WORLD,
+                       margin=0.05, early=True)
+    assert (far["switch"], far["reason"]) == (False, "no gain")
+    with pytest.raises(TypeError, match="`early` must be a bool, got 1"):
+        outer_switch(first, spec, SHAPES, WORLD, margin=0.05, early=1)  # type: ignore[arg-type]
+
+
 def test_known_traffic_is_used_and_gives_the_same_verdict() -> None:
     engine = drive(LinkClock(10, 1e-3), 60)
     record = Auto.decisions(engine)[-1]

@@ -103,6 +103,26 @@ def test_the_run_switches_after_the_first_steady_decision_and_counts_every_byte(
     assert [s for s in range(8, 19) if wire[s] > wire[s - 1]] == [8, 10, 12, 14, 16, 18]
 
 
+def test_early_must_be_a_bool(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="`auto_outer_early` must be a bool, got 1"):
+        resolve_config(RunConfig(**{**FORCED, "out": str(tmp_path / "x"),  # type: ignore[arg-type]
+                                    "auto_outer_early": 1}))
+
+
+def test_early_switches_at_the_first_decision(tmp_path: Path, capsys) -> None:
+    """``--auto-outer-early``: the first decision (step 2, critical for being first) switches."""
+    out = tmp_path / "early"
+    main(["train", "--task", "digits", "--workers", "2", "--limit-train", "200", "--milestones",
+          "20", "--epochs", "2", "--compressor", AUTO, "--auto-outer", "--auto-outer-early",
+          "--auto-outer-steps", "2", "--auto-outer-bandwidth-mbit", "1e-6", "--out", str(out)])
+    entry = _summary(out)["auto_outer"]
+    switch = entry["switch"]
+    assert entry["switched"] and (switch["step"], switch["switched_at"]) == (2, 3)
+    assert (switch["reason"], switch["critical"]) == ("first and faster", True)
+    assert [r["outer_steps"] for r in records(out) if r["kind"] == "epoch"] == [2, 2]
+    assert "because it is the first decision (--auto-outer-early)" in capsys.readouterr().out
+
+
 def test_a_critical_phase_keeps_per_step_communication(tmp_path: Path, capsys) -> None:
     """With ``eta`` tiny every decision is critical: weighed, never switched."""
     out = tmp_path / "critical"
@@ -174,8 +194,9 @@ def test_a_run_resumed_across_the_switch_equals_the_uninterrupted_run(tmp_path: 
     ({"workers": 1}, "`workers` must be >= 2 with `auto_outer`, got 1"),
     ({"auto_outer_steps": "0,3"}, "`auto_outer_steps` must be >= 1, got 0"),
     ({"auto_outer_steps": (3, 3)}, "`auto_outer_steps` must not repeat a value, got [3, 3]"),
-    ({"auto_outer": False}, "`auto_outer_steps` and `auto_outer_bandwidth_mbit` need "
-                            "`auto_outer`, got auto_outer=False"),
+    ({"auto_outer": False}, "`auto_outer_steps`, `auto_outer_early` and "
+                            "`auto_outer_bandwidth_mbit` need `auto_outer`, got auto_outer=False"),
+    ({"auto_outer": False, "auto_outer_early": True}, "need `auto_outer`"),
     ({"auto_outer_bandwidth_mbit": 0.0}, "`auto_outer_bandwidth_mbit` must be"),
 ])
 def test_auto_outer_with_what_it_does_not_take_is_a_one_line_error(tmp_path: Path, extra,

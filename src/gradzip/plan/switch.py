@@ -7,7 +7,9 @@ outer-step candidates (``H`` local steps between exchanges, the outer settings f
 :func:`~gradzip.outer_defaults`) against the per-step level Auto just chose, with the same
 cost model. It proposes a switch only when the phase is past the critical regime (Auto's
 guard said ``critical: False``) and the best outer-step candidate is predicted faster by
-the hysteresis margin. It decides; carrying the switch out (the exchange of parameters and
+the hysteresis margin; with ``early``, the first decision, critical only because no earlier
+interval exists to compare with, may switch too (a learning-rate drop or a change of the
+gradient's norm still forbids it). It decides; carrying the switch out (the exchange of parameters and
 the construction of the outer loop) belongs to the caller, as ``gradzip train --auto-outer``
 does (:mod:`gradzip.train.auto_outer`).
 
@@ -41,7 +43,8 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
                  workers: int, *, margin: float,
                  candidates: Sequence[Candidate] = OUTER_CANDIDATES,
                  bandwidth_mbit: float | None = None,
-                 traffic: Mapping[str, Traffic] | None = None) -> dict[str, Any]:
+                 traffic: Mapping[str, Traffic] | None = None,
+                 early: bool = False) -> dict[str, Any]:
     """Weigh outer-step training against the per-step level of one Auto decision.
 
     Args:
@@ -60,6 +63,10 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
             :meth:`Auto.traffic <gradzip.plan.auto.Auto.traffic>`'s, keyed by spec): a spec
             found there is not simulated again (a simulation of a large model takes
             seconds); ``None``: every spec is simulated.
+        early: whether a decision that is critical only for being the first (reason
+            ``"first"``: no previous interval's norm to compare with) may switch. Outer steps
+            from the start of training are what DiLoCo runs; the guard's start-of-training
+            assumption is waived for them, not its measured signals.
 
     Returns:
         The switch record: ``switch`` (bool), ``step``, ``reason``, the inputs
@@ -80,6 +87,8 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
                              for c in candidates):
         raise ValueError(f"`candidates` must be a non-empty sequence of outer-step Candidates, "
                          f"got {candidates!r}")
+    if not isinstance(early, bool):
+        raise TypeError(f"`early` must be a bool, got {early!r}")
     if bandwidth_mbit is not None:
         check_real("bandwidth_mbit", bandwidth_mbit, low=0, low_open=True)
     if traffic is not None and (not isinstance(traffic, Mapping) or any(
@@ -122,12 +131,13 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
     best = min((c for c in candidates if outer[c.name].step_ms <= fastest * (1 + margin)),
                key=lambda c: (c.outer_steps, outer[c.name].step_ms))
     gain = 1 - outer[best.name].step_ms / stay_ms
-    if record["critical"]:
+    waived = early and record.get("reason") == "first"
+    if record["critical"] and not waived:
         switch, reason = False, "critical"
     elif gain < margin:
         switch, reason = False, "no gain"
     else:
-        switch, reason = True, "steady and faster"
+        switch, reason = True, "first and faster" if record["critical"] else "steady and faster"
     return {"switch": switch, "step": int(record["step"]), "reason": reason,
             "critical": bool(record["critical"]), "compute_ms": setting.step_ms,
             "bandwidth_mbit": bandwidth, "rtt_ms": setting.rtt_ms, "calls": setting.buckets,

@@ -4,7 +4,8 @@
 (:class:`~gradzip.train.steppers.SimStepper` or :class:`~gradzip.train.steppers.DDPStepper`,
 with ``--compressor auto``) and, after every step, weighs each new decision of
 :class:`~gradzip.Auto` with :func:`~gradzip.plan.outer_switch`. The first decision that says
-switch (past the critical phase, an outer-step candidate predicted faster by Auto's margin) is
+switch (past the critical phase, or at the first decision with ``--auto-outer-early``; an
+outer-step candidate predicted faster by Auto's margin) is
 carried out at the start of the next step, so the loop's optimizer step of the deciding step
 has run:
 
@@ -130,7 +131,8 @@ class SwitchingStepper:
             verdict = outer_switch(record, spec, self.shapes, self.world, margin=self.auto.margin,
                                    candidates=self.candidates,
                                    bandwidth_mbit=self.cfg.auto_outer_bandwidth_mbit,
-                                   traffic=self._known_traffic())
+                                   traffic=self._known_traffic(),
+                                   early=self.cfg.auto_outer_early)
             verdict = {"kind": "outer_switch", **verdict}
             self.evaluations += 1
             self.last = verdict
@@ -356,9 +358,11 @@ def switch_line(entry: dict[str, Any]) -> str:
               f"{rec['compute_ms']:.1f} ms, link {rec['bandwidth_mbit']:.3g} Mbit/s, rtt "
               f"{rec['rtt_ms']:.2f} ms)")
     if entry.get("switched"):
+        phase = ("it is the first decision (--auto-outer-early)" if rec.get("critical")
+                 else "the phase is steady")
         return (f"auto-outer: switched to outer steps after step {rec['switched_at']} "
                 f"({rec['candidate']}: H={rec['outer_steps']}, outer lr {rec['outer_lr']:g}, "
-                f"momentum {rec['outer_momentum']:g}) because the phase is steady and it is "
+                f"momentum {rec['outer_momentum']:g}) because {phase} and it is "
                 f"{prices}; parameters averaged once ({format_bytes(rec['exchange_wire_bytes'])}"
                 f" per worker), error-feedback residual of norm "
                 f"{rec['dropped_residual_norm']:.3g} dropped")

@@ -74,6 +74,10 @@ class OuterFields:
     auto_outer_steps: tuple[int, ...] = option(
         AUTO_OUTER_STEPS, "the H values --auto-outer weighs (default 10,30,100)", group=OUTER,
         metavar="H1,H2")
+    auto_outer_early: bool = option(False, "with --auto-outer: the first decision may switch "
+                                    "too (outer steps from the start, as DiLoCo runs; a "
+                                    "learning-rate drop or a norm change still forbids it)",
+                                    group=OUTER, check=check_bool)
     auto_outer_bandwidth_mbit: float | None = option(
         None, "a link bandwidth --auto-outer prices with instead of the probed one (a known "
         "link the probe cannot see)", group=OUTER, metavar="MBIT",
@@ -124,9 +128,11 @@ class OuterFields:
         """
         steps = outer_steps_list(self.auto_outer_steps)
         if not self.auto_outer:
-            if steps != AUTO_OUTER_STEPS or self.auto_outer_bandwidth_mbit is not None:
-                raise ValueError("`auto_outer_steps` and `auto_outer_bandwidth_mbit` need "
-                                 "`auto_outer`, got auto_outer=False")
+            if (steps != AUTO_OUTER_STEPS or self.auto_outer_bandwidth_mbit is not None
+                    or self.auto_outer_early):
+                raise ValueError("`auto_outer_steps`, `auto_outer_early` and "
+                                 "`auto_outer_bandwidth_mbit` need `auto_outer`, got "
+                                 "auto_outer=False")
             return
         compressor = getattr(self, "compressor", "none")  # RunConfig fields, as below
         if not isinstance(compressor_from_spec(compressor), Auto):
