@@ -30,14 +30,13 @@ import copy
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from . import _netlab as netlab
 from . import _netlab_launch as launch
-from . import outer, outer_netem
+from . import outer_netem
 from ._auto_netem_report import markdown, write_outputs
 
 HERE = Path(__file__).resolve().parent
@@ -77,14 +76,7 @@ def link_label(text: str) -> str:
 
 def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
     """Every (seed, link, method) run, in that nesting; writes the JSON and the Markdown."""
-    if args.source is not None:
-        outer.build_corpus(args.source, args.corpus, args.valid_words)
-    args.runs.mkdir(parents=True, exist_ok=True)
-    meta: dict[str, Any] = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "base": outer.BASE, "machine": netlab.machine_info(), "goodput": {}, "rtt": {},
-        "loadavg_start": os.getloadavg(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    meta = outer_netem.start(args)
     runs: list[dict[str, Any]] = []
     port = 29700
     for seed in args.seeds:
@@ -126,24 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              out=HERE / "results" / "auto_netem.json")
     p.add_argument("--links", nargs="+", default=["1000", "150", "40", "10", "150,20@15,150@45"],
                    help="fixed rates (Mbit/s) or changing links such as 150,20@15,150@45")
-    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                   help=f"among {', '.join(outer_netem.METHODS)}")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--corpus", type=Path, default=Path("/tmp/autonetem/corpus"),
-                   help="directory with a *train* and a *valid* text file")
-    p.add_argument("--source", type=Path, default=None,
-                   help="WikiText-2 directory to build --corpus from (benchmarks/outer.py)")
-    p.add_argument("--valid-words", type=int, default=50_000)
-    p.add_argument("--runs", type=Path, default=Path("/tmp/autonetem/runs"),
-                   help="parent of the run directories (each must not exist yet)")
-    p.add_argument("--epochs", type=int, default=int(outer.BASE["epochs"]))
-    p.add_argument("--limit-train", type=int, default=0,
-                   help="train on the first N tokens only (0: all)")
-    p.add_argument("--eval-every", type=int, default=10,
-                   help="steps between evaluations of per-step methods (outer modes: H)")
-    p.add_argument("--target", type=float, default=800.0, help="validation perplexity")
-    p.add_argument("--stop-at-target", action="store_true",
-                   help="stop a run once it has reached the target")
+    outer_netem.add_task_arguments(p, methods=DEFAULT_METHODS, scratch=Path("/tmp/autonetem"),
+                                   target=800.0)
     return launch.parse_checked(p, argv, validate)
 
 
@@ -157,19 +134,9 @@ def validate(args: argparse.Namespace) -> list[str]:
             out.append(str(exc))
     if len(set(args.links)) != len(args.links):
         out.append(f"`--links` must not repeat, got {args.links}")
-    unknown = [m for m in args.methods if m not in outer_netem.METHODS]
-    if unknown:
-        out.append(f"`--methods` entries must be among {', '.join(outer_netem.METHODS)}, "
-                   f"got {unknown}")
-    if len(set(args.methods)) != len(args.methods):
-        out.append(f"`--methods` must not repeat, got {args.methods}")
+    out += outer_netem.task_problems(args)
     if any(s < 0 for s in args.seeds) or len(set(args.seeds)) != len(args.seeds):
         out.append(f"`--seeds` must be distinct and >= 0, got {args.seeds}")
-    if not args.target > 1:
-        out.append(f"`--target` must be > 1 (a perplexity), got {args.target:g}")
-    out += launch.bound_problems(args, at_least_one=("epochs", "eval_every", "valid_words"))
-    if args.limit_train < 0:
-        out.append(f"`--limit-train` must be >= 0, got {args.limit_train}")
     return out
 
 

@@ -201,14 +201,7 @@ def _env(lab: netlab.Lab, port: int, rank: int) -> dict[str, str]:
 
 def benchmark(args: argparse.Namespace, lab: netlab.Lab, tmp: Path) -> int:
     """Every (bandwidth, method) run; writes the JSON and the Markdown table."""
-    if args.source is not None:
-        outer.build_corpus(args.source, args.corpus, args.valid_words)
-    args.runs.mkdir(parents=True, exist_ok=True)
-    meta: dict[str, Any] = {
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "base": outer.BASE, "machine": netlab.machine_info(), "goodput": {}, "rtt": {},
-        "loadavg_start": os.getloadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
-                                                                  time.gmtime())}
+    meta = start(args)
     runs, port = [], 29600
     for rate in args.bandwidth_mbit:
         lab.shape(rate)
@@ -236,32 +229,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     launch.add_lab_arguments(p, workers=4, run_timeout=1800.0,
                              out=HERE / "results" / "outer_netem.json")
     p.add_argument("--bandwidth-mbit", type=float, nargs="+", default=[40.0, 150.0])
-    p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
-                   help=f"among {', '.join(METHODS)}")
-    p.add_argument("--corpus", type=Path, default=Path("/tmp/onetem/corpus"),
+    add_task_arguments(p, methods=DEFAULT_METHODS, scratch=Path("/tmp/onetem"), target=650.0)
+    p.add_argument("--seed", type=int, default=0)
+    return launch.parse_checked(p, argv, validate)
+
+
+def add_task_arguments(p: argparse.ArgumentParser, *, methods: list[str], scratch: Path,
+                       target: float) -> None:
+    """The options of the runs shared with ``auto_netem``: the methods, the task (corpus,
+    epochs, evaluations) and the target."""
+    p.add_argument("--methods", nargs="+", default=methods, help=f"among {', '.join(METHODS)}")
+    p.add_argument("--corpus", type=Path, default=scratch / "corpus",
                    help="directory with a *train* and a *valid* text file")
     p.add_argument("--source", type=Path, default=None,
                    help="WikiText-2 directory to build --corpus from (benchmarks/outer.py)")
     p.add_argument("--valid-words", type=int, default=50_000)
-    p.add_argument("--runs", type=Path, default=Path("/tmp/onetem/runs"),
+    p.add_argument("--runs", type=Path, default=scratch / "runs",
                    help="parent of the run directories (each must not exist yet)")
     p.add_argument("--epochs", type=int, default=int(outer.BASE["epochs"]))
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit-train", type=int, default=0,
                    help="train on the first N tokens only (0: all); for short step-time runs")
     p.add_argument("--eval-every", type=int, default=10,
                    help="steps between evaluations of per-step methods (outer modes: H)")
-    p.add_argument("--target", type=float, default=650.0, help="validation perplexity")
+    p.add_argument("--target", type=float, default=target, help="validation perplexity")
     p.add_argument("--stop-at-target", action="store_true",
                    help="stop a run once it has reached the target")
-    return launch.parse_checked(p, argv, validate)
 
 
-def validate(args: argparse.Namespace) -> list[str]:
-    """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
-    out = launch.validate_lab(args)
-    if any(not 0 < b <= 100_000 for b in args.bandwidth_mbit):
-        out.append(f"`--bandwidth-mbit` values must be in (0, 100000], got {args.bandwidth_mbit}")
+def task_problems(args: argparse.Namespace) -> list[str]:
+    """Problems with the options :func:`add_task_arguments` adds, as ``"`name` must ..., got
+    ..."`` messages."""
+    out = []
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         out.append(f"`--methods` entries must be among {', '.join(METHODS)}, got {unknown}")
@@ -272,6 +270,27 @@ def validate(args: argparse.Namespace) -> list[str]:
     out += launch.bound_problems(args, at_least_one=("epochs", "eval_every", "valid_words"))
     if args.limit_train < 0:
         out.append(f"`--limit-train` must be >= 0, got {args.limit_train}")
+    return out
+
+
+def start(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the corpus (with ``--source``), make the runs' parent, and return the
+    benchmark's meta record as it starts (the arguments, the machine, the load)."""
+    if args.source is not None:
+        outer.build_corpus(args.source, args.corpus, args.valid_words)
+    args.runs.mkdir(parents=True, exist_ok=True)
+    return {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "base": outer.BASE, "machine": netlab.machine_info(), "goodput": {}, "rtt": {},
+            "loadavg_start": os.getloadavg(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+
+
+def validate(args: argparse.Namespace) -> list[str]:
+    """Problems with the arguments, as ``"`name` must ..., got ..."`` messages."""
+    out = launch.validate_lab(args)
+    if any(not 0 < b <= 100_000 for b in args.bandwidth_mbit):
+        out.append(f"`--bandwidth-mbit` values must be in (0, 100000], got {args.bandwidth_mbit}")
+    out += task_problems(args)
     if args.seed < 0:
         out.append(f"`--seed` must be >= 0, got {args.seed}")
     return out

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.plan import Candidate, Setting, TimingCache, measure_traffic, predict_candidate
+from gradzip.plan.candidates import default_candidates
 from gradzip.plan.command import model_shapes
 
 from . import netem_steps_worker, netem_worker
@@ -190,9 +191,9 @@ def outer_netem(cache: TimingCache) -> list[dict[str, Any]]:
 
 
 #: ``auto``'s default levels by the label its records use.
-AUTO_LEVELS = {"none": "none", "fp16": "fp16", "powersgd-r4": "powersgd:rank=4",
-               "powersgd-r2": "powersgd:rank=2", "powersgd-r1": "powersgd:rank=1",
-               "topk-1%": "topk:ratio=0.01"}
+#: ``auto``'s level labels (as its records name them) -> their specs: the per-step candidates
+#: of a plan carry the same labels.
+AUTO_LEVELS = {c.name: c.spec for c in default_candidates() if not c.outer_steps}
 
 
 def auto_netem(name: str, cache: TimingCache) -> list[dict[str, Any]]:

@@ -22,3 +22,11 @@ def test_the_table_says_met_or_missed_per_row() -> None:
     assert "1 of 2 rows within 25%" in text
     assert "| a.json | none | 40 | 50.0 | 110.0 | 100.0 | +10.0% | met | 10 / - |" in text
     assert "| +30.0% | MISSED | - / 12 |" in text
+
+
+def test_every_level_auto_records_has_a_spec_to_price() -> None:
+    from gradzip import Auto, compressor_from_spec
+
+    auto = Auto()
+    for label, level in zip(auto.labels, auto.levels, strict=True):
+        assert compressor_from_spec(plan_validation.AUTO_LEVELS[label]) == level, label
