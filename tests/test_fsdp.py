@@ -23,6 +23,7 @@ from gradzip.comm import run_processes
 STEPS = 4
 LR = 0.05
 MESHES = [(1, 2), (2, 2)]
+SPECS = ["powersgd:rank=2", "topk:ratio=0.2"]
 
 
 def _mesh(world: int, replicas: int) -> Any:
@@ -67,8 +68,8 @@ def _native_worker(rank: int, world: int, replicas: int) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas,shards", MESHES)
-def test_none_is_bit_identical_to_native_hsdp(replicas: int, shards: int) -> None:
-    for runs in run_processes(_native_worker, replicas * shards, replicas, timeout=240):
+def test_none_is_bit_identical_to_native_hsdp(mesh_runs: Any, replicas: int, shards: int) -> None:
+    for runs in (r["native"] for r in mesh_runs(replicas)):
         for native, ours in zip(runs["native"], runs["gradzip"], strict=True):
             assert native.keys() == ours.keys()
             for name in native:
@@ -98,11 +99,11 @@ def _parity_worker(rank: int, world: int, replicas: int, spec: str) -> dict[str,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["powersgd:rank=2", "topk:ratio=0.2"])
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("replicas,shards", MESHES)
-def test_results_equal_the_simulator_fed_the_same_shards(replicas: int, shards: int,
-                                                         spec: str) -> None:
-    ranks = run_processes(_parity_worker, replicas * shards, replicas, spec, timeout=240)
+def test_results_equal_the_simulator_fed_the_same_shards(mesh_runs: Any, replicas: int,
+                                                         shards: int, spec: str) -> None:
+    ranks = [r["parity"][spec] for r in mesh_runs(replicas)]
     groups = ranks[0]["groups"]
     for shard in range(shards):
         # The replica group of this shard index, in replica order.
@@ -152,8 +153,8 @@ def _memory_worker(rank: int, world: int, replicas: int) -> dict[str, int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas,shards", MESHES)
-def test_residuals_are_a_shard_not_a_model(replicas: int, shards: int) -> None:
-    for measured in run_processes(_memory_worker, replicas * shards, replicas, timeout=240):
+def test_residuals_are_a_shard_not_a_model(mesh_runs: Any, replicas: int, shards: int) -> None:
+    for measured in (r["memory"] for r in mesh_runs(replicas)):
         assert measured["ddp"] > 0
         assert measured["fsdp"] * shards == measured["ddp"]  # every dimension divides evenly
         assert measured["fsdp"] == measured["shard"]
@@ -209,15 +210,17 @@ def _same_tree(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.slow
-def test_resume_mid_run_is_bit_identical(tmp_path: Path) -> None:
-    for out in run_processes(_resume_worker, 4, str(tmp_path), timeout=240):
+def test_resume_mid_run_is_bit_identical(mesh_runs: Any) -> None:
+    ranks = mesh_runs(2)
+    folder = Path(mesh_runs.folders[2])
+    for out in (r["resume"] for r in ranks):
         assert out["steps"] == STEPS
         assert out["params_equal"]
         assert out["same_state"]  # the DCP entry and the file per rank hold the same state
         for want, got in zip(out["expected"], out["got"], strict=True):
             for name in want:
                 assert torch.equal(want[name], got[name]), name
-    assert len(list(tmp_path.glob("gradzip-fsdp-rank*.pt"))) == 4
+    assert len(list(folder.glob("gradzip-fsdp-rank*.pt"))) == 4
 
 
 # -- a NaN on one rank -----------------------------------------------------------------------
@@ -249,8 +252,8 @@ def _nan_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_a_nan_on_one_rank_is_handled_by_the_policy_on_every_rank() -> None:
-    for rank, out in enumerate(run_processes(_nan_worker, 4, timeout=240)):
+def test_a_nan_on_one_rank_is_handled_by_the_policy_on_every_rank(mesh_runs: Any) -> None:
+    for rank, out in enumerate(r["nan"] for r in mesh_runs(2)):
         assert out["skip_skipped"] == 1, rank
         assert out["skip_scale_nan"], rank
         assert out["skip_then_finite"], rank
@@ -323,8 +326,8 @@ def _errors_worker(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_unsupported_models_and_meshes_are_refused_with_one_line() -> None:
-    messages, others = run_processes(_errors_worker, 2, timeout=240)
+def test_unsupported_models_and_meshes_are_refused_with_one_line(mesh_runs: Any) -> None:
+    messages, others = (r["errors"] for r in mesh_runs(1))
     assert others == messages  # every rank refuses alike
     expected = [
         "TypeError: `model` must be fully_shard-ed",
@@ -341,6 +344,41 @@ def test_unsupported_models_and_meshes_are_refused_with_one_line() -> None:
     for message, start in zip(messages, expected, strict=True):
         assert message.startswith(start), message
         assert "\n" not in message
+
+
+# -- one launch per mesh ------------------------------------------------------------------------
+def _mesh_worker(rank: int, world: int, replicas: int, folder: str) -> dict[str, Any]:
+    """Every scenario above that runs on this mesh, in one set of processes (starting gloo
+    processes costs more than most scenarios; each scenario builds its own models and meshes,
+    in the same order on every rank)."""
+    out: dict[str, Any] = {"native": _native_worker(rank, world, replicas),
+                           "parity": {s: _parity_worker(rank, world, replicas, s) for s in SPECS},
+                           "memory": _memory_worker(rank, world, replicas)}
+    if replicas == 1:
+        out["errors"] = _errors_worker(rank, world)
+    else:
+        out["resume"] = _resume_worker(rank, world, folder)
+        out["nan"] = _nan_worker(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``mesh_runs(replicas)``: every rank's :func:`_mesh_worker` results on the replicas x 2
+    mesh, launched at the first test that asks for them; ``mesh_runs.folders[replicas]`` the
+    checkpoint folder the resume scenario wrote."""
+    runs: dict[int, list[dict[str, Any]]] = {}
+
+    def get(replicas: int) -> list[dict[str, Any]]:
+        if replicas not in runs:
+            folder = str(tmp_path_factory.mktemp(f"fsdp-{replicas}x2"))
+            get.folders[replicas] = folder  # type: ignore[attr-defined]
+            runs[replicas] = run_processes(_mesh_worker, replicas * 2, replicas, folder,
+                                           timeout=480)
+        return runs[replicas]
+
+    get.folders = {}  # type: ignore[attr-defined]
+    return get
 
 
 # -- the layout, without processes -------------------------------------------------------------

@@ -18,6 +18,7 @@ and not inside a backward pass.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["GroupLayout", "ShardSlot", "fsdp_groups", "param_groups", "same_ranks", "split_mesh"]
+__all__ = ["GroupLayout", "ShardSlot", "fsdp_groups", "one_group_modules", "param_groups", "same_ranks",
+           "split_mesh"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,49 @@ def same_ranks(a: DeviceMesh, b: DeviceMesh) -> bool:
     return a.ndim == b.ndim and a.mesh.tolist() == b.mesh.tolist()
 
 
+def one_group_modules(model: nn.Module, mesh: DeviceMesh, *, mesh_name: str, call: str,
+                      sharding: str) -> Iterator[tuple[str, nn.Module, str, Any]]:
+    """Every ``fully_shard``-ed module of ``model`` with its one parameter group, checked to be
+    sharded on the 1-D ``mesh``: ``(module_name, module, where, group)``, ``where`` the name
+    errors use.
+
+    Args:
+        model: the root module.
+        mesh: the 1-D mesh every group must be sharded on.
+        mesh_name: how errors name ``mesh``; ``call``: the ``fully_shard`` argument errors
+            suggest for the root; ``sharding``: the fix errors suggest for a module sharded
+            elsewhere.
+
+    Raises:
+        TypeError: ``model`` is not ``fully_shard``-ed.
+        ValueError: a module with several parameter groups, or sharded on another mesh.
+    """
+    if not isinstance(model, FSDPModule):
+        raise TypeError(
+            f"`model` must be fully_shard-ed (a torch.distributed.fsdp.FSDPModule), got "
+            f"{type(model).__name__}; call fully_shard(model, {call}) first"
+        )
+    for module_name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        groups = param_groups(module)
+        where = module_name or "<root>"
+        if len(groups) > 1:
+            raise ValueError(
+                f"FSDP module {where!r} has {len(groups)} parameter groups (a per-parameter "
+                "mesh); gradzip needs one group per fully_shard call"
+            )
+        for group in groups:
+            sharded_on = group.mesh_info.mesh
+            if sharded_on.ndim != 1 or not same_ranks(sharded_on, mesh):
+                raise ValueError(
+                    f"FSDP module {where!r} is sharded on a {sharded_on.ndim}-D mesh of shape "
+                    f"{tuple(sharded_on.shape)}, not on {mesh_name} (shape "
+                    f"{tuple(mesh.shape)}); shard it with {sharding}"
+                )
+            yield module_name, module, where, group
+
+
 def fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
     """:func:`_fsdp_groups`, with FSDP2 internals that this torch lacks reported as such."""
     try:
@@ -185,46 +230,25 @@ def _fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
             HSDP runs its own all-reduce first), one with several parameter groups, or one
             that already has an all-reduce hook.
     """
-    if not isinstance(model, FSDPModule):
-        raise TypeError(
-            f"`model` must be fully_shard-ed (a torch.distributed.fsdp.FSDPModule), got "
-            f"{type(model).__name__}; call fully_shard(model, mesh=mesh['shard']) first"
-        )
     names = {id(p): n for n, p in model.named_parameters()}
     out: list[GroupLayout] = []
-    for module_name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        groups = param_groups(module)
-        where = module_name or "<root>"
-        if len(groups) > 1:
+    sharding = "fully_shard(module, mesh=mesh['shard']) and pass the 2-D mesh here (native "
+    for module_name, module, where, group in one_group_modules(
+            model, shard_mesh, mesh_name="mesh[shard_dim]", call="mesh=mesh['shard']",
+            sharding=sharding + "HSDP on the 2-D mesh all-reduces before any hook runs)"):
+        if getattr(group, "_all_reduce_hook", None) is not None:
             raise ValueError(
-                f"FSDP module {where!r} has {len(groups)} parameter groups (a per-parameter "
-                "mesh); gradzip.fsdp needs one group per fully_shard call"
+                f"FSDP module {where!r} already has an all-reduce hook (was gradzip.fsdp."
+                "register called twice? call .remove() on the first state)"
             )
-        for group in groups:
-            mesh = group.mesh_info.mesh
-            if mesh.ndim != 1 or not same_ranks(mesh, shard_mesh):
-                raise ValueError(
-                    f"FSDP module {where!r} is sharded on a {mesh.ndim}-D mesh of shape "
-                    f"{tuple(mesh.shape)}, not on mesh[shard_dim] (shape "
-                    f"{tuple(shard_mesh.shape)}); shard it with fully_shard(module, "
-                    "mesh=mesh['shard']) and pass the 2-D mesh here (native HSDP on the 2-D "
-                    "mesh all-reduces before any hook runs)"
-                )
-            if getattr(group, "_all_reduce_hook", None) is not None:
-                raise ValueError(
-                    f"FSDP module {where!r} already has an all-reduce hook (was gradzip.fsdp."
-                    "register called twice? call .remove() on the first state)"
-                )
-            slots, offset = [], 0
-            for fsdp_param in group.fsdp_params:
-                param = fsdp_param.sharded_param
-                if not param.requires_grad:
-                    continue
-                slots.append(ShardSlot(names[id(param)], torch.Size(fsdp_param.sharded_size),
-                                       offset, _holders(fsdp_param, shard_mesh.size())))
-                offset += math.prod(fsdp_param.padded_sharded_param_size)
-            if slots:
-                out.append(GroupLayout(module_name, module, group, tuple(slots), offset))
+        slots, offset = [], 0
+        for fsdp_param in group.fsdp_params:
+            param = fsdp_param.sharded_param
+            if not param.requires_grad:
+                continue
+            slots.append(ShardSlot(names[id(param)], torch.Size(fsdp_param.sharded_size),
+                                   offset, _holders(fsdp_param, shard_mesh.size())))
+            offset += math.prod(fsdp_param.padded_sharded_param_size)
+        if slots:
+            out.append(GroupLayout(module_name, module, group, tuple(slots), offset))
     return out

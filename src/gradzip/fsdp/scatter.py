@@ -153,21 +153,17 @@ class FSDPScatterState:
             )
         flat = layout.gather(input_tensor)
         named = layout.views(flat)
-        self._calls += 1
+        # Left at 0 if the engine raises: it rolled its step back.
+        calls, self._calls = self._calls + 1, 0
         # Why the count closes the step on every rank alike: every rank reduces every group
         # once per backward (unused parameters included, see register_reduce_scatter), in the
         # same order.
-        finish = self._calls == len(self.layouts)
-        try:
-            bucket = self.engine.bucket_layout(named, flat)
-            # Every rank holds the same unsharded shapes in the same group order: the
-            # payload's layout is identical, so the header may ride in it.
-            self.engine.reduce_bucket(bucket, finish_step=finish, step=self._optimizer_steps)
-        except BaseException:
-            self._calls = 0  # the engine rolled its step back
-            raise
-        if finish:
-            self._calls = 0
+        finish = calls == len(self.layouts)
+        # Every rank holds the same unsharded shapes in the same group order: the payload's
+        # layout is identical, so the header may ride in it.
+        self.engine.reduce_bucket(self.engine.bucket_layout(named, flat), finish_step=finish,
+                                  step=self._optimizer_steps)
+        self._calls = 0 if finish else calls
         self.reduce_scatter_wire_bytes += (
             (self.shards - 1) * layout.row_numel * input_tensor.element_size())
         if scale is not None:

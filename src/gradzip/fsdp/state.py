@@ -162,19 +162,15 @@ class FSDPHookState:
             self._agree_on_nonfinite(named)
         if not named:
             return  # every member of this replica group has the same empty shards
-        self._calls += 1
-        finish = self._calls == len(self._active)
-        try:
-            layout_ = self.engine.bucket_layout(named, flat)
-            # FSDP2 reduces the groups in the same order on every rank, with the same shard
-            # shapes across a replica group: the payload's layout is identical on its
-            # members, so the header may ride in it (reduce_bucket's same_layout).
-            self.engine.reduce_bucket(layout_, finish_step=finish, step=self._optimizer_steps)
-        except BaseException:
-            self._calls = 0  # the engine rolled its step back
-            raise
-        if finish:
-            self._calls = 0
+        # Left at 0 if the engine raises: it rolled its step back.
+        calls, self._calls = self._calls + 1, 0
+        finish = calls == len(self._active)
+        # FSDP2 reduces the groups in the same order on every rank, with the same shard shapes
+        # across a replica group: the payload's layout is identical on its members, so the
+        # header may ride in it (reduce_bucket's same_layout).
+        self.engine.reduce_bucket(self.engine.bucket_layout(named, flat), finish_step=finish,
+                                  step=self._optimizer_steps)
+        self._calls = 0 if finish else calls
 
     def _agree_on_nonfinite(self, named: Mapping[str, torch.Tensor]) -> None:
         """Make a non-finite value on any rank of this island visible to this rank's engine.

@@ -26,9 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 
-from gradzip.fsdp.groups import param_groups, same_ranks
+from gradzip.fsdp.groups import one_group_modules
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -223,43 +222,24 @@ def unsharded_layouts(model: nn.Module, mesh: DeviceMesh) -> list[UnshardedLayou
 
 
 def _unsharded_layouts(model: nn.Module, mesh: DeviceMesh) -> list[UnshardedLayout]:
-    if not isinstance(model, FSDPModule):
-        raise TypeError(
-            f"`model` must be fully_shard-ed (a torch.distributed.fsdp.FSDPModule), got "
-            f"{type(model).__name__}; call fully_shard(model, mesh=mesh) first"
-        )
     names = {id(p): n for n, p in model.named_parameters()}
     out: list[UnshardedLayout] = []
-    for module_name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        where = module_name or "<root>"
-        groups = param_groups(module)
-        if len(groups) > 1:
-            raise ValueError(f"FSDP module {where!r} has {len(groups)} parameter groups (a "
-                             "per-parameter mesh); gradzip needs one group per fully_shard call")
-        for group in groups:
-            sharded_on = group.mesh_info.mesh
-            if sharded_on.ndim != 1 or not same_ranks(sharded_on, mesh):
-                raise ValueError(
-                    f"FSDP module {where!r} is sharded on a {sharded_on.ndim}-D mesh of shape "
-                    f"{tuple(sharded_on.shape)}, not on `mesh` (shape {tuple(mesh.shape)}); "
-                    "shard it with fully_shard(module, mesh=mesh) (for HSDP use "
-                    "gradzip.fsdp.register)"
-                )
-            if not isinstance(group._reduce_scatter_comm, DefaultReduceScatter):
-                raise ValueError(
-                    f"FSDP module {where!r} already has a custom reduce-scatter "
-                    f"({type(group._reduce_scatter_comm).__name__}); call .remove() on the "
-                    "state that installed it"
-                )
-            if group.gradient_divide_factor is not None:
-                raise ValueError(f"FSDP module {where!r} has a gradient divide factor "
-                                 f"({group.gradient_divide_factor}); gradzip's reduce-scatter "
-                                 "averages (leave set_gradient_divide_factor unset)")
-            layout = unsharded_layout(module_name, module, group, names)
-            if layout is not None:
-                out.append(layout)
+    for module_name, module, where, group in one_group_modules(
+            model, mesh, mesh_name="`mesh`", call="mesh=mesh",
+            sharding="fully_shard(module, mesh=mesh) (for HSDP use gradzip.fsdp.register)"):
+        if not isinstance(group._reduce_scatter_comm, DefaultReduceScatter):
+            raise ValueError(
+                f"FSDP module {where!r} already has a custom reduce-scatter "
+                f"({type(group._reduce_scatter_comm).__name__}); call .remove() on the "
+                "state that installed it"
+            )
+        if group.gradient_divide_factor is not None:
+            raise ValueError(f"FSDP module {where!r} has a gradient divide factor "
+                             f"({group.gradient_divide_factor}); gradzip's reduce-scatter "
+                             "averages (leave set_gradient_divide_factor unset)")
+        layout = unsharded_layout(module_name, module, group, names)
+        if layout is not None:
+            out.append(layout)
     if not out:
         raise ValueError("`model` must have a trainable parameter")
     return out
