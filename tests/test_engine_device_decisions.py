@@ -12,7 +12,6 @@ on every rank in real gloo processes (at the end of the step).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -180,20 +179,32 @@ def _device_path_nonfinite(rank: int, world: int, spec: str) -> list[Any]:
     return seen
 
 
-@pytest.mark.slow
+def _device_paths(rank: int, world: int, specs: list[str]) -> dict[str, Any]:
+    """Both scenarios for every spec, in one set of processes (a launch costs more than the
+    scenarios; the out-of-step one fails on every rank at the same call, so the collectives
+    stay matched for the next)."""
+    return {spec: (_device_path_out_of_step(rank, world, spec),
+                   _device_path_nonfinite(rank, world, spec)) for spec in specs}
+
+
 # PowerSGD's header rides in an all-reduce; Top-k's and Sign's in an all-gather.
-@pytest.mark.parametrize("spec", ["powersgd:rank=2",
-                                  pytest.param("topk:ratio=0.05", marks=pytest.mark.slow),
-                                  pytest.param("sign", marks=pytest.mark.slow)])
-def test_device_decisions_in_real_processes(spec: str) -> None:
-    for result in run_processes(functools.partial(_device_path_out_of_step, spec=spec), 2,
-                                timeout=120):
+DEVICE_SPECS = ["powersgd:rank=2", "topk:ratio=0.05", "sign"]
+
+
+@pytest.fixture(scope="module")
+def device_paths() -> list[dict[str, Any]]:
+    return run_processes(_device_paths, 2, DEVICE_SPECS, timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", DEVICE_SPECS)
+def test_device_decisions_in_real_processes(device_paths: list[dict[str, Any]], spec: str) -> None:
+    for result, _ in (ranks[spec] for ranks in device_paths):
         # Found at the end of the step (one host read a step), on every rank.
         assert result["message"].startswith("ranks are out of step"), result
         assert "Found at the step's end" in result["message"]  # no host read per call
         assert result["step"] == 1
-    first, second = run_processes(functools.partial(_device_path_nonfinite, spec=spec), 2,
-                                  timeout=120)
+    first, second = (ranks[spec][1] for ranks in device_paths)
     assert first == second
     assert first[2] == [False, False, True, True]  # the second call of step 2 and after
     assert first[-1] == 1

@@ -4,7 +4,6 @@ so only the hook's count of optimizer steps, carried in every call's header, rev
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -45,16 +44,35 @@ def _drift(rank: int, world: int, spec: str, overlap: bool, with_optimizer: bool
             "steps": state.engine.step if error is None else None}
 
 
+#: (spec, overlap, with the optimizer, bucket_cap_mb) of each scenario.
+CASES = [
+    ("none", True, True, 25.0),              # the flat path, on the communication thread
+    ("topk:ratio=0.1", False, True, 25.0),   # the ordinary path, inside the hook
+    ("powersgd:rank=2", True, True, 1e-5),   # one bucket per parameter
+    ("none", False, False, 25.0),            # without the optimizer
+]
+
+
+def _drifts(rank: int, world: int) -> list[dict[str, Any]]:
+    """Every case in one set of processes (starting them costs more than the cases; each case
+    builds its own model, DDP and hook, and a caught drift fails on both ranks at the same
+    call, so the collectives stay paired for the next case)."""
+    return [_drift(rank, world, *case) for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def drifts(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    """``drifts[case][rank]``."""
+    by_rank = spawn(_drifts, 2, tmp_path_factory.mktemp("drift"))
+    return [list(ranks) for ranks in zip(*by_rank, strict=True)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("spec,overlap,bucket_cap_mb", [
-    ("none", True, 25.0),            # the flat path, on the communication thread
-    ("topk:ratio=0.1", False, 25.0),  # the ordinary path, inside the hook
-    ("powersgd:rank=2", True, 1e-5),  # one bucket per parameter
-])
+@pytest.mark.parametrize("case", range(3), ids=[c[0] for c in CASES[:3]])
 def test_a_rank_with_an_extra_backward_is_caught_on_every_rank(
-    tmp_path: Path, spec: str, overlap: bool, bucket_cap_mb: float
+    drifts: list[list[dict[str, Any]]], case: int
 ) -> None:
-    results = spawn(_drift, 2, tmp_path, spec, overlap, True, bucket_cap_mb)
+    results = drifts[case]
     for rank, res in enumerate(results):
         assert res["error"] is not None and OUT_OF_STEP in res["error"], (rank, res["error"])
     # Caught at the first reduction after the retried one: rank 0's fourth backward (plan
@@ -63,9 +81,9 @@ def test_a_rank_with_an_extra_backward_is_caught_on_every_rank(
 
 
 @pytest.mark.slow
-def test_without_the_optimizer_the_drift_goes_unseen(tmp_path: Path) -> None:
+def test_without_the_optimizer_the_drift_goes_unseen(drifts: list[list[dict[str, Any]]]) -> None:
     """What the header cannot know without the optimizer: both ranks finish and the replicas
     differ (why the integrations always pass the optimizer)."""
-    results = spawn(_drift, 2, tmp_path, "none", False, False, 25.0)
+    results = drifts[3]
     assert [r["error"] for r in results] == [None, None]
     assert not torch.equal(results[0]["params"], results[1]["params"])

@@ -19,7 +19,7 @@ import torch
 from test_resume import TINY, records
 
 from gradzip.cli import main
-from gradzip.comm.base import allreduce_wire_bytes
+from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.train.config import resolve_config
 from gradzip.train.rundir import load_rank_file, read_manifest
 from gradzip.train.runner import RunConfig, run
@@ -77,8 +77,9 @@ def test_the_run_switches_after_the_first_steady_decision_and_counts_every_byte(
     evals = [(r["step"], r["outer_steps"], r.get("switched_at")) for r in rows
              if r["kind"] == "eval"]
     assert evals == [(4, 0, None), (8, 2, 6), (10, 2, 6), (14, 2, 6), (16, 2, 6)]
-    # Bytes: the per-step run's until the switch, one dense exchange of the parameters, then
-    # one outer exchange every 2 steps (6 in the 12 steps after the switch).
+    # Bytes: the per-step run's until the switch, the all-gather of the parameters' digests
+    # (the replicas are equal: no dense exchange), then one outer exchange every 2 steps (6 in
+    # the 12 steps after the switch).
     per_step = tmp_path / "per-step"
     run(RunConfig(**{**TINY, "compressor": AUTO}, epochs=1, out=str(per_step)))  # type: ignore[arg-type]
     outer = tmp_path / "outer"
@@ -86,12 +87,12 @@ def test_the_run_switches_after_the_first_steady_decision_and_counts_every_byte(
     before = records(per_step)[-1]
     sync = records(outer)[-1]
     assert sync["rounds"] == 3
-    numel = sum(p.numel() for p in _final_parameters(out).values())
-    exchange = allreduce_wire_bytes(4 * numel, 2)
-    assert switch["exchange_wire_bytes"] == exchange and switch["exchange_payload_bytes"] == 4 * numel
+    exchange = allgather_wire_bytes(24, 2)
+    assert switch["exchange_wire_bytes"] == exchange and switch["exchange_payload_bytes"] == 24
+    assert switch["replicas_differed"] is False
     last = epochs[-1]
-    for key, ex in (("wire_bytes", exchange), ("payload_bytes", 4 * numel),
-                    ("dense_wire_bytes", exchange), ("dense_payload_bytes", 4 * numel)):
+    for key, ex in (("wire_bytes", exchange), ("payload_bytes", 24),
+                    ("dense_wire_bytes", exchange), ("dense_payload_bytes", 24)):
         assert sync[key] % 3 == 0
         assert last[key] == before[key] + ex + 6 * (sync[key] // 3), key
     assert last["rounds"] == 6 + 1 + 6 and summary["rounds"] == 13 and summary["steps"] == 18
@@ -235,3 +236,25 @@ def test_procs_switch_like_the_simulator_and_resume_across_the_switch(tmp_path: 
     for rank in (0, 1):
         mine = _final_parameters(procs, rank)
         assert all(torch.equal(mine[k], v) for k, v in reference.items())
+
+
+def test_equal_replicas_send_only_their_digests_and_different_ones_are_averaged() -> None:
+    from gradzip.comm import SimulatedGroup
+    from gradzip.train.auto_outer import agree_on_parameters, parameter_digest
+
+    rows = torch.randn(1, 1000).expand(3, -1).contiguous()
+    comm = SimulatedGroup(3)
+    assert agree_on_parameters(rows, comm) is None
+    assert comm.meter.payload == [24] * 3 and comm.meter.wire == [allgather_wire_bytes(24, 3)] * 3
+    # One entry of one worker one ulp away: a digest differs, the dense mean is sent.
+    drifted = rows.clone()
+    drifted[2, 417] = torch.nextafter(drifted[2, 417], torch.tensor(2.0))
+    assert not torch.equal(parameter_digest(drifted)[2], parameter_digest(drifted)[0])
+    comm = SimulatedGroup(3)
+    mean = agree_on_parameters(drifted, comm)
+    assert mean is not None and torch.equal(mean, drifted.sum(dim=0) / 3)
+    assert comm.meter.wire == [allgather_wire_bytes(24, 3) + allreduce_wire_bytes(4000, 3)] * 3
+    # Two entries swapped: the sums agree, the position-weighted sum does not.
+    swapped = rows.clone()
+    swapped[1, [3, 7]] = swapped[1, [7, 3]]
+    assert agree_on_parameters(swapped, SimulatedGroup(3)) is not None

@@ -9,14 +9,15 @@ outer-step candidate predicted faster by Auto's margin) is
 carried out at the start of the next step, so the loop's optimizer step of the deciding step
 has run:
 
-1. the parameters are averaged over the workers (one dense fp32 all-reduce, counted in the
-   run's bytes; per-step training keeps the replicas equal, so this changes no bit of them, but
-   it makes the outer loop's anchor the same on every worker by construction);
+1. the replicas' parameters are checked equal by a 24-byte digest per worker, all-gathered
+   (:func:`agree_on_parameters`; counted in the run's bytes), and averaged with one dense
+   fp32 all-reduce only where they differ: per-step training keeps them equal, and the outer
+   loop's anchor must be the same on every worker;
 2. the per-step engine's error-feedback residuals are dropped (their norm is recorded): they
    are compression error of past *gradients*, while the outer loop compresses parameter
    deltas, another space and scale; sending them once densely would cost a full exchange to
    correct one step's compression error;
-3. an :class:`~gradzip.train.outer_stepper.OuterStepper` takes over, its anchor the averaged
+3. an :class:`~gradzip.train.outer_stepper.OuterStepper` takes over, its anchor the agreed
    parameters, ``H``, outer learning rate and momentum the candidate's, the exchange dense
    (``none``), and each worker's inner optimizer continuing from the loop optimizer's state.
 
@@ -43,7 +44,8 @@ from gradzip.train.metrics import format_bytes
 from gradzip.train.outer_stepper import OuterStepper
 from gradzip.train.steppers import DDPStepper, SimStepper, to_device
 
-__all__ = ["SwitchingStepper", "outer_candidates", "switch_line"]
+__all__ = ["SwitchingStepper", "agree_on_parameters", "outer_candidates", "parameter_digest",
+           "switch_line"]
 
 log = logging.getLogger(__name__)
 
@@ -165,19 +167,22 @@ class SwitchingStepper:
         return SimulatedGroup(self.world) if self.cfg.launcher == "sim" else ProcessGroupCollective()
 
     @torch.no_grad()
-    def _average_parameters(self) -> None:
-        """One dense fp32 all-reduce of every trained parameter; the mean replaces them."""
+    def _agree_on_parameters(self) -> bool:
+        """Make the replicas' trained parameters the same on every worker (see
+        :func:`agree_on_parameters`); whether they differed."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
         comm = self._collective()
         # The simulated workers share the one replica: each contributes it.
-        message = flat.expand(self.world, -1) if comm.simulated else flat[None]
-        mean = comm.all_reduce(message) / self.world
-        offset = 0
-        for p in params:
-            p.copy_(mean[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        rows = flat.expand(self.world, -1) if comm.simulated else flat[None]
+        mean = agree_on_parameters(rows, comm)
+        if mean is not None:
+            offset = 0
+            for p in params:
+                p.copy_(mean[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
         self.exchange = {"payload": list(comm.meter.payload), "wire": list(comm.meter.wire)}
+        return mean is not None
 
     def _drop_residuals(self) -> float:
         """Drop the per-step engine's error-feedback residuals; their norm over every worker."""
@@ -206,11 +211,11 @@ class SwitchingStepper:
                             self.loop_optimizer, self.device)
 
     def _carry_out(self) -> None:
-        """Average the parameters, drop the residuals, start the outer loop (every rank at
+        """Agree on the parameters, drop the residuals, start the outer loop (every rank at
         the same step: the decision was the same everywhere)."""
         verdict, self.pending = self.pending, None
         assert verdict is not None
-        self._average_parameters()
+        differed = self._agree_on_parameters()
         norm = self._drop_residuals()
         self.outer = self._build_outer(verdict)
         state = self.loop_optimizer.state_dict()
@@ -219,7 +224,7 @@ class SwitchingStepper:
         self.switch = {**verdict, "switched_at": self.steps,
                        "exchange_payload_bytes": max(self.exchange["payload"]),
                        "exchange_wire_bytes": max(self.exchange["wire"]),
-                       "dropped_residual_norm": norm}
+                       "replicas_differed": differed, "dropped_residual_norm": norm}
         if 0 in self.local_ranks:
             log.info("%s", switch_line({"switched": True, "switch": self.switch}))
 
@@ -346,6 +351,37 @@ class SwitchingStepper:
         (outer if outer is not None else self.per_step).sync_buffers()
 
 
+def parameter_digest(rows: Tensor) -> Tensor:
+    """``[L, n]`` -> ``[L, 3]`` float64: each row's sum, sum of squares and sum weighted by
+    position (1, 2, ..., n). Equal rows give equal digests bit for bit (the same ops on the
+    same values); a row that differs in any entry almost surely changes one of the three."""
+    x = rows.to(torch.float64)
+    weights = torch.arange(1, x.shape[1] + 1, dtype=torch.float64, device=x.device)
+    return torch.stack([x.sum(dim=1), (x * x).sum(dim=1), (x * weights).sum(dim=1)], dim=1)
+
+
+def agree_on_parameters(rows: Tensor, comm: Collective) -> Tensor | None:
+    """Whether every worker holds the same parameters, and their mean where they do not.
+
+    Per-step training keeps the replicas equal, so a dense exchange of the parameters would
+    send a whole model to change nothing; instead each worker's :func:`parameter_digest` (24
+    bytes) is all-gathered, and only where two workers' digests differ (a replica that
+    drifted: different data-dependent buffers, a non-deterministic kernel) is the dense fp32
+    mean all-reduced. Every worker receives the same digests, so all take the same branch.
+
+    Args:
+        rows: ``[L, n]``, the flattened fp32 parameters of each local worker.
+        comm: the workers' collective.
+
+    Returns:
+        The mean ``[n]`` where the replicas differed, else ``None`` (nothing to change).
+    """
+    digests = comm.all_gather(parameter_digest(rows))
+    if bool((digests == digests[0]).all()):
+        return None
+    return comm.all_reduce(rows) / comm.world_size
+
+
 def switch_line(entry: dict[str, Any]) -> str:
     """One line saying whether a run switched to outer steps and why (``entry``: the
     summary's ``auto_outer``)."""
@@ -360,11 +396,13 @@ def switch_line(entry: dict[str, Any]) -> str:
     if entry.get("switched"):
         phase = ("it is the first decision (--auto-outer-early)" if rec.get("critical")
                  else "the phase is steady")
+        agreed = ("replicas differed, parameters averaged" if rec.get("replicas_differed")
+                  else "replicas checked equal")
         return (f"auto-outer: switched to outer steps after step {rec['switched_at']} "
                 f"({rec['candidate']}: H={rec['outer_steps']}, outer lr {rec['outer_lr']:g}, "
                 f"momentum {rec['outer_momentum']:g}) because {phase} and it is "
-                f"{prices}; parameters averaged once ({format_bytes(rec['exchange_wire_bytes'])}"
-                f" per worker), error-feedback residual of norm "
+                f"{prices}; {agreed} ({format_bytes(rec['exchange_wire_bytes'])} per worker), "
+                f"error-feedback residual of norm "
                 f"{rec['dropped_residual_norm']:.3g} dropped")
     why = "the phase is critical" if rec["reason"] == "critical" else "it gains too little"
     return (f"auto-outer: stayed per-step (last decision at step {rec['step']}: {why}; "
