@@ -82,6 +82,10 @@ METHODS["autoe-outer-h30"] = ("auto from step 1, outer steps allowed at once, H 
 METHODS["autoe-outer"] = ("auto from step 1, outer steps allowed at once",
                           {"compressor": "auto(warmup=1,every=10)", "auto-outer": True,
                            "auto-outer-early": True}, 0)
+# ... deciding before the first step (``warmup=0``: from the probed link alone).
+METHODS["autoe0-outer-h30"] = ("auto before step 0, outer steps allowed at once, H <= 30",
+                               {"compressor": "auto(warmup=0,every=10)", "auto-outer": True,
+                                "auto-outer-early": True, "auto-outer-steps": "10,30"}, 0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 

@@ -183,6 +183,20 @@ def test_spec_round_trip_and_bare_name() -> None:
     assert gradzip.Auto is Auto
 
 
+def test_warmup_0_decides_before_the_first_step_from_the_link_alone() -> None:
+    engine = drive(LinkClock(10, 1e-3), 12, every=5, warmup=0)
+    first, second, third = Auto.decisions(engine, since=0)
+    # Step 0: nothing timed, no gradient seen; a slow link already rules out dense fp32.
+    assert (first["step"], first["reason"], first["compute_ms"], first["norm"]) == (0, "first",
+                                                                                     0.0, 0.0)
+    assert first["level"] != "none" and Auto.counts(engine)["steps"]["none"] == 0
+    # Step 5 compares its interval's norm with nothing before it (still "first"), step 10 with
+    # step 5's, as a run whose first decision came after some steps.
+    assert (second["step"], second["reason"]) == (5, "first")
+    assert third["step"] == 10 and third["reason"] in ("steady", "norm_change")
+    assert second["compute_ms"] > 0
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"levels": []}, ValueError, "levels"),
     ({"levels": ["none", "none"]}, ValueError, "repeat"),
@@ -190,7 +204,7 @@ def test_spec_round_trip_and_bare_name() -> None:
     ({"levels": ["accordion(steady=powersgd:rank=1,critical=powersgd:rank=4)"]}, TypeError,
      "controllers"),
     ({"every": 0}, ValueError, "every"),
-    ({"warmup": 0}, ValueError, "warmup"),
+    ({"warmup": -1}, ValueError, "warmup"),
     ({"margin": 1.0}, ValueError, "margin"),
     ({"eta": 0.0}, ValueError, "eta"),
     ({"probe_bytes": 4}, ValueError, "probe_bytes"),

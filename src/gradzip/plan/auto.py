@@ -86,7 +86,8 @@ class Auto(Compressor):
             string in a spec), per-step compressors of any kinds, at least one, no
             duplicates, no controllers. Training starts at the first.
         every: steps between decisions (>= 1).
-        warmup: the step of the first decision (>= 1).
+        warmup: the step of the first decision (>= 0; 0 decides before the first step, from
+            the probed link alone, as no step has been timed yet).
         margin: the fraction a switch must gain, in [0, 1).
         eta: threshold of the critical-regime rule (> 0).
         probe_bytes: size of the large probe message (>= 8).
@@ -131,7 +132,7 @@ class Auto(Compressor):
             raise ValueError(f"`levels` must not repeat a level, got {specs}")
         object.__setattr__(self, "levels", tuple(built))
         check_int("every", self.every, minimum=1)
-        check_int("warmup", self.warmup, minimum=1)
+        check_int("warmup", self.warmup, minimum=0)
         check_real("margin", self.margin, low=0, high=1, high_open=True)
         check_real("eta", self.eta, low=0, low_open=True)
         check_int("probe_bytes", self.probe_bytes, minimum=8)
@@ -327,7 +328,9 @@ class Auto(Compressor):
         kept = [r for r in ctrl["log"] if r["decision"] > rec["decision"] - LOG_POINTS]
         ctrl.update(current=choice, overhead=overhead, last_compute=compute if sampled else
                     ctrl["last_compute"], counts=counts, log=kept + [rec],
-                    prev_norm=norm, acc={n: None for n in ctrl["acc"]}, acc_steps=0, dropped=False, pending=False,
+                    # A decision before any step saw no gradient: the next compares with nothing.
+                    prev_norm=norm if ctrl["acc_steps"] else ctrl["prev_norm"],
+                    acc={n: None for n in ctrl["acc"]}, acc_steps=0, dropped=False, pending=False,
                     critical=decision.critical, periods=[], reduces=[], calls=[], wires=[],
                     skip=True, next=ctrl["step"] + self.every)
         if 0 in ctx.ranks:  # one line per decision from one worker: what and why

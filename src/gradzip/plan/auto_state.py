@@ -55,7 +55,7 @@ def fresh_controller(shapes: Mapping[str, torch.Size], labels: Sequence[str],
         "prev_norm": None,
         "last_compute": None,  # seconds, from the last decision that had timed steps
         "dropped": False,
-        "pending": False,
+        "pending": warmup == 0,  # warmup 0: the first decision opens step 0
         "overhead": {lb: None for lb in labels},  # seconds in reduce beyond the link's
         "log": [],
         "counts": {"decisions": 0, "switches": 0, "critical": 0,
