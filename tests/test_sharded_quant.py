@@ -3,14 +3,15 @@ independence, exact resume, the decision rule, and real gloo processes against t
 
 from __future__ import annotations
 
+import functools
 import io
 from typing import Any
 
 import pytest
 import torch
 
+import gloo_parity
 import gradzip
-from gradzip.comm import run_processes
 from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.comm.header import HEADER_BYTES, rider_bytes
 from gradzip.compressors.base import Job, StepContext
@@ -234,44 +235,33 @@ GLOO_SPECS = ["qsgd:levels=4", "sign", "binmean:bits=2", "scatterq:bits=4",
 GLOO_STEPS = 3
 
 
-def _gloo_worker(rank: int, world_size: int, specs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for spec in specs:
-        engine = gradzip.Engine(GLOO_SHAPES, spec)  # the world process group
-        results = []
-        for step in range(GLOO_STEPS):
-            grads = {n: g[rank] for n, g in _grads(world_size, step, GLOO_SHAPES).items()}
-            results.append(engine.reduce(grads, same_layout=True))
-        out[spec] = {
-            "results": results,
-            "stats": engine.stats,
-            "residuals": {n: r[0] for n, r in engine.residuals.items()},
-            "owner": {n: o[0] for n, o in engine.compressor_state.get("owner", {}).items()},
-            "report": engine.compressor.report(engine.compressor_state),
-        }
-    return out
+def _report(engine: Any, workers: int) -> Any:
+    return engine.compressor.report(engine.compressor_state)
+
+
+for _spec in GLOO_SPECS:
+    gloo_parity.register(f"sharded_quant:{_spec}", gloo_parity.Case(
+        GLOO_SHAPES, _spec, functools.partial(_grads, shapes=GLOO_SHAPES), steps=GLOO_STEPS,
+        same_layout=True, probe=_report))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_gloo_processes_match_the_simulator_bit_for_bit(world_size: int) -> None:
-    per_rank = run_processes(_gloo_worker, world_size, GLOO_SPECS, timeout=240)
     for spec in GLOO_SPECS:
-        sim = gradzip.Engine(GLOO_SHAPES, spec, collective=gradzip.SimulatedGroup(world_size))
-        expected = [sim.reduce(_grads(world_size, s, GLOO_SHAPES), same_layout=True)
-                    for s in range(GLOO_STEPS)]
+        key = f"sharded_quant:{spec}"
+        sim, expected = gloo_parity.simulate(gloo_parity.CASES[key], world_size)
         report = sim.compressor.report(sim.compressor_state)
         if not spec.endswith("allgather"):
             assert report["exchange"]["sharded"] == 2, (spec, report)
-        for rank, got in enumerate(per_rank):
-            real = got[spec]
-            assert real["report"] == report  # the same decision on every rank
+        for rank, real in enumerate(gloo_parity.results(world_size, key)):
+            assert real["probe"] == report  # the same decision on every rank
             for step in range(GLOO_STEPS):
                 for name in GLOO_SHAPES:
                     assert torch.equal(real["results"][step][name], expected[step][name]), (
                         spec, rank, step, name)
-            for key in ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes"):
-                assert real["stats"][key] == [sim.stats[key][rank]], (spec, key)
+            for key_ in ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes"):
+                assert real["stats"][key_] == [sim.stats[key_][rank]], (spec, key_)
             for name, res in real["residuals"].items():
                 assert torch.equal(res, sim.residuals[name][rank]), (spec, name)
             for name, owner in real["owner"].items():

@@ -8,8 +8,8 @@ import io
 import pytest
 import torch
 
+import gloo_parity
 import gradzip
-from gradzip.comm import run_processes
 from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.compressors.base import Job, StepContext
 from gradzip.compressors.sharded_sparse import SLACK, exchange_forms, shard_layout
@@ -276,39 +276,32 @@ def test_device_decisions_engine_path_matches_the_host_path() -> None:
             assert torch.equal(a[name], b[name])
 
 
-def _worker(rank: int, world_size: int, specs: list[str]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for spec in specs:
-        engine = gradzip.Engine(SHAPES, spec)  # the world process group
-        results = []
-        for step in range(3):
-            grads = {n: g[rank] for n, g in _grads(world_size, step).items()}
-            results.append(engine.reduce(grads))
-        out[spec] = {"results": results, "stats": engine.stats,
-                     "residuals": {n: r[0] for n, r in engine.residuals.items()},
-                     "forms": exchange_forms(engine.compressor, SHAPES, world_size)}
-    return out
+def _forms(engine: object, workers: int) -> object:
+    return exchange_forms(engine.compressor, SHAPES, workers)  # type: ignore[attr-defined]
+
+
+GLOO_SPECS = SPECS + ["topk:ratio=0.05,owner_keep=1"]  # the last one by "auto"
+for _spec in GLOO_SPECS:
+    gloo_parity.register(f"sharded_sparse:{_spec}",
+                         gloo_parity.Case(SHAPES, _spec, _grads, probe=_forms))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_gloo_processes_match_the_simulator_bit_for_bit(world_size: int) -> None:
-    specs = SPECS + ["topk:ratio=0.05,owner_keep=1"]  # the last one by "auto"
-    per_rank = run_processes(_worker, world_size, specs, timeout=240)
-    for spec in specs:
-        sim = gradzip.Engine(SHAPES, spec, collective=gradzip.SimulatedGroup(world_size))
-        sim_results = [sim.reduce(_grads(world_size, s)) for s in range(3)]
+    for spec in GLOO_SPECS:
+        key = f"sharded_sparse:{spec}"
+        sim, sim_results = gloo_parity.simulate(gloo_parity.CASES[key], world_size)
         forms = exchange_forms(sim.compressor, SHAPES, world_size)
         assert "sharded" in forms.values()
-        for rank, got in enumerate(per_rank):
-            real = got[spec]
-            assert real["forms"] == forms  # one decision on every rank
+        for rank, real in enumerate(gloo_parity.results(world_size, key)):
+            assert real["probe"] == forms  # one decision on every rank
             for step in range(3):
                 for name in SHAPES:
                     assert torch.equal(sim_results[step][name], real["results"][step][name]), (
                         spec, rank, step, name)
-            for key in ("payload_bytes", "wire_bytes"):
-                assert real["stats"][key] == [sim.stats[key][rank]], (spec, key)
+            for key_ in ("payload_bytes", "wire_bytes"):
+                assert real["stats"][key_] == [sim.stats[key_][rank]], (spec, key_)
             for name, res in real["residuals"].items():
                 assert torch.equal(res, sim.residuals[name][rank]), (spec, rank, name)
 

@@ -9,8 +9,8 @@ import io
 import pytest
 import torch
 
+import gloo_parity
 import gradzip
-from gradzip.comm import run_processes
 from gradzip.comm.base import allreduce_wire_bytes, ordered_wire_bytes
 from gradzip.compressors.base import Job, StepContext
 from gradzip.ops.blocks import block_layout, block_positions, top_blocks
@@ -197,32 +197,23 @@ def test_spec_round_trips_and_is_validated() -> None:
         block_layout([10], 4, [4])
 
 
-def _worker(rank: int, world_size: int, specs: list[str]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for spec in specs:
-        engine = gradzip.Engine(SHAPES, spec)  # the world process group
-        results = [engine.reduce({n: g[rank] for n, g in _grads(world_size, s).items()})
-                   for s in range(3)]
-        out[spec] = {"results": results, "stats": engine.stats,
-                     "residuals": {n: r[0] for n, r in engine.residuals.items()}}
-    return out
+GLOO_SPECS = [SPEC, "sharedtopk:ratio=0.1,block=16"]
+for _spec in GLOO_SPECS:
+    gloo_parity.register(f"shared_support:{_spec}", gloo_parity.Case(SHAPES, _spec, _grads))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_gloo_processes_match_the_simulator_bit_for_bit(world_size: int) -> None:
-    specs = [SPEC, "sharedtopk:ratio=0.1,block=16"]
-    per_rank = run_processes(_worker, world_size, specs, timeout=240)
-    for spec in specs:
-        sim = gradzip.Engine(SHAPES, spec, collective=gradzip.SimulatedGroup(world_size))
-        sim_results = [sim.reduce(_grads(world_size, s)) for s in range(3)]
-        for rank, got in enumerate(per_rank):
-            real = got[spec]
+    for spec in GLOO_SPECS:
+        key = f"shared_support:{spec}"
+        sim, sim_results = gloo_parity.simulate(gloo_parity.CASES[key], world_size)
+        for rank, real in enumerate(gloo_parity.results(world_size, key)):
             for step in range(3):
                 for name in SHAPES:
                     assert torch.equal(sim_results[step][name], real["results"][step][name]), (
                         spec, rank, step, name)
-            for key in ("payload_bytes", "wire_bytes"):
-                assert real["stats"][key] == [sim.stats[key][rank]], (spec, key)
+            for key_ in ("payload_bytes", "wire_bytes"):
+                assert real["stats"][key_] == [sim.stats[key_][rank]], (spec, key_)
             for name, res in real["residuals"].items():
                 assert torch.equal(res, sim.residuals[name][rank]), (spec, rank, name)
