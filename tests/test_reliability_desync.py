@@ -128,11 +128,30 @@ def _nonfinite_on_one_rank(rank: int, world: int) -> list[Any]:
     return results
 
 
+MISSING_SPECS = ["none", "topk:ratio=0.05", "threshold:budget=0.05"]
+
+
+def _scenarios(rank: int, world: int) -> dict[str, Any]:
+    """Every scenario above in one set of processes (starting them costs more than the
+    scenarios; each fails on every rank at the same call, so the collectives stay paired)."""
+    return {"missing": _missing_tensor(rank, world, MISSING_SPECS),
+            "skipped_step": _skipped_step(rank, world),
+            "skipped_call": _skipped_call(rank, world),
+            "model_loop": _model_loop(rank, world),
+            "nonfinite": _nonfinite_on_one_rank(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def scenarios() -> dict[str, list[Any]]:
+    """``scenarios[name][rank]``."""
+    per_rank = run_processes(_scenarios, 2, timeout=240)
+    return {name: [ranks[name] for ranks in per_rank] for name in per_rank[0]}
+
+
 @pytest.mark.slow
-def test_a_tensor_missing_on_one_rank_raises_on_every_rank() -> None:
+def test_a_tensor_missing_on_one_rank_raises_on_every_rank(scenarios: dict[str, list[Any]]) -> None:
     """Without the header, gloo aborts the process ("Received data size doesn't match")."""
-    specs = ["none", "topk:ratio=0.05", "threshold:budget=0.05"]
-    for per_rank in run_processes(_missing_tensor, 2, specs, timeout=120):
+    for per_rank in scenarios["missing"]:
         for result in per_rank:
             assert result["message"].startswith(f"RuntimeError: {OUT_OF_STEP}"), result
             assert "call 0 of step 2" in result["message"]
@@ -140,21 +159,18 @@ def test_a_tensor_missing_on_one_rank_raises_on_every_rank() -> None:
 
 
 @pytest.mark.slow
-def test_rank_desynchronisation_is_caught_on_every_rank() -> None:
-    skipped_step = run_processes(_skipped_step, 2, timeout=120)
-    for message in skipped_step:
+def test_rank_desynchronisation_is_caught_on_every_rank(scenarios: dict[str, list[Any]]) -> None:
+    for message in scenarios["skipped_step"]:
         assert message.startswith(f"RuntimeError: {OUT_OF_STEP}"), message
-    skipped_call = run_processes(_skipped_call, 2, timeout=120)
-    for message in skipped_call:
+    for message in scenarios["skipped_call"]:
         assert message.startswith(f"RuntimeError: {OUT_OF_STEP}") and "step 1" in message, message
-    model_loop = run_processes(_model_loop, 2, timeout=120)
-    for seen in model_loop:
+    for seen in scenarios["model_loop"]:
         assert seen[:2] == ["ok", "ok"] and seen[-1].startswith(f"RuntimeError: {OUT_OF_STEP}"), seen
 
 
 @pytest.mark.slow
-def test_nonfinite_decisions_agree_across_real_ranks() -> None:
-    first, second = run_processes(_nonfinite_on_one_rank, 2, timeout=120)
+def test_nonfinite_decisions_agree_across_real_ranks(scenarios: dict[str, list[Any]]) -> None:
+    first, second = scenarios["nonfinite"]
     assert first == second
     assert first[0] == ("raised", 0) and first[1] == ("raised", 0)
     assert first[2] == ("returned", True, 1)
