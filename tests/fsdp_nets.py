@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-__all__ = ["Net", "batch", "sharded"]
+__all__ = ["Net", "batch", "refusal", "sharded"]
 
 
 class Net(nn.Module):
@@ -52,3 +52,13 @@ def sharded(mesh: Any, out: int = 3) -> Net:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def refusal(fn: Any, *args: Any, **kwargs: Any) -> str:
+    """What ``fn(*args, **kwargs)`` refuses, as ``"TypeError: ..."`` or ``"ValueError: ..."``;
+    ``"accepted"`` where it raises nothing."""
+    try:
+        fn(*args, **kwargs)
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"

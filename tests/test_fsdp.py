@@ -15,7 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 import gradzip
 import gradzip.fsdp
-from fsdp_nets import Net
+from fsdp_nets import Net, refusal
 from fsdp_nets import batch as _batch
 from fsdp_nets import sharded as _sharded
 from gradzip.comm import run_processes
@@ -297,12 +297,7 @@ def _errors_worker(rank: int, world: int) -> list[str]:
     messages = []
 
     def refused(fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except (TypeError, ValueError) as exc:
-            messages.append(f"{type(exc).__name__}: {exc}")
-        else:
-            messages.append("accepted")
+        messages.append(refusal(fn, *args, **kwargs))
 
     register = gradzip.fsdp.register
     refused(register, Net(3), "none", mesh=mesh)  # not fully_shard-ed

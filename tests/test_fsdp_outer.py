@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import gradzip
-from fsdp_nets import Net
+from fsdp_nets import Net, refusal
 from fsdp_nets import batch as _batch
 from fsdp_nets import sharded as _sharded
 from gradzip.comm import run_processes
@@ -189,12 +189,7 @@ def _errors(mesh: Any, world: int) -> list[str]:
     messages = []
 
     def refused(fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except (TypeError, ValueError) as exc:
-            messages.append(f"{type(exc).__name__}: {exc}")
-        else:
-            messages.append("accepted")
+        messages.append(refusal(fn, *args, **kwargs))
 
     sharded = gradzip.ShardedOuter
     refused(sharded, Net(1), mesh=mesh, inner_steps=2)  # not fully_shard-ed

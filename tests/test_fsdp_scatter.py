@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import gradzip
 import gradzip.fsdp
-from fsdp_nets import Net, batch, sharded
+from fsdp_nets import Net, batch, refusal, sharded
 from gradzip.comm import run_processes
 from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.comm.header import rider_bytes
@@ -202,12 +202,7 @@ def _errors(rank: int, mesh: Any, world: int) -> list[str]:
     messages = []
 
     def refused(fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, **kwargs)
-        except (TypeError, ValueError) as exc:
-            messages.append(f"{type(exc).__name__}: {exc}")
-        else:
-            messages.append("accepted")
+        messages.append(refusal(fn, *args, **kwargs))
 
     register = gradzip.fsdp.register_reduce_scatter
     square = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))

@@ -27,8 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-__all__ = ["GroupLayout", "ShardSlot", "fsdp_groups", "one_group_modules", "param_groups", "same_ranks",
-           "split_mesh"]
+__all__ = ["GroupLayout", "ShardSlot", "count_optimizer_step", "fsdp2_differs", "fsdp_groups",
+           "one_group_modules", "param_groups", "same_ranks", "split_mesh"]
 
 
 @dataclass(frozen=True)
@@ -202,15 +202,26 @@ def one_group_modules(model: nn.Module, mesh: DeviceMesh, *, mesh_name: str, cal
             yield module_name, module, where, group
 
 
+def fsdp2_differs(reader: str, exc: AttributeError) -> RuntimeError:
+    """The error for FSDP2 internals that this torch lacks (``exc``), naming what read them."""
+    return RuntimeError(f"{reader} reads FSDP2's parameter groups (tested on torch 2.13); this "
+                        f"torch ({torch.__version__}) differs: {exc}")
+
+
+def count_optimizer_step(ref: Any) -> None:
+    """An optimizer step post-hook's work for either adapter's state (held weakly by ``ref``):
+    count the step, where the state counts them."""
+    state = ref()
+    if state is not None and state._optimizer_steps is not None:
+        state._optimizer_steps += 1
+
+
 def fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
     """:func:`_fsdp_groups`, with FSDP2 internals that this torch lacks reported as such."""
     try:
         return _fsdp_groups(model, shard_mesh)
     except AttributeError as exc:
-        raise RuntimeError(
-            f"gradzip.fsdp reads FSDP2's parameter groups (tested on torch 2.13); this torch "
-            f"({torch.__version__}) differs: {exc}"
-        ) from exc
+        raise fsdp2_differs("gradzip.fsdp", exc) from exc
 
 
 def _fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:

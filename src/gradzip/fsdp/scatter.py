@@ -29,6 +29,7 @@ from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.ddp.params import tree_to
 from gradzip.engine import STATS_KEYS, Engine
+from gradzip.fsdp.groups import count_optimizer_step
 from gradzip.fsdp.unsharded import (
     ReduceScatter,
     UnshardedLayout,
@@ -119,7 +120,7 @@ class FSDPScatterState:
             while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
                 optimizer = optimizer.optimizer
             ref = weakref.ref(self)
-            optimizer.register_step_post_hook(lambda *_: _count_step(ref))
+            optimizer.register_step_post_hook(lambda *_: count_optimizer_step(ref))
 
     def exchange(self, layout: UnshardedLayout, input_tensor: torch.Tensor,
                  output: torch.Tensor, op: Any) -> None:
@@ -243,10 +244,6 @@ class FSDPScatterState:
                 f"parameters={len(self.shapes)})")
 
 
-def _count_step(ref: weakref.ref[FSDPScatterState]) -> None:
-    state = ref()
-    if state is not None and state._optimizer_steps is not None:
-        state._optimizer_steps += 1
 
 
 def register_reduce_scatter(model: nn.Module, compressor: Compressor | str, *, mesh: Any,

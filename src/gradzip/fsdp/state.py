@@ -20,7 +20,7 @@ from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.ddp.params import tree_to
 from gradzip.engine import STATS_KEYS, Engine
-from gradzip.fsdp.groups import GroupLayout, fsdp_groups, split_mesh
+from gradzip.fsdp.groups import GroupLayout, count_optimizer_step, fsdp_groups, split_mesh
 from gradzip.options import EngineOptions
 
 __all__ = ["FSDPHookState", "register"]
@@ -117,7 +117,7 @@ class FSDPHookState:
             while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
                 optimizer = optimizer.optimizer  # a wrapper steps the optimizer it holds
             ref = weakref.ref(self)
-            optimizer.register_step_post_hook(lambda *_: _count_step(ref))
+            optimizer.register_step_post_hook(lambda *_: count_optimizer_step(ref))
 
     # -- the hook ------------------------------------------------------------------------------
     def hook_for(self, index: int) -> Any:
@@ -309,11 +309,6 @@ class FSDPHookState:
                 f"shards={self.shards}, parameters={len(self.shapes)})")
 
 
-def _count_step(ref: weakref.ref[FSDPHookState]) -> None:
-    """An optimizer step post-hook's work: count the step (the state held weakly)."""
-    state = ref()
-    if state is not None and state._optimizer_steps is not None:
-        state._optimizer_steps += 1
 
 
 def register(

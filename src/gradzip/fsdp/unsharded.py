@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gradzip.fsdp.groups import one_group_modules
+from gradzip.fsdp.groups import fsdp2_differs, one_group_modules
 
 try:
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
@@ -215,10 +215,7 @@ def unsharded_layouts(model: nn.Module, mesh: DeviceMesh) -> list[UnshardedLayou
             raise AttributeError("no torch.distributed.fsdp._fully_shard reduce-scatter interface")
         return _unsharded_layouts(model, mesh)
     except AttributeError as exc:
-        raise RuntimeError(
-            f"gradzip's FSDP2 reduce-scatter reads FSDP2's parameter groups (tested on torch "
-            f"2.13); this torch ({torch.__version__}) differs: {exc}"
-        ) from exc
+        raise fsdp2_differs("gradzip's FSDP2 reduce-scatter", exc) from exc
 
 
 def _unsharded_layouts(model: nn.Module, mesh: DeviceMesh) -> list[UnshardedLayout]:
