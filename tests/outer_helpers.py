@@ -63,7 +63,8 @@ def run_simulated(
 
 def run_rank(rank: int, world: int, cases: list[tuple[int, str, str, dict[str, Any]]]) -> list[dict[str, Any]]:
     """In a process of a real group: each case ``(steps, spec, inner, kwargs)`` run on this
-    worker; its final parameters and the Outer's stats."""
+    worker; its final parameters, the Outer's stats, then its ``consensus()`` and the stats
+    after it."""
     torch.set_num_threads(1)
     out = []
     for steps, spec, inner, kwargs in cases:
@@ -73,7 +74,10 @@ def run_rank(rank: int, world: int, cases: list[tuple[int, str, str, dict[str, A
         for step in range(steps):
             inner_step(model, opt, step, rank)
             outer.step()
-        out.append({"params": params_of(model), "stats": outer.stats})
+        stats = outer.stats
+        mean = outer.consensus()
+        out.append({"params": params_of(model), "stats": stats, "consensus": mean,
+                    "stats_after": outer.stats})
     return out
 
 

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 import gradzip
+from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.compressors.base import sparse_pays
 from gradzip.ops.chunks import chunk_topk
 from gradzip.outer import FragmentPlan, OuterOptimizer, split_fragments
+from gradzip.outer.consensus import agree_on_parameters, parameter_digest
 from outer_helpers import (
     batch,
     inner_step,
@@ -246,3 +248,62 @@ def test_controllers_run_on_pseudo_gradients() -> None:
     for m in models[1:]:
         for a, b in zip(models[0].parameters(), m.parameters(), strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["diloco", "streaming", "sparseloco"])
+def test_consensus_is_the_workers_mean_and_changes_nothing(mode: str) -> None:
+    """``consensus()`` after every step: the rank-order mean of the replicas, bit for bit;
+    only a 24-byte digest per worker where they are equal; and the run (parameters, every
+    counter but its own) exactly that of a run that never asked."""
+    spec, kwargs = _mode_kwargs()[mode]
+    steps = 11
+    straight, untouched = run_simulated(WORKERS, steps, spec, inner="adamw", **kwargs)
+    models = [make_model() for _ in range(WORKERS)]
+    opts = [make_inner(m, "adamw") for m in models]
+    outer = gradzip.Outer(models, spec, collective=gradzip.SimulatedGroup(WORKERS), **kwargs)
+    digests_only = allgather_wire_bytes(24, WORKERS)
+    equal_seen = differ_seen = 0
+    for step in range(steps):
+        for rank, (model, opt) in enumerate(zip(models, opts, strict=True)):
+            inner_step(model, opt, step, rank)
+        outer.step()
+        sent = outer.consensus_wire_bytes
+        mean = outer.consensus()
+        replicas = [params_of(m) for m in models]
+        equal = all(torch.equal(r[n], replicas[0][n]) for r in replicas for n in r)
+        for name, value in mean.items():
+            expect = (replicas[0][name] + replicas[1][name] + replicas[2][name]) / WORKERS
+            assert torch.equal(value, replicas[0][name] if equal else expect), (step, name)
+        grew = outer.consensus_wire_bytes - sent
+        if equal:
+            equal_seen += 1
+            assert grew == digests_only
+        else:
+            differ_seen += 1
+            assert grew > digests_only
+    assert differ_seen and (equal_seen or kwargs.get("alpha"))  # alpha keeps them apart
+    _assert_same(straight, models)
+    stats = outer.stats
+    assert stats.pop("consensus_wire_bytes") > 0
+    assert stats == {k: v for k, v in untouched.stats.items() if k != "consensus_wire_bytes"}
+
+
+def test_equal_replicas_send_only_their_digests_and_different_ones_are_averaged() -> None:
+    rows = torch.randn(1, 1000).expand(3, -1).contiguous()
+    comm = gradzip.SimulatedGroup(3)
+    assert agree_on_parameters(rows, comm) is None
+    assert comm.meter.payload == [24] * 3 and comm.meter.wire == [allgather_wire_bytes(24, 3)] * 3
+    # One entry of one worker one ulp away: a digest differs, the dense mean is sent.
+    drifted = rows.clone()
+    drifted[2, 417] = torch.nextafter(drifted[2, 417], torch.tensor(2.0))
+    assert not torch.equal(parameter_digest(drifted)[2], parameter_digest(drifted)[0])
+    comm = gradzip.SimulatedGroup(3)
+    mean = agree_on_parameters(drifted, comm)
+    assert mean is not None and torch.equal(mean, drifted.sum(dim=0) / 3)
+    # The mean is added in rank order: an all-to-all then an all-gather of a third each, a
+    # ring all-reduce's bytes (for 1000 entries, rounded up to a multiple of 3).
+    assert comm.meter.wire == [allgather_wire_bytes(24, 3) + allreduce_wire_bytes(4 * 1002, 3)] * 3
+    # Two entries swapped: the sums agree, the position-weighted sum does not.
+    swapped = rows.clone()
+    swapped[1, [3, 7]] = swapped[1, [7, 3]]
+    assert agree_on_parameters(swapped, gradzip.SimulatedGroup(3)) is not None

@@ -1,4 +1,5 @@
-"""The outer loop in real gloo processes: periodic averaging, and the simulator's bits."""
+"""The outer loop in real gloo processes: periodic averaging, and the simulator's bits
+(parameters, counters and the workers' mean)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ MODES: list[tuple[int, str, str, dict[str, Any]]] = [
     (STEPS, "chunktopk:chunk=32,k=8,bits=2", "sgd", dict(inner_steps=4, fragments=2, delay=1, alpha=0.5,
                                                                    overlap=True)),
     (STEPS, "chunktopk:chunk=32,k=4,average=senders", "adamw", dict(inner_steps=3, outer_optimizer="ef-momentum")),
-    (STEPS, "binmean:bits=4", "sgd", dict(inner_steps=3)),
+    (STEPS + 1, "binmean:bits=4", "sgd", dict(inner_steps=3)),  # ends between synchronisations
     (STEPS, "scatterq", "adamw", dict(inner_steps=3, offload=True)),  # INTELLECT-1: 8 bits every hop
 ]
 
@@ -56,6 +57,7 @@ def test_two_gloo_processes_match_periodic_averaging_and_the_simulator_bit_for_b
         simulated = [run_simulated(2, steps, spec, inner, **kwargs) for steps, spec, inner, kwargs in MODES]
     finally:
         torch.set_num_threads(threads)
+    means = [(outer.consensus(), outer.consensus_wire_bytes) for _, outer in simulated]
     for rank, got in enumerate(per_rank):
         # `none` with outer SGD at lr 1 is periodic parameter averaging, bit for bit.
         for name, value in got["reference"].items():
@@ -67,13 +69,20 @@ def test_two_gloo_processes_match_periodic_averaging_and_the_simulator_bit_for_b
             for key in ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes"):
                 assert real["stats"][key] == [outer.stats[key][rank]], (MODES[mode][1], key)
             assert real["stats"]["syncs"] == outer.stats["syncs"]
-    # Every worker ends with identical parameters (except where alpha > 0 keeps a share of
-    # each worker's own progress).
-    for mode in range(len(MODES)):
-        if MODES[mode][3].get("alpha"):
-            continue
-        for name, value in per_rank[0]["outer"][mode]["params"].items():
-            assert torch.equal(per_rank[1]["outer"][mode]["params"][name], value)
+            # The workers' mean, as the simulator gives it, and nothing else changed.
+            mean, sent = means[mode]
+            assert all(torch.equal(real["consensus"][n], v) for n, v in mean.items()), MODES[mode][1]
+            after = dict(real["stats_after"])
+            assert after.pop("consensus_wire_bytes") == sent > 0
+            assert after == {k: v for k, v in real["stats"].items() if k != "consensus_wire_bytes"}
+    # Every worker ends with identical parameters, except where alpha > 0 keeps a share of
+    # each worker's own progress or the run ends between synchronisations; the workers' mean
+    # is identical everywhere.
+    for mode, (steps, _, _, kwargs) in enumerate(MODES):
+        apart = kwargs.get("alpha") or steps % kwargs["inner_steps"]
+        for key in ("consensus",) if apart else ("params", "consensus"):
+            for name, value in per_rank[0]["outer"][mode][key].items():
+                assert torch.equal(per_rank[1]["outer"][mode][key][name], value), (mode, key)
 
 
 def _mismatched(rank: int, world: int) -> int:

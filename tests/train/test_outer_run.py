@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_resume import TINY, assert_same_run, records
 
 from gradzip.train.config import resolve_config
-from gradzip.train.rundir import read_manifest
+from gradzip.train.rundir import load_rank_file, read_manifest
 from gradzip.train.runner import RunConfig, run
+from gradzip.train.tasks import get_task
 
 MODES = {
     "diloco": {"outer_steps": 4, "optimizer": "adamw", "lr": 0.002},
@@ -43,6 +45,35 @@ def test_outer_run_synchronises_every_h_steps_and_sends_the_formula(tmp_path: Pa
     wire = [(r["step"], r["wire_bytes"]) for r in rows if r["kind"] == "step"]
     grew = [step for (step, after), (_, before) in zip(wire[1:], wire, strict=False) if after > before]
     assert grew and all(step % 3 == 0 for step in grew)
+
+
+def test_an_outer_run_ending_between_synchronisations_is_evaluated_as_the_workers_mean(
+        tmp_path: Path) -> None:
+    """6 steps at H=4: the epoch's record is the test metrics of the workers' mean, not of
+    worker 0's own replica (the checkpoint keeps the replicas as they are)."""
+    out = tmp_path / "mid"
+    cfg = resolve_config(RunConfig(**TINY, epochs=1, out=str(out), outer_steps=4))  # type: ignore[arg-type]
+    run(cfg)
+    epoch = [r for r in records(out) if r["kind"] == "epoch"][-1]
+    assert epoch["step"] == 6 and epoch["rounds"] == 1
+    manifest = read_manifest(out)
+    assert manifest is not None
+    state = load_rank_file(out, manifest, 0)
+    worker0, worker1 = state["model"], state["gradzip"]["replicas"][0]
+    task = get_task(cfg.task)
+    data = task.load(cfg)
+    model = task.build_model(cfg, data)
+
+    def metrics(params: dict[str, torch.Tensor]) -> dict[str, float]:
+        model.load_state_dict({**worker0, **params})
+        model.eval()
+        return task.metrics(sum(task.eval_sums(model, data, cfg, 2, r) for r in range(2)).double())
+
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert any(not torch.equal(worker0[n], worker1[n]) for n in trained)
+    mean = metrics({n: (worker0[n] + worker1[n]) / 2 for n in trained})
+    assert epoch["test_loss"] == mean["test_loss"] and epoch["accuracy"] == mean["accuracy"]
+    assert metrics({})["test_loss"] != mean["test_loss"]
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))

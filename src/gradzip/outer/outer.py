@@ -15,6 +15,7 @@ from gradzip.comm import Collective, default_collective
 from gradzip.comm.header import verify_configuration
 from gradzip.compressors.base import Compressor
 from gradzip.engine import Engine
+from gradzip.outer.consensus import agree_on_parameters
 from gradzip.outer.fragments import FragmentPlan, split_fragments
 from gradzip.outer.group import exchange_collective
 from gradzip.outer.optim import OuterOptimizer
@@ -165,6 +166,8 @@ class Outer:
         self.inner_step = 0
         self.syncs = 0
         self.skipped_syncs = 0
+        #: Wire bytes per worker of :meth:`consensus` calls (not training's; not checkpointed).
+        self.consensus_wire_bytes = 0
         #: Skipped synchronisations since the last applied one (see :meth:`step`).
         self.consecutive_skips = 0
         # The exchange in flight: (fragment, inner step at which to apply, averages or None
@@ -349,6 +352,48 @@ class Outer:
         for opt in self.inner_optimizers:
             opt.state.clear()
 
+    @torch.no_grad()
+    def consensus(self) -> dict[str, torch.Tensor]:
+        """The workers' mean of every trained tensor now: the model they agree on.
+
+        Between two synchronisations each worker trains its own replica, so any one worker's
+        parameters are one worker's model, not the run's. Evaluate, export or keep this
+        instead, above all when training stops between synchronisations. Nothing changes:
+        not the parameters, the anchor, the outer state or the counters, so training goes on
+        (or resumes from a checkpoint) exactly as without the call.
+
+        Each worker sends a 24-byte digest of its parameters; the dense fp32 parameters are
+        averaged only where two digests differ (right after a synchronisation without
+        ``delay`` or ``alpha``, every worker holds the anchor and nothing more is sent). The
+        bytes are counted apart from training's, in ``stats["consensus_wire_bytes"]``. In a
+        process group this is a collective: every rank calls it at the same point.
+
+        Returns:
+            ``name -> tensor`` of the parameter's shape, dtype and device (fresh tensors;
+            for a simulated group, one tensor for every worker).
+        """
+        self._settle()
+        local = len(self.models)
+        rows = torch.cat([self._stacked(n).reshape(local, -1).to(torch.float32) for n in self.names],
+                         dim=1)
+        # Evaluation traffic, not training's: counted on its own, and the collective's meter
+        # (the engine's byte counters when the exchange runs on it) left as it was.
+        before = self.comm.meter.snapshot()
+        mean = agree_on_parameters(rows, self.comm)
+        sent = max(w - b for w, b in zip(self.comm.meter.wire, before["wire"], strict=True))  # type: ignore[call-overload]
+        self.comm.meter.load(before)
+        self.consensus_wire_bytes += sent
+        out, offset = {}, 0
+        for name in self.names:
+            first = self.params[name][0]
+            if mean is None:
+                out[name] = first.detach().clone()
+            else:
+                part = mean[offset:offset + first.numel()]
+                out[name] = part.view(first.shape).to(device=first.device, dtype=first.dtype)
+            offset += first.numel()
+        return out
+
     # -- agreement, observability, checkpoints -------------------------------------------------
     def checkpoint_config(self) -> dict[str, str]:
         """The configuration a checkpoint records and a load must match (also part of what
@@ -363,11 +408,12 @@ class Outer:
     @property
     def stats(self) -> dict[str, Any]:
         """The engine's byte counters (:attr:`Engine.stats`; one engine step per exchange)
-        plus ``inner_steps``, ``syncs``, ``skipped_syncs`` and ``outer_handshake_bytes``
-        (waits for an exchange in flight)."""
+        plus ``inner_steps``, ``syncs``, ``skipped_syncs``, ``outer_handshake_bytes`` and
+        ``consensus_wire_bytes`` (waits for an exchange in flight)."""
         self._settle()
         return {**self.engine.stats, "inner_steps": self.inner_step, "syncs": self.syncs,
-                "skipped_syncs": self.skipped_syncs, "outer_handshake_bytes": self.handshake_bytes}
+                "skipped_syncs": self.skipped_syncs, "outer_handshake_bytes": self.handshake_bytes,
+                "consensus_wire_bytes": self.consensus_wire_bytes}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: the anchor, the outer optimizer's state, the

@@ -10,7 +10,7 @@ carried out at the start of the next step, so the loop's optimizer step of the d
 has run:
 
 1. the replicas' parameters are checked equal by a 24-byte digest per worker, all-gathered
-   (:func:`agree_on_parameters`; counted in the run's bytes), and averaged with one dense
+   (:func:`~gradzip.outer.consensus.agree_on_parameters`; counted in the run's bytes), and averaged with one dense
    fp32 all-reduce only where they differ: per-step training keeps them equal, and the outer
    loop's anchor must be the same on every worker;
 2. the per-step engine's error-feedback residuals are dropped (their norm is recorded): they
@@ -38,14 +38,14 @@ from torch import Tensor, nn
 
 from gradzip.comm import Collective, ProcessGroupCollective, SimulatedGroup
 from gradzip.compressors.base import Compressor
+from gradzip.outer.consensus import agree_on_parameters
 from gradzip.plan import Auto, Candidate, Traffic, measure_traffic, outer_switch
 from gradzip.spec import compressor_from_spec
 from gradzip.train.metrics import format_bytes
 from gradzip.train.outer_stepper import OuterStepper
 from gradzip.train.steppers import DDPStepper, SimStepper, to_device
 
-__all__ = ["SwitchingStepper", "agree_on_parameters", "outer_candidates", "parameter_digest",
-           "switch_line"]
+__all__ = ["SwitchingStepper", "outer_candidates", "switch_line"]
 
 log = logging.getLogger(__name__)
 
@@ -279,16 +279,17 @@ class SwitchingStepper:
 
     def eval_due(self, step: int, every: int) -> bool:
         """Whether the loop evaluates after ``step`` (``every``: its ``eval_every``): every
-        ``every`` steps before the switch; after it, at each synchronisation, the only steps
-        at which every worker holds the same parameters."""
+        ``every`` steps before the switch; after it, at each synchronisation, where every
+        worker holds the same parameters (a time-to-target measurement then sees the
+        synchronised model without an exchange of parameters)."""
         if not self.switch:
             return step % every == 0
         return (step - int(self.switch["switched_at"])) % int(self.switch["outer_steps"]) == 0
 
     def eval_fields(self) -> dict[str, Any]:
         """An evaluation record's ``outer_steps`` and, once switched, ``switched_at``: an
-        evaluation after the switch is of synchronised parameters only at ``switched_at + k H``
-        (between synchronisations each worker evaluates its own)."""
+        evaluation after the switch is at ``switched_at + k H`` (between synchronisations,
+        as at an epoch's end, the loop evaluates the workers' mean: :meth:`eval_model`)."""
         if not self.switch:
             return {"outer_steps": 0}
         return {"outer_steps": int(self.switch["outer_steps"]),
@@ -346,40 +347,15 @@ class SwitchingStepper:
     def all_max(self, x: Tensor) -> Tensor:
         return self.per_step.all_max(x)
 
+    def eval_model(self) -> nn.Module:
+        """The model the loop evaluates: once switched, the workers' mean
+        (:meth:`OuterStepper.eval_model`); before, the one replica per-step training keeps."""
+        outer = self._outer()
+        return outer.eval_model() if outer is not None else self.model
+
     def sync_buffers(self) -> None:
         outer = self._outer()
         (outer if outer is not None else self.per_step).sync_buffers()
-
-
-def parameter_digest(rows: Tensor) -> Tensor:
-    """``[L, n]`` -> ``[L, 3]`` float64: each row's sum, sum of squares and sum weighted by
-    position (1, 2, ..., n). Equal rows give equal digests bit for bit (the same ops on the
-    same values); a row that differs in any entry almost surely changes one of the three."""
-    x = rows.to(torch.float64)
-    weights = torch.arange(1, x.shape[1] + 1, dtype=torch.float64, device=x.device)
-    return torch.stack([x.sum(dim=1), (x * x).sum(dim=1), (x * weights).sum(dim=1)], dim=1)
-
-
-def agree_on_parameters(rows: Tensor, comm: Collective) -> Tensor | None:
-    """Whether every worker holds the same parameters, and their mean where they do not.
-
-    Per-step training keeps the replicas equal, so a dense exchange of the parameters would
-    send a whole model to change nothing; instead each worker's :func:`parameter_digest` (24
-    bytes) is all-gathered, and only where two workers' digests differ (a replica that
-    drifted: different data-dependent buffers, a non-deterministic kernel) is the dense fp32
-    mean all-reduced. Every worker receives the same digests, so all take the same branch.
-
-    Args:
-        rows: ``[L, n]``, the flattened fp32 parameters of each local worker.
-        comm: the workers' collective.
-
-    Returns:
-        The mean ``[n]`` where the replicas differed, else ``None`` (nothing to change).
-    """
-    digests = comm.all_gather(parameter_digest(rows))
-    if bool((digests == digests[0]).all()):
-        return None
-    return comm.all_reduce(rows) / comm.world_size
 
 
 def switch_line(entry: dict[str, Any]) -> str:

@@ -160,3 +160,23 @@ class ShardedOuterStepper(_Sharded, OuterStepper):
             outer_momentum=cfg.outer_momentum, fragments=cfg.fragments,
             inner_optimizers=self.inner, options=cfg.engine_options(),
         )
+
+    @torch.no_grad()
+    def eval_model(self) -> nn.Module:
+        """The unsharded copy of the islands' mean: each rank's shards averaged over its
+        replica group (:meth:`Outer.consensus`), then gathered over the island.
+
+        The mean is written into this rank's shards only for the gather and the shards are
+        restored bit for bit after it, so training is untouched (see
+        :meth:`OuterStepper.eval_model`). Every rank calls it at the same point.
+        """
+        mean = self.outer.consensus()
+        shards = self.outer.params  # name -> [this rank's shard, a view of the parameter]
+        kept = {n: shards[n][0].detach().clone() for n in mean}
+        try:
+            for name, value in mean.items():
+                shards[name][0].copy_(value)
+            return _Sharded.eval_model(self)
+        finally:
+            for name, value in kept.items():
+                shards[name][0].copy_(value)

@@ -30,8 +30,9 @@ class OuterStepper:
     """The stepper of a run with ``outer_steps > 0`` (the interface of
     :class:`~gradzip.train.steppers.SimStepper`).
 
-    Worker 0's replica is the loop's model (what it evaluates and checkpoints); the others
-    are copies. Each replica has an inner optimizer of the loop optimizer's kind and settings,
+    Worker 0's replica is the loop's model (what it checkpoints); the others are copies.
+    Evaluations see the workers' mean (:meth:`eval_model`). Each replica has an inner
+    optimizer of the loop optimizer's kind and settings,
     following its learning rate; :meth:`step` runs it and leaves no gradient behind, so the
     loop's own optimizer step changes nothing.
     """
@@ -54,6 +55,7 @@ class OuterStepper:
         self.world = collective.world_size
         self.local_ranks = collective.local_ranks
         self.inner = [_like(optimizer, r) for r in self.replicas]
+        self._mean_model: nn.Module | None = None  # eval_model's copy, made at first use
         self.outer = Outer(
             self.replicas, compressor, inner_steps=cfg.outer_steps,
             outer_optimizer=cfg.outer_optimizer, outer_lr=cfg.outer_lr,
@@ -84,6 +86,32 @@ class OuterStepper:
             opt.zero_grad(set_to_none=True)
         self.outer.step()
         return total
+
+    @torch.no_grad()
+    def eval_model(self) -> nn.Module:
+        """What the loop evaluates: the workers' mean parameters (:meth:`Outer.consensus`)
+        with worker 0's buffers, after :meth:`sync_buffers`.
+
+        An evaluation between synchronisations (an epoch that ends mid-interval, the run's
+        last one above all) would otherwise judge worker 0's own replica, a model no worker
+        ends with. Right after a synchronisation the replicas are equal and this is the loop's
+        model itself (24 bytes per worker checked it). Training is untouched: a checkpoint
+        holds the replicas as they are, and a resumed run continues exactly. Every rank calls
+        it at the same point (a collective in a process group).
+        """
+        mean = self.outer.consensus()
+        params = dict(self.model.named_parameters())
+        if all(torch.equal(params[n].detach(), v) for n, v in mean.items()):
+            return self.model
+        if self._mean_model is None:
+            self._mean_model = copy.deepcopy(self.model)
+        copy_model = self._mean_model
+        copy_model.load_state_dict(self.model.state_dict())
+        for name, p in copy_model.named_parameters():
+            if name in mean:
+                p.copy_(mean[name])
+        copy_model.train(self.model.training)
+        return copy_model
 
     @property
     def averaged(self) -> dict[str, Tensor]:
