@@ -51,12 +51,25 @@ def _none_run(rank: int, mesh: Any) -> dict[str, torch.Tensor]:
     for step in range(NONE_STEPS):
         _inner(model, opt, step, rank, 1)
         outer.step()
-    return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    out = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    # The islands' mean (a fragment is in flight: they differ), gathered as the runner's
+    # evaluation gathers it; the shards restored after.
+    mean, kept = outer.consensus(), _local(outer)
+    with torch.no_grad():
+        for name, value in mean.items():
+            outer.params[name][0].copy_(value)
+        out.update({f"mean:{n}": p.full_tensor().clone() for n, p in model.named_parameters()})
+        for name, value in kept.items():
+            outer.params[name][0].copy_(value)
+    assert all(torch.equal(v, out[n]) for n, v in
+               {n: p.full_tensor() for n, p in model.named_parameters()}.items())
+    return out
 
 
 def _unsharded_reference(replicas: int, shards: int) -> list[dict[str, torch.Tensor]]:
     """The same outer loop on unsharded models in the simulator: replica ``r``'s inner step
-    averages the gradients of its island's ``S`` batches, as FSDP2's reduce-scatter does."""
+    averages the gradients of its island's ``S`` batches, as FSDP2's reduce-scatter does.
+    Each replica's parameters, and (as ``mean:<name>``) the replicas' ``consensus()``."""
     models = [Net(1) for _ in range(replicas)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
     outer = gradzip.Outer(models, "none", collective=gradzip.SimulatedGroup(replicas),
@@ -73,7 +86,8 @@ def _unsharded_reference(replicas: int, shards: int) -> list[dict[str, torch.Ten
                 p.grad = sum(gs[1:], gs[0]) / shards
             opt.step()
         outer.step()
-    return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in models]
+    mean = {f"mean:{n}": v for n, v in outer.consensus().items()}
+    return [{**{n: p.detach().clone() for n, p in m.named_parameters()}, **mean} for m in models]
 
 
 # -- PowerSGD: the simulator fed the same shards; state size; resume --------------------------
@@ -218,8 +232,8 @@ def test_sharded_outer_equals_the_unsharded_loop_and_keeps_state_per_shard(
     world = replicas * shards
     ranks = run_processes(_worker, world, replicas, str(tmp_path), timeout=300)
 
-    # `none`: element-wise from end to end, so every rank's gathered parameters are the
-    # unsharded loop's replica's, bit for bit (FSDP2's reduce-scatter averages 2 numbers: the
+    # `none`: element-wise from end to end, so every rank's gathered parameters (and the
+    # islands' mean) are the unsharded loop's replica's (and its consensus), bit for bit (FSDP2's reduce-scatter averages 2 numbers: the
     # sum of two is exact in any order and halving is exact).
     reference = _unsharded_reference(replicas, shards)
     for rank, out in enumerate(ranks):
