@@ -244,8 +244,6 @@ class FSDPScatterState:
                 f"parameters={len(self.shapes)})")
 
 
-
-
 def register_reduce_scatter(model: nn.Module, compressor: Compressor | str, *, mesh: Any,
                             options: EngineOptions | None = None,
                             **engine_options: Any) -> FSDPScatterState:

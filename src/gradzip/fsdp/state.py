@@ -309,8 +309,6 @@ class FSDPHookState:
                 f"shards={self.shards}, parameters={len(self.shapes)})")
 
 
-
-
 def register(
     model: nn.Module,
     compressor: Compressor | str,

@@ -15,6 +15,7 @@ from gradzip.comm import Collective, default_collective
 from gradzip.comm.header import verify_configuration
 from gradzip.compressors.base import Compressor
 from gradzip.engine import Engine
+from gradzip.ops.flat import flatten_workers, unpack
 from gradzip.outer.consensus import agree_on_parameters
 from gradzip.outer.fragments import FragmentPlan, split_fragments
 from gradzip.outer.group import exchange_collective
@@ -373,26 +374,22 @@ class Outer:
             for a simulated group, one tensor for every worker).
         """
         self._settle()
-        local = len(self.models)
-        rows = torch.cat([self._stacked(n).reshape(local, -1).to(torch.float32) for n in self.names],
-                         dim=1)
+        rows = flatten_workers([self._stacked(n).to(torch.float32) for n in self.names],
+                               len(self.models))
         # Evaluation traffic, not training's: counted on its own, and the collective's meter
         # (the engine's byte counters when the exchange runs on it) left as it was.
-        before = self.comm.meter.snapshot()
+        before = list(self.comm.meter.wire)
+        snapshot = self.comm.meter.snapshot()
         mean = agree_on_parameters(rows, self.comm)
-        sent = max(w - b for w, b in zip(self.comm.meter.wire, before["wire"], strict=True))  # type: ignore[call-overload]
-        self.comm.meter.load(before)
-        self.consensus_wire_bytes += sent
-        out, offset = {}, 0
-        for name in self.names:
-            first = self.params[name][0]
-            if mean is None:
-                out[name] = first.detach().clone()
-            else:
-                part = mean[offset:offset + first.numel()]
-                out[name] = part.view(first.shape).to(device=first.device, dtype=first.dtype)
-            offset += first.numel()
-        return out
+        self.consensus_wire_bytes += max(w - b for w, b in zip(self.comm.meter.wire, before,
+                                                                strict=True))
+        self.comm.meter.load(snapshot)
+        mine = [self.params[n][0] for n in self.names]
+        if mean is None:
+            return {n: p.detach().clone() for n, p in zip(self.names, mine, strict=True)}
+        parts = unpack(mean, [p.shape for p in mine])
+        return {n: part.to(device=p.device, dtype=p.dtype)
+                for n, p, part in zip(self.names, mine, parts, strict=True)}
 
     # -- agreement, observability, checkpoints -------------------------------------------------
     def checkpoint_config(self) -> dict[str, str]:

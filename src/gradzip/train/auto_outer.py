@@ -10,9 +10,9 @@ carried out at the start of the next step, so the loop's optimizer step of the d
 has run:
 
 1. the replicas' parameters are checked equal by a 24-byte digest per worker, all-gathered
-   (:func:`~gradzip.outer.consensus.agree_on_parameters`; counted in the run's bytes), and averaged with one dense
-   fp32 all-reduce only where they differ: per-step training keeps them equal, and the outer
-   loop's anchor must be the same on every worker;
+   (:func:`~gradzip.outer.consensus.agree_on_parameters`; counted in the run's bytes), and
+   averaged with one dense fp32 all-reduce only where they differ: per-step training keeps
+   them equal, and the outer loop's anchor must be the same on every worker;
 2. the per-step engine's error-feedback residuals are dropped (their norm is recorded): they
    are compression error of past *gradients*, while the outer loop compresses parameter
    deltas, another space and scale; sending them once densely would cost a full exchange to
@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from gradzip.comm import Collective, ProcessGroupCollective, SimulatedGroup
 from gradzip.compressors.base import Compressor
+from gradzip.ops.flat import flatten_workers, unpack
 from gradzip.outer.consensus import agree_on_parameters
 from gradzip.plan import Auto, Candidate, Traffic, measure_traffic, outer_switch
 from gradzip.spec import compressor_from_spec
@@ -171,16 +172,14 @@ class SwitchingStepper:
         """Make the replicas' trained parameters the same on every worker (see
         :func:`agree_on_parameters`); whether they differed."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+        flat = flatten_workers([p.detach().to(torch.float32) for p in params], 1)
         comm = self._collective()
         # The simulated workers share the one replica: each contributes it.
-        rows = flat.expand(self.world, -1) if comm.simulated else flat[None]
+        rows = flat.expand(self.world, -1) if comm.simulated else flat
         mean = agree_on_parameters(rows, comm)
         if mean is not None:
-            offset = 0
-            for p in params:
-                p.copy_(mean[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for p, part in zip(params, unpack(mean, [p.shape for p in params]), strict=True):
+                p.copy_(part)
         self.exchange = {"payload": list(comm.meter.payload), "wire": list(comm.meter.wire)}
         return mean is not None
 
