@@ -124,6 +124,46 @@ def test_early_switches_at_the_first_decision(tmp_path: Path, capsys) -> None:
     assert "because it is the first decision (--auto-outer-early)" in capsys.readouterr().out
 
 
+def test_a_first_decision_before_step_0_starts_outer_steps_at_step_0(tmp_path: Path,
+                                                                     capsys) -> None:
+    """``warmup=0`` with ``--auto-outer-early``: the decision is taken before step 0 and the
+    switch carried out there, so no step is synchronised at Auto's level (a compressed one's
+    error the switch would drop) and the run trains exactly as DiLoCo at the chosen H from
+    the first step: the same parameters and test metrics, bit for bit (a synchronised step 0,
+    even dense, would differ). It costs the
+    probes and the digests, counted in its bytes and in one more round."""
+    auto = tmp_path / "auto"
+    main(["train", "--task", "digits", "--workers", "2", "--limit-train", "200", "--milestones",
+          "20", "--epochs", "2", "--eval-every", "2", "--compressor",
+          "auto(levels=none,warmup=0,every=3)", "--auto-outer", "--auto-outer-early",
+          "--auto-outer-steps", "2", "--auto-outer-bandwidth-mbit", "1e-6", "--out", str(auto)])
+    line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("auto-outer: ")]
+    assert line[0].startswith("auto-outer: switched to outer steps before the first step "
+                              "(diloco-h2: H=2, outer lr 0.7, momentum 0.5) because it is the "
+                              "first decision (--auto-outer-early)")
+    summary = _summary(auto)
+    switch = summary["auto_outer"]["switch"]
+    assert (switch["step"], switch["switched_at"], switch["level"]) == (0, 0, "none")
+    assert summary["auto_outer"]["evaluations"] == 1 and "accordion_counts" not in summary
+    assert [r["kind"] for r in _decisions(auto)] == ["outer_switch"]
+    diloco = tmp_path / "diloco"
+    main(["train", "--task", "digits", "--workers", "2", "--limit-train", "200", "--milestones",
+          "20", "--epochs", "2", "--eval-every", "2", "--outer-steps", "2", "--out", str(diloco),
+          "--quiet"])
+    mine, ref = _final_parameters(auto), _final_parameters(diloco)
+    assert mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
+    metric = ("test_loss", "accuracy")
+    ours = [(r["step"], *(r[k] for k in metric)) for r in records(auto) if r["kind"] == "eval"]
+    theirs = [(r["step"], *(r[k] for k in metric)) for r in records(diloco) if r["kind"] == "eval"]
+    assert ours == theirs and len(ours) == 4  # steps 2, 4, 8, 10 (epochs end at 6, 12)
+    # Bytes: DiLoCo's, plus (per worker) the probes (one untimed and two timed all-reduces),
+    # the maximum over ranks, and the digests' all-gather, all in the switch's exchange.
+    last, ref_last = records(auto)[-1], records(diloco)[-1]
+    assert switch["exchange_wire_bytes"] > allgather_wire_bytes(24, 2)
+    assert last["wire_bytes"] == ref_last["wire_bytes"] + switch["exchange_wire_bytes"]
+    assert last["rounds"] == ref_last["rounds"] + 1
+
+
 def test_a_critical_phase_keeps_per_step_communication(tmp_path: Path, capsys) -> None:
     """With ``eta`` tiny every decision is critical: weighed, never switched."""
     out = tmp_path / "critical"
@@ -230,6 +270,28 @@ def test_procs_switch_like_the_simulator_and_resume_across_the_switch(tmp_path: 
     run(RunConfig(**base, epochs=3, launcher="procs", out=str(procs)), resume=True)  # type: ignore[arg-type]
     # Every record: bytes, rounds, the H in force, losses and accuracy; all but the relative
     # compression error, which a process group pools over the ranks in another order.
+    assert ([{k: v for k, v in r.items() if k != "compression_error"} for r in records(procs)]
+            == [{k: v for k, v in r.items() if k != "compression_error"} for r in records(sim)])
+    reference = _final_parameters(sim)
+    for rank in (0, 1):
+        mine = _final_parameters(procs, rank)
+        assert all(torch.equal(mine[k], v) for k, v in reference.items())
+
+
+@pytest.mark.slow
+def test_procs_switch_before_step_0_like_the_simulator_and_resume(tmp_path: Path) -> None:
+    """A decision before step 0 in two gloo processes: the probes, the switch and the outer
+    loop send what the simulator counts and train its bits; stopped after epoch 1 and resumed,
+    the ranks rebuild the outer loop and end with the simulator's uninterrupted run."""
+    base: dict[str, Any] = {**FORCED, "timeout": 300, "threads": 1, "auto_outer_early": True,
+                            "compressor": AUTO.replace("warmup=2", "warmup=0")}
+    procs, sim = tmp_path / "procs", tmp_path / "sim"
+    run(RunConfig(**base, epochs=2, launcher="sim", out=str(sim)))  # type: ignore[arg-type]
+    run(RunConfig(**base, epochs=1, launcher="procs", out=str(procs)))  # type: ignore[arg-type]
+    run(RunConfig(**base, epochs=2, launcher="procs", out=str(procs)), resume=True)  # type: ignore[arg-type]
+    a, b = _summary(procs)["auto_outer"], _summary(sim)["auto_outer"]
+    assert a["switched"] and a["switch"]["switched_at"] == 0
+    assert _unmeasured(a["switch"]) == _unmeasured(b["switch"])
     assert ([{k: v for k, v in r.items() if k != "compression_error"} for r in records(procs)]
             == [{k: v for k, v in r.items() if k != "compression_error"} for r in records(sim)])
     reference = _final_parameters(sim)

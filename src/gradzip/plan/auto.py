@@ -268,6 +268,31 @@ class Auto(Compressor):
                           for lb, lv in zip(self.labels, self._levels, strict=True)}
         return cache[key]
 
+    def first_decision(self, shapes: Mapping[str, Sequence[int]], comm: Collective, *,
+                       ranks: Sequence[int], device: torch.device | None = None
+                       ) -> dict[str, Any]:
+        """The decision record a first decision before step 0 makes (``warmup=0``: the link
+        probed, no step timed), taken on a scratch controller: no state changes.
+
+        A caller that acts on it before the first step (``gradzip train --auto-outer
+        --auto-outer-early`` starting outer steps at step 0) calls this on every rank: the
+        probe and the maximum over ranks are collectives, and the record, built from those
+        maxima, is the same on every rank.
+
+        Args:
+            shapes: the trained tensors' shapes.
+            comm: the group (its meter counts the probes).
+            ranks: global ranks of the local workers (the record is logged by rank 0's).
+            device: where the probes run (``None``: the CPU).
+
+        Returns:
+            The record, as :meth:`decisions` returns them (numbered 0, ``step`` 0).
+        """
+        ctrl = fresh_controller({n: torch.Size(s) for n, s in shapes.items()}, self.labels, 0)
+        ctx = StepContext(step=0, ranks=tuple(ranks), world_size=comm.world_size)
+        self._decide(ctrl, comm, ctx, device if device is not None else torch.device("cpu"))
+        return dict(ctrl["log"][-1])
+
     def _decide(self, ctrl: dict[str, Any], comm: Collective, ctx: StepContext,
                 device: torch.device) -> None:
         """Probe, aggregate over ranks, predict every level, choose; applies from this step."""

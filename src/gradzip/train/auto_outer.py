@@ -105,8 +105,15 @@ class SwitchingStepper:
     def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
         """One step: per-step (then the new Auto decisions weighed), or outer-step training
         (carrying a pending switch out first)."""
+        comm = None
+        if self.steps == 0 and self.switch is None and self._decides_before_start():
+            comm = self._collective()
+            self._weigh(self.auto.first_decision(self.shapes, comm, ranks=self.local_ranks,
+                                                 device=self.device))
         if self.pending is not None:
-            self._carry_out()
+            self._carry_out(comm)
+        elif comm is not None:  # the probes of a first decision that kept per-step training
+            self._count_exchange(comm)
         outer = self._outer()
         if outer is not None:
             loss = outer.step(batches, carries)
@@ -125,24 +132,37 @@ class SwitchingStepper:
         if count == self.seen:
             return
         for record in Auto.decisions(state, since=self.seen):
-            label = str(record["level"])
-            spec = self.auto.levels[self.auto.labels.index(label)].spec()  # type: ignore[union-attr]
-            # The record's inputs are maxima over the ranks (Auto aggregates them before it
-            # decides) and everything else here is configuration or shapes, so every rank
-            # reaches the same verdict and carries the switch out at the same step: the
-            # collectives that follow (the parameter exchange, the outer loop's) match.
-            verdict = outer_switch(record, spec, self.shapes, self.world, margin=self.auto.margin,
-                                   candidates=self.candidates,
-                                   bandwidth_mbit=self.cfg.auto_outer_bandwidth_mbit,
-                                   traffic=self._known_traffic(),
-                                   early=self.cfg.auto_outer_early)
-            verdict = {"kind": "outer_switch", **verdict}
-            self.evaluations += 1
-            self.last = verdict
-            self._fresh.append(verdict)
-            if verdict["switch"] and self.pending is None:
-                self.pending = verdict
+            self._weigh(record)
         self.seen = count
+
+    def _decides_before_start(self) -> bool:
+        """Whether the first decision falls before step 0 and may switch (``warmup=0`` with
+        ``--auto-outer-early``): it is then taken here, before the step, so that a switch
+        makes step 0 the outer loop's first local step, as in DiLoCo from the start, rather
+        than one synchronised step at Auto's level whose compression error the switch would
+        drop (a PowerSGD step under AdamW, whose first update is about lr times each entry's
+        sign, cost the run more than the rest recovered)."""
+        return bool(self.cfg.auto_outer_early) and self.auto.warmup == 0
+
+    def _weigh(self, record: dict[str, Any]) -> None:
+        """Weigh one Auto decision record against outer-step training; a switch is pending
+        from the first that says so."""
+        label = str(record["level"])
+        spec = self.auto.levels[self.auto.labels.index(label)].spec()  # type: ignore[union-attr]
+        # The record's inputs are maxima over the ranks (Auto aggregates them before it
+        # decides) and everything else here is configuration or shapes, so every rank
+        # reaches the same verdict and carries the switch out at the same step: the
+        # collectives that follow (the parameter exchange, the outer loop's) match.
+        verdict = outer_switch(record, spec, self.shapes, self.world, margin=self.auto.margin,
+                               candidates=self.candidates,
+                               bandwidth_mbit=self.cfg.auto_outer_bandwidth_mbit,
+                               traffic=self._known_traffic(), early=self.cfg.auto_outer_early)
+        verdict = {"kind": "outer_switch", **verdict}
+        self.evaluations += 1
+        self.last = verdict
+        self._fresh.append(verdict)
+        if verdict["switch"] and self.pending is None:
+            self.pending = verdict
 
     def _known_traffic(self) -> dict[str, Traffic]:
         """Every level's and candidate's traffic by spec: Auto's own (cached on it; the
@@ -167,20 +187,25 @@ class SwitchingStepper:
     def _collective(self) -> Collective:
         return SimulatedGroup(self.world) if self.cfg.launcher == "sim" else ProcessGroupCollective()
 
+    def _count_exchange(self, comm: Collective) -> None:
+        """Add what ``comm`` sent (the switch's probes and parameter exchange, each rank's
+        own) to the exchange counters."""
+        self.exchange = {
+            own: [a + b for a, b in zip(self.exchange[own], meter, strict=True)]
+            for own, meter in (("payload", comm.meter.payload), ("wire", comm.meter.wire))}
+
     @torch.no_grad()
-    def _agree_on_parameters(self) -> bool:
+    def _agree_on_parameters(self, comm: Collective) -> bool:
         """Make the replicas' trained parameters the same on every worker (see
         :func:`agree_on_parameters`); whether they differed."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         flat = flatten_workers([p.detach().to(torch.float32) for p in params], 1)
-        comm = self._collective()
         # The simulated workers share the one replica: each contributes it.
         rows = flat.expand(self.world, -1) if comm.simulated else flat
         mean = agree_on_parameters(rows, comm)
         if mean is not None:
             for p, part in zip(params, unpack(mean, [p.shape for p in params]), strict=True):
                 p.copy_(part)
-        self.exchange = {"payload": list(comm.meter.payload), "wire": list(comm.meter.wire)}
         return mean is not None
 
     def _drop_residuals(self) -> float:
@@ -209,12 +234,16 @@ class SwitchingStepper:
         return OuterStepper(self.model, self.task, compressor_from_spec("none"), cfg,
                             self.loop_optimizer, self.device)
 
-    def _carry_out(self) -> None:
+    def _carry_out(self, comm: Collective | None = None) -> None:
         """Agree on the parameters, drop the residuals, start the outer loop (every rank at
-        the same step: the decision was the same everywhere)."""
+        the same step: the decision was the same everywhere). ``comm``: the group that
+        already carried this step's probes (a decision before step 0), so the exchange's
+        bytes count them."""
         verdict, self.pending = self.pending, None
         assert verdict is not None
-        differed = self._agree_on_parameters()
+        comm = comm if comm is not None else self._collective()
+        differed = self._agree_on_parameters(comm)
+        self._count_exchange(comm)
         norm = self._drop_residuals()
         self.outer = self._build_outer(verdict)
         state = self.loop_optimizer.state_dict()
@@ -245,7 +274,10 @@ class SwitchingStepper:
 
     @property
     def compressor_state(self) -> Any:
-        """Auto's state (after the switch, as it was at the switch)."""
+        """Auto's state (after the switch, as it was at the switch); ``None`` after a
+        switch before step 0, where no per-step step ran and Auto decided nothing."""
+        if self.switch is not None and int(self.switch["switched_at"]) == 0:
+            return None
         return self.per_step.compressor_state
 
     @property
@@ -260,14 +292,16 @@ class SwitchingStepper:
         per = self.per_step.stats
         out = {k: list(per[k]) for k in _COUNTERS}
         out["steps"], out["skipped_steps"] = int(per["steps"]), int(per["skipped_steps"])
+        pairs = (("payload_bytes", "payload"), ("wire_bytes", "wire"),
+                 ("dense_payload_bytes", "payload"), ("dense_wire_bytes", "wire"))
+        for key, own in pairs:  # zeros, or the probes of a first decision that stayed
+            out[key] = [a + b for a, b in zip(out[key], self.exchange[own], strict=True)]
         outer = self._outer()
         if outer is None:
             return out
         extra = outer.stats
-        for key, own in (("payload_bytes", "payload"), ("wire_bytes", "wire"),
-                         ("dense_payload_bytes", "payload"), ("dense_wire_bytes", "wire")):
-            out[key] = [a + b + c for a, b, c in zip(out[key], self.exchange[own], extra[key],
-                                                     strict=True)]
+        for key, _ in pairs:
+            out[key] = [a + b for a, b in zip(out[key], extra[key], strict=True)]
         out["steps"] += 1 + int(extra["steps"])
         out["skipped_steps"] += int(extra["skipped_steps"])
         return out
@@ -373,7 +407,9 @@ def switch_line(entry: dict[str, Any]) -> str:
                  else "the phase is steady")
         agreed = ("replicas differed, parameters averaged" if rec.get("replicas_differed")
                   else "replicas checked equal")
-        return (f"auto-outer: switched to outer steps after step {rec['switched_at']} "
+        where = ("before the first step" if rec["switched_at"] == 0
+                 else f"after step {rec['switched_at']}")
+        return (f"auto-outer: switched to outer steps {where} "
                 f"({rec['candidate']}: H={rec['outer_steps']}, outer lr {rec['outer_lr']:g}, "
                 f"momentum {rec['outer_momentum']:g}) because {phase} and it is "
                 f"{prices}; {agreed} ({format_bytes(rec['exchange_wire_bytes'])} per worker), "
