@@ -197,6 +197,40 @@ def test_warmup_0_decides_before_the_first_step_from_the_link_alone() -> None:
     assert second["compute_ms"] > 0
 
 
+def test_first_decision_is_the_step_0_decision_taken_without_state() -> None:
+    """``Auto.first_decision`` gives, from a scratch controller, the record a ``warmup=0``
+    run's decision at step 0 makes over the same link (same probes, bytes and choice)."""
+    clock = LinkClock(10, 1e-3)
+    group = SimulatedGroup(WORLD)
+    clock.group = group
+    auto = Auto(clock=clock, every=5, warmup=0)
+    record = auto.first_decision(SHAPES, group, ranks=range(WORLD))
+    engine = drive(LinkClock(10, 1e-3), 1, every=5, warmup=0)
+    expected = Auto.decisions(engine, since=0)[0]
+    # The same inputs and choice; times only to rounding (the clocks start elsewhere).
+    timed = {"rtt_ms", "bandwidth_mbit", "predicted_ms", "gain"}
+    assert {k: v for k, v in record.items() if k not in timed} == {
+        k: v for k, v in expected.items() if k not in timed}
+    assert record["predicted_ms"] == pytest.approx(expected["predicted_ms"], rel=1e-12)
+    for key in ("rtt_ms", "bandwidth_mbit"):
+        assert record[key] == pytest.approx(expected[key], rel=1e-12)
+    assert record["level"] != "none" and record["reason"] == "first"
+    # Its bytes are a decision's: three probes (one float, one float, probe_bytes) and the
+    # WORLD x 7 float64 maxima over ranks, each all-reduced at 2 (W - 1) / W; nothing else.
+    sizes = (4, 4, auto.probe_bytes, WORLD * 7 * 8)
+    assert group.meter.wire[0] == sum(2 * (WORLD - 1) * n // WORLD for n in sizes)
+    # A fresh run's state is untouched: this Auto still decides before its own step 0.
+    again = Engine(SHAPES, auto, collective=group)
+    assert Auto.counts(again)["decisions"] == 0
+    with pytest.raises(TypeError, match="`comm` must be a Collective, got str"):
+        auto.first_decision(SHAPES, "gloo", ranks=[0])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"`ranks` must hold one int per local worker of "
+                                         r"`comm` \(4\), got \[0\]"):
+        auto.first_decision(SHAPES, group, ranks=[0])
+    with pytest.raises(ValueError, match="`shapes` must map tensor names to shapes"):
+        auto.first_decision({}, group, ranks=range(WORLD))
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"levels": []}, ValueError, "levels"),
     ({"levels": ["none", "none"]}, ValueError, "repeat"),

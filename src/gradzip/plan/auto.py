@@ -287,7 +287,22 @@ class Auto(Compressor):
 
         Returns:
             The record, as :meth:`decisions` returns them (numbered 0, ``step`` 0).
+
+        Raises:
+            TypeError: ``comm`` is not a Collective.
+            ValueError: ``shapes`` empty or not a mapping of shapes, or ``ranks`` not one
+                rank per local worker of ``comm``.
         """
+        if not isinstance(comm, Collective):
+            raise TypeError(f"`comm` must be a Collective, got {type(comm).__name__}")
+        if (not isinstance(shapes, Mapping) or not shapes
+                or any(not isinstance(s, Sequence) for s in shapes.values())):
+            raise ValueError(f"`shapes` must map tensor names to shapes, at least one, got "
+                             f"{shapes!r}")
+        ranks = list(ranks)
+        if len(ranks) != comm.local_workers or any(not isinstance(r, int) for r in ranks):
+            raise ValueError(f"`ranks` must hold one int per local worker of `comm` "
+                             f"({comm.local_workers}), got {ranks!r}")
         ctrl = fresh_controller({n: torch.Size(s) for n, s in shapes.items()}, self.labels, 0)
         ctx = StepContext(step=0, ranks=tuple(ranks), world_size=comm.world_size)
         self._decide(ctrl, comm, ctx, device if device is not None else torch.device("cpu"))
