@@ -52,6 +52,18 @@ def _final_parameters(out: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     return load_rank_file(out, manifest, rank)["model"]
 
 
+def _assert_same_run(procs: Path, sim: Path) -> None:
+    """Every record (bytes, rounds, the H in force, losses and accuracy; all but the relative
+    compression error, which a process group pools over the ranks in another order) and
+    both ranks' final parameters are the simulator's."""
+    assert ([{k: v for k, v in r.items() if k != "compression_error"} for r in records(procs)]
+            == [{k: v for k, v in r.items() if k != "compression_error"} for r in records(sim)])
+    reference = _final_parameters(sim)
+    for rank in (0, 1):
+        mine = _final_parameters(procs, rank)
+        assert all(torch.equal(mine[k], v) for k, v in reference.items())
+
+
 def test_the_run_switches_after_the_first_steady_decision_and_counts_every_byte(tmp_path: Path) -> None:
     out = tmp_path / "switch"
     summary = run(RunConfig(**FORCED, epochs=3, log_every=1, eval_every=4,  # type: ignore[arg-type]
@@ -268,14 +280,7 @@ def test_procs_switch_like_the_simulator_and_resume_across_the_switch(tmp_path: 
     assert a["switched"] and _unmeasured(a["switch"]) == _unmeasured(b["switch"])
     assert a["switch"]["dropped_residual_norm"] == b["switch"]["dropped_residual_norm"] > 0
     run(RunConfig(**base, epochs=3, launcher="procs", out=str(procs)), resume=True)  # type: ignore[arg-type]
-    # Every record: bytes, rounds, the H in force, losses and accuracy; all but the relative
-    # compression error, which a process group pools over the ranks in another order.
-    assert ([{k: v for k, v in r.items() if k != "compression_error"} for r in records(procs)]
-            == [{k: v for k, v in r.items() if k != "compression_error"} for r in records(sim)])
-    reference = _final_parameters(sim)
-    for rank in (0, 1):
-        mine = _final_parameters(procs, rank)
-        assert all(torch.equal(mine[k], v) for k, v in reference.items())
+    _assert_same_run(procs, sim)
 
 
 @pytest.mark.slow
@@ -292,9 +297,4 @@ def test_procs_switch_before_step_0_like_the_simulator_and_resume(tmp_path: Path
     a, b = _summary(procs)["auto_outer"], _summary(sim)["auto_outer"]
     assert a["switched"] and a["switch"]["switched_at"] == 0
     assert _unmeasured(a["switch"]) == _unmeasured(b["switch"])
-    assert ([{k: v for k, v in r.items() if k != "compression_error"} for r in records(procs)]
-            == [{k: v for k, v in r.items() if k != "compression_error"} for r in records(sim)])
-    reference = _final_parameters(sim)
-    for rank in (0, 1):
-        mine = _final_parameters(procs, rank)
-        assert all(torch.equal(mine[k], v) for k, v in reference.items())
+    _assert_same_run(procs, sim)
