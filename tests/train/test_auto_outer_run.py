@@ -153,6 +153,7 @@ def test_a_first_decision_before_step_0_starts_outer_steps_at_step_0(tmp_path: P
     assert line[0].startswith("auto-outer: switched to outer steps before the first step "
                               "(diloco-h2: H=2, outer lr 0.7, momentum 0.5) because it is the "
                               "first decision (--auto-outer-early)")
+    assert "compute not timed yet" in line[0] and line[0].endswith("per worker with the link probes)")
     summary = _summary(auto)
     switch = summary["auto_outer"]["switch"]
     assert (switch["step"], switch["switched_at"], switch["level"]) == (0, 0, "none")

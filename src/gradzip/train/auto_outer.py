@@ -398,22 +398,27 @@ def switch_line(entry: dict[str, Any]) -> str:
     if rec is None:
         return "auto-outer: no decision weighed outer steps (stayed per-step)"
     ms = rec["predicted_ms"]
+    # A decision before any timed step prices compute at a floor (see Auto): say so.
+    compute = ("compute not timed yet" if rec["compute_ms"] < 1e-3
+               else f"compute {rec['compute_ms']:.1f} ms")
     prices = (f"predicted {ms[rec['candidate']]:.1f} ms/step against {ms[rec['level']]:.1f} "
-              f"for per-step {rec['level']} (gain {100 * rec['gain']:.0f}%; compute "
-              f"{rec['compute_ms']:.1f} ms, link {rec['bandwidth_mbit']:.3g} Mbit/s, rtt "
-              f"{rec['rtt_ms']:.2f} ms)")
+              f"for per-step {rec['level']} (gain {100 * rec['gain']:.0f}%; {compute}, "
+              f"link {rec['bandwidth_mbit']:.3g} Mbit/s, rtt {rec['rtt_ms']:.2f} ms)")
     if entry.get("switched"):
         phase = ("it is the first decision (--auto-outer-early)" if rec.get("critical")
                  else "the phase is steady")
         agreed = ("replicas differed, parameters averaged" if rec.get("replicas_differed")
                   else "replicas checked equal")
-        where = ("before the first step" if rec["switched_at"] == 0
-                 else f"after step {rec['switched_at']}")
-        return (f"auto-outer: switched to outer steps {where} "
+        sent = format_bytes(rec["exchange_wire_bytes"])
+        if rec["switched_at"] == 0:  # nothing trained yet: no residual; the probes ride here
+            return (f"auto-outer: switched to outer steps before the first step "
+                    f"({rec['candidate']}: H={rec['outer_steps']}, outer lr "
+                    f"{rec['outer_lr']:g}, momentum {rec['outer_momentum']:g}) because {phase} "
+                    f"and it is {prices}; {agreed} ({sent} per worker with the link probes)")
+        return (f"auto-outer: switched to outer steps after step {rec['switched_at']} "
                 f"({rec['candidate']}: H={rec['outer_steps']}, outer lr {rec['outer_lr']:g}, "
                 f"momentum {rec['outer_momentum']:g}) because {phase} and it is "
-                f"{prices}; {agreed} ({format_bytes(rec['exchange_wire_bytes'])} per worker), "
-                f"error-feedback residual of norm "
+                f"{prices}; {agreed} ({sent} per worker), error-feedback residual of norm "
                 f"{rec['dropped_residual_norm']:.3g} dropped")
     why = "the phase is critical" if rec["reason"] == "critical" else "it gains too little"
     return (f"auto-outer: stayed per-step (last decision at step {rec['step']}: {why}; "
