@@ -411,15 +411,15 @@ def switch_line(entry: dict[str, Any]) -> str:
                   else "replicas checked equal")
         sent = format_bytes(rec["exchange_wire_bytes"])
         if rec["switched_at"] == 0:  # nothing trained yet: no residual; the probes ride here
-            return (f"auto-outer: switched to outer steps before the first step "
-                    f"({rec['candidate']}: H={rec['outer_steps']}, outer lr "
-                    f"{rec['outer_lr']:g}, momentum {rec['outer_momentum']:g}) because {phase} "
-                    f"and it is {prices}; {agreed} ({sent} per worker with the link probes)")
-        return (f"auto-outer: switched to outer steps after step {rec['switched_at']} "
+            where, exchange = "before the first step", f"{sent} per worker with the link probes)"
+        else:
+            where = f"after step {rec['switched_at']}"
+            exchange = (f"{sent} per worker), error-feedback residual of norm "
+                        f"{rec['dropped_residual_norm']:.3g} dropped")
+        return (f"auto-outer: switched to outer steps {where} "
                 f"({rec['candidate']}: H={rec['outer_steps']}, outer lr {rec['outer_lr']:g}, "
                 f"momentum {rec['outer_momentum']:g}) because {phase} and it is "
-                f"{prices}; {agreed} ({sent} per worker), error-feedback residual of norm "
-                f"{rec['dropped_residual_norm']:.3g} dropped")
+                f"{prices}; {agreed} ({exchange}")
     why = "the phase is critical" if rec["reason"] == "critical" else "it gains too little"
     return (f"auto-outer: stayed per-step (last decision at step {rec['step']}: {why}; "
             f"{rec['candidate']} {prices})")
