@@ -109,7 +109,11 @@ def train_argv(args: argparse.Namespace, method: str, out: Path) -> list[str]:
     if args.limit_train:  # short step-time runs: the first N training tokens only
         overrides["limit-train"] = args.limit_train
     cfg = outer.Config(method, METHODS[method][0], options)
-    return outer.command(cfg, args.seed, args.corpus, out, overrides)
+    argv = outer.command(cfg, args.seed, args.corpus, out, overrides)
+    if "auto-outer" in options:  # its decision lines (logged at INFO) go to the rank's log
+        at = argv.index("train")
+        argv = [*argv[:at], "-v", *argv[at:]]
+    return argv
 
 
 def target_reached(metrics: Path, target: float) -> bool:
@@ -193,7 +197,26 @@ def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str,
             "switched_at")
     record["evaluations"] = [{k: r[k] for k in keep if k in r} for r in rows
                              if r.get("kind") in ("eval", "epoch")]
+    lines = decision_lines(tmp / f"{tag}-rank0.log")
+    if lines:
+        record["decision_lines"] = lines
     return record
+
+
+def decision_lines(log_file: Path) -> list[str]:
+    """The lines of a rank's log that state a decision of ``auto`` or ``--auto-outer``
+    (from their message on; none when the log is missing)."""
+    try:
+        text = log_file.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    marks = ("auto-outer: ", "auto: step ")
+    found = []
+    for line in text.splitlines():
+        at = min((line.find(m) for m in marks if m in line), default=-1)
+        if at >= 0:
+            found.append(line[at:])
+    return found
 
 
 def _env(lab: netlab.Lab, port: int, rank: int) -> dict[str, str]:

@@ -231,6 +231,42 @@ def test_first_decision_is_the_step_0_decision_taken_without_state() -> None:
         auto.first_decision({}, group, ranks=range(WORLD))
 
 
+def test_first_decision_prices_the_compute_it_is_given() -> None:
+    """With compute timed by the caller, the first decision weighs link time against it:
+    the link that made a compressed level worth it at a compute floor is not worth
+    compressing for behind 1000 s of compute (every gain is below the margin), and the
+    record carries the compute (the maximum over the ranks: here every rank's)."""
+    clock = LinkClock(10, 1e-3)
+    group = SimulatedGroup(WORLD)
+    clock.group = group
+    auto = Auto(clock=clock, every=5, warmup=0)
+    floor = auto.first_decision(SHAPES, group, ranks=range(WORLD))
+    timed = auto.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=1000.0)
+    assert floor["level"] != "none" and floor["compute_ms"] == 0.0
+    assert timed["level"] == "none" and timed["compute_ms"] == 1e6
+    assert timed["predicted_ms"]["none"] > 1e6
+    # Measured compression times price each level: the level chosen at the floor, made
+    # 1000 s dearer, loses to another; the maxima over ranks cost one more all-reduce of
+    # one float per level per rank.
+    sent = group.meter.wire[0]
+    costs = {lb: 0.0 for lb in auto.labels}
+    costs[floor["level"]] = 1000.0
+    priced = auto.first_decision(SHAPES, group, ranks=range(WORLD), overhead_s=costs)
+    assert priced["level"] not in ("none", floor["level"])
+    assert priced["predicted_ms"][floor["level"]] == pytest.approx(
+        floor["predicted_ms"][floor["level"]] + 1e6, rel=1e-6)
+    sizes = (WORLD * len(auto.labels) * 8, 4, 4, auto.probe_bytes, WORLD * 7 * 8)
+    assert group.meter.wire[0] - sent == sum(2 * (WORLD - 1) * n // WORLD for n in sizes)
+    with pytest.raises(ValueError, match="`overhead_s` must map every level label"):
+        auto.first_decision(SHAPES, group, ranks=range(WORLD), overhead_s={"none": 0.0})
+    with pytest.raises(ValueError, match=r"`overhead_s\['none'\]` must be"):
+        auto.first_decision(SHAPES, group, ranks=range(WORLD), overhead_s={**costs, "none": -1.0})
+    with pytest.raises(ValueError, match=r"`compute_s` must be .*, got -1"):
+        auto.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=-1.0)
+    with pytest.raises(TypeError, match="`compute_s` must be a real number"):
+        auto.first_decision(SHAPES, group, ranks=range(WORLD), compute_s="fast")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"levels": []}, ValueError, "levels"),
     ({"levels": ["none", "none"]}, ValueError, "repeat"),

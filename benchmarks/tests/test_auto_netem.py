@@ -70,6 +70,24 @@ def test_dry_run_changes_the_link_in_place_and_restores_it(tmp_path):
     assert [c[c.index("rate") + 1] for c in changes[::4]] == ["20mbit", "150mbit"] * 4
 
 
+def test_auto_outer_runs_log_their_decisions_and_the_record_keeps_them(tmp_path):
+    args = auto_netem.parse_args(["--links", "10", "--methods", "autoe0-outer-h30", "none",
+                                  "--runs", str(tmp_path)])
+    args.seed = 0
+    argv = outer_netem.train_argv(args, "autoe0-outer-h30", tmp_path / "x")
+    assert argv[argv.index("train") - 1] == "-v"  # INFO: the decision lines reach the log
+    assert "-v" not in outer_netem.train_argv(args, "none", tmp_path / "y")
+    assert build_parser().parse_args(argv[3:]).verbose == 1
+    log_file = tmp_path / "rank0.log"
+    log_file.write_text("INFO:gradzip.train.auto_outer:auto-outer: switched to outer steps "
+                        "before the first step (diloco-h30: ...)\nnoise\n"
+                        "INFO:gradzip.plan.auto:auto: step 0: none -> powersgd-r4, ...\n")
+    assert outer_netem.decision_lines(log_file) == [
+        "auto-outer: switched to outer steps before the first step (diloco-h30: ...)",
+        "auto: step 0: none -> powersgd-r4, ..."]
+    assert outer_netem.decision_lines(tmp_path / "missing.log") == []
+
+
 def _child(code: str) -> subprocess.Popen[Any]:
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 

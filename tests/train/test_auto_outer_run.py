@@ -11,15 +11,19 @@ after 6 optimizer steps (the end of epoch 1: digits at 2 workers takes 6 steps a
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from test_resume import TINY, records
+from torch import nn
 
 from gradzip.cli import main
 from gradzip.comm.base import allgather_wire_bytes
+from gradzip.plan import Auto
+from gradzip.train.auto_outer import SwitchingStepper
 from gradzip.train.config import resolve_config
 from gradzip.train.rundir import load_rank_file, read_manifest
 from gradzip.train.runner import RunConfig, run
@@ -153,9 +157,12 @@ def test_a_first_decision_before_step_0_starts_outer_steps_at_step_0(tmp_path: P
     assert line[0].startswith("auto-outer: switched to outer steps before the first step "
                               "(diloco-h2: H=2, outer lr 0.7, momentum 0.5) because it is the "
                               "first decision (--auto-outer-early)")
-    assert "compute not timed yet" in line[0] and line[0].endswith("per worker with the link probes)")
+    # Compute was timed before the decision (one local forward and backward pass).
+    assert re.search(r"; compute \d+\.\d ms, link 1e-06 Mbit/s", line[0])
+    assert line[0].endswith("per worker with the link probes)")
     summary = _summary(auto)
     switch = summary["auto_outer"]["switch"]
+    assert switch["compute_ms"] > 0
     assert (switch["step"], switch["switched_at"], switch["level"]) == (0, 0, "none")
     assert summary["auto_outer"]["evaluations"] == 1 and "accordion_counts" not in summary
     assert [r["kind"] for r in _decisions(auto)] == ["outer_switch"]
@@ -175,6 +182,47 @@ def test_a_first_decision_before_step_0_starts_outer_steps_at_step_0(tmp_path: P
     assert switch["exchange_wire_bytes"] > allgather_wire_bytes(24, 2)
     assert last["wire_bytes"] == ref_last["wire_bytes"] + switch["exchange_wire_bytes"]
     assert last["rounds"] == ref_last["rounds"] + 1
+
+
+class _Net(nn.Module):
+    """BatchNorm (running statistics) and dropout (random draws): the state a timed pass
+    could disturb."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5),
+                                  nn.Linear(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+class _Task:
+    def loss(self, model: nn.Module, batch: Any, carry: Any) -> tuple[torch.Tensor, Any]:
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y), carry + 1
+
+
+def test_timing_compute_before_step_0_changes_nothing_the_run_keeps(tmp_path: Path) -> None:
+    """The pass that times compute for a decision before step 0 leaves the gradients, the
+    running statistics and the random number generator as they were, and reports the
+    fastest of its passes read from Auto's clock (here a scripted one: 0.5 s, then 0.25 s)."""
+    ticks = iter([0.0, 0.5, 1.0, 1.25])
+    auto = Auto(levels="none", warmup=0, clock=lambda: next(ticks))
+    cfg = resolve_config(RunConfig(**{**FORCED, "auto_outer_early": True,  # type: ignore[arg-type]
+                                      "out": str(tmp_path / "x")}))
+    torch.manual_seed(0)
+    model = _Net()
+    stepper = SwitchingStepper(model, _Task(), auto, cfg,
+                               torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    buffers = [b.clone() for b in model.buffers()]
+    micro = [(torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))] * 2
+    rng = torch.get_rng_state()
+    assert stepper.time_compute(micro, 0) == 0.25
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training
 
 
 def test_a_critical_phase_keeps_per_step_communication(tmp_path: Path, capsys) -> None:

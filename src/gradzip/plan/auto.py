@@ -269,8 +269,9 @@ class Auto(Compressor):
         return cache[key]
 
     def first_decision(self, shapes: Mapping[str, Sequence[int]], comm: Collective, *,
-                       ranks: Sequence[int], device: torch.device | None = None
-                       ) -> dict[str, Any]:
+                       ranks: Sequence[int], device: torch.device | None = None,
+                       compute_s: float | None = None,
+                       overhead_s: Mapping[str, float] | None = None) -> dict[str, Any]:
         """The decision record a first decision before step 0 makes (``warmup=0``: the link
         probed, no step timed), taken on a scratch controller: no state changes.
 
@@ -284,14 +285,27 @@ class Auto(Compressor):
             comm: the group (its meter counts the probes).
             ranks: global ranks of the local workers (the record is logged by rank 0's).
             device: where the probes run (``None``: the CPU).
+            compute_s: this process's compute seconds per step, timed by the caller (for
+                example one forward and backward pass, as ``gradzip train`` times it; the
+                maximum over the ranks is taken with the other inputs); ``None``: compute is
+                priced at a floor (a nanosecond) and the levels compared by link time alone.
+            overhead_s: this process's compression seconds per step of each level, by label
+                (every level; for example from
+                :func:`~gradzip.plan.timing.measure_compress_seconds`, as ``gradzip train``
+                measures them), added to each level's predicted step time as the overhead
+                a running level learns; the maxima over the ranks are taken with one more
+                all-reduce of ``len(levels)`` floats per rank. ``None``: every level's
+                overhead is unknown (0).
 
         Returns:
             The record, as :meth:`decisions` returns them (numbered 0, ``step`` 0).
 
         Raises:
-            TypeError: ``comm`` is not a Collective.
-            ValueError: ``shapes`` empty or not a mapping of shapes, or ``ranks`` not one
-                rank per local worker of ``comm``.
+            TypeError: ``comm`` is not a Collective, or ``compute_s`` or an overhead not a
+                real number.
+            ValueError: ``shapes`` empty or not a mapping of shapes, ``ranks`` not one
+                rank per local worker of ``comm``, ``compute_s`` or an overhead negative or
+                not finite, or ``overhead_s`` not keyed by exactly the levels' labels.
         """
         if not isinstance(comm, Collective):
             raise TypeError(f"`comm` must be a Collective, got {type(comm).__name__}")
@@ -303,9 +317,25 @@ class Auto(Compressor):
         if len(ranks) != comm.local_workers or any(not isinstance(r, int) for r in ranks):
             raise ValueError(f"`ranks` must hold one int per local worker of `comm` "
                              f"({comm.local_workers}), got {ranks!r}")
+        if compute_s is not None:
+            check_real("compute_s", compute_s, low=0)
+        if overhead_s is not None:
+            if not isinstance(overhead_s, Mapping) or set(overhead_s) != set(self.labels):
+                raise ValueError(f"`overhead_s` must map every level label {self.labels} to "
+                                 f"seconds, got {overhead_s!r}")
+            for label in self.labels:
+                check_real(f"overhead_s[{label!r}]", overhead_s[label], low=0)
+        device = device if device is not None else torch.device("cpu")
         ctrl = fresh_controller({n: torch.Size(s) for n, s in shapes.items()}, self.labels, 0)
+        if compute_s is not None:  # one step's compute, none of it in reduce
+            ctrl.update(periods=[float(compute_s)], reduces=[0.0])
+        if overhead_s is not None:
+            # The decision must read the same numbers on every rank: the maxima, as for the
+            # inputs _decide aggregates itself.
+            most = max_over_ranks(comm, [overhead_s[lb] for lb in self.labels], device)
+            ctrl.update(overhead=dict(zip(self.labels, most, strict=True)))
         ctx = StepContext(step=0, ranks=tuple(ranks), world_size=comm.world_size)
-        self._decide(ctrl, comm, ctx, device if device is not None else torch.device("cpu"))
+        self._decide(ctrl, comm, ctx, device)
         return dict(ctrl["log"][-1])
 
     def _decide(self, ctrl: dict[str, Any], comm: Collective, ctx: StepContext,

@@ -41,6 +41,7 @@ from gradzip.compressors.base import Compressor
 from gradzip.ops.flat import flatten_workers, unpack
 from gradzip.outer.consensus import agree_on_parameters
 from gradzip.plan import Auto, Candidate, Traffic, measure_traffic, outer_switch
+from gradzip.plan.timing import measure_compress_seconds
 from gradzip.spec import compressor_from_spec
 from gradzip.train.metrics import format_bytes
 from gradzip.train.outer_stepper import OuterStepper
@@ -107,13 +108,18 @@ class SwitchingStepper:
         (carrying a pending switch out first)."""
         comm = None
         if self.steps == 0 and self.switch is None and self._decides_before_start():
+            compute = self.time_compute(batches[0], carries[0])
+            overheads = self.level_overheads()
             comm = self._collective()
             self._weigh(self.auto.first_decision(self.shapes, comm, ranks=self.local_ranks,
-                                                 device=self.device))
+                                                 device=self.device, compute_s=compute,
+                                                 overhead_s=overheads))
         if self.pending is not None:
             self._carry_out(comm)
         elif comm is not None:  # the probes of a first decision that kept per-step training
             self._count_exchange(comm)
+            if 0 in self.local_ranks:
+                log.info("%s", switch_line({"switched": False, "last": self.last}))
         outer = self._outer()
         if outer is not None:
             loss = outer.step(batches, carries)
@@ -122,6 +128,46 @@ class SwitchingStepper:
             self._weigh_new_decisions()
         self.steps += 1
         return loss
+
+    def time_compute(self, micro: list[Any], carry: Any, repeats: int = 2) -> float:
+        """Seconds of one worker's compute for a step: forward and backward over its
+        micro-batches ``micro`` (from carried state ``carry``), the fastest of ``repeats``
+        passes (the first also pays one-off costs: allocation, lazy initialisation), read
+        with Auto's clock. Nothing the run keeps changes: the gradients are taken with
+        ``torch.autograd.grad`` (no ``.grad`` written, no DDP hook fired: DDP's reducer hooks
+        the accumulation into ``.grad``), BatchNorm's running statistics are restored and
+        the random number generators forked (dropout draws here are not the step's draws),
+        so the run's step 0 trains exactly as it would without this measurement."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+        cuda = self.device.type == "cuda"
+        best = float("inf")
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+            for _ in range(repeats):
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                start, state = self.auto.clock(), carry
+                for batch in micro:  # the task returns a new carry; the run's is not touched
+                    loss, state = self.task.loss(self.model, to_device(batch, self.device),
+                                                 state)
+                    torch.autograd.grad(loss / len(micro), params, allow_unused=True)
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                best = min(best, self.auto.clock() - start)
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), buffers, strict=True):
+                b.copy_(saved)
+        return max(best, 0.0)
+
+    def level_overheads(self) -> dict[str, float] | None:
+        """Each of Auto's levels' compression seconds per step on this model's shapes
+        (:func:`~gradzip.plan.timing.measure_compress_seconds`: one engine step of one
+        worker, CPU time on one thread), for a decision before any step has run one; ``None``
+        on a GPU, where that CPU micro-benchmark does not measure the device's time."""
+        if self.device.type != "cpu":
+            return None
+        return {label: measure_compress_seconds(level.spec(), self.shapes)  # type: ignore[union-attr]
+                for label, level in zip(self.auto.labels, self.auto.levels, strict=True)}
 
     def _weigh_new_decisions(self) -> None:
         """Weigh each Auto decision made during the last step against outer-step training."""
