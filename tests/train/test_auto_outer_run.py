@@ -225,6 +225,52 @@ def test_timing_compute_before_step_0_changes_nothing_the_run_keeps(tmp_path: Pa
     assert model.training
 
 
+class _Ticks:
+    """A clock that only the task moves: ``per_loss`` seconds for every loss computed."""
+
+    def __init__(self, per_loss: float) -> None:
+        self.now, self.per_loss = 0.0, per_loss
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _TimedTask(_Task):
+    def __init__(self, clock: _Ticks) -> None:
+        self.clock = clock
+
+    def loss(self, model: nn.Module, batch: Any, carry: Any) -> tuple[torch.Tensor, Any]:
+        self.clock.now += self.clock.per_loss
+        return super().loss(model, batch, carry)
+
+
+def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: Path) -> None:
+    """Compute of 50 s a step (a scripted clock) against a link priced at one second a dense
+    exchange: outer steps at H = 2 gain 1%, so the decision before step 0 keeps per-step
+    communication. Auto's own decision in step 0 timed no step and, compute at its floor,
+    would find them 50% faster; it is not weighed, and the decision at step 3, with compute
+    measured, stays too."""
+    clock = _Ticks(50.0)
+    torch.manual_seed(0)
+    model = _Net()
+    dense = 4 * sum(p.numel() for p in model.parameters())
+    cfg = resolve_config(RunConfig(**{  # type: ignore[arg-type]
+        **FORCED, "auto_outer_early": True, "out": str(tmp_path / "x"),
+        "auto_outer_bandwidth_mbit": dense * 8 / 1e6}))
+    auto = Auto(levels="none", warmup=0, every=3, eta=100, clock=clock)
+    stepper = SwitchingStepper(model, _TimedTask(clock), auto, cfg,
+                               torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    batch = (torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))
+    for _ in range(5):
+        stepper.step([[batch], [batch]], [0, 0])
+    first, later = stepper.take_records()  # the decision before step 0, then step 3's
+    assert stepper.switch is None and stepper.pending is None and stepper.evaluations == 2
+    assert Auto.counts(stepper.compressor_state)["decisions"] == 2  # Auto's: steps 0 and 3
+    assert (first["step"], first["reason"], first["compute_ms"]) == (0, "no gain", 50_000.0)
+    assert 0 < first["gain"] < 0.05
+    assert (later["step"], later["reason"]) == (3, "no gain")
+
+
 def test_a_critical_phase_keeps_per_step_communication(tmp_path: Path, capsys) -> None:
     """With ``eta`` tiny every decision is critical: weighed, never switched."""
     out = tmp_path / "critical"

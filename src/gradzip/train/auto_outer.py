@@ -178,6 +178,11 @@ class SwitchingStepper:
         if count == self.seen:
             return
         for record in Auto.decisions(state, since=self.seen):
+            if int(record["step"]) == 0 and self._decides_before_start():
+                # Weighed already, before step 0, with compute timed and compression
+                # measured; Auto's own decision in step 0 timed no step and prices compute at
+                # a floor, which favours outer steps on any link: it must not overrule that.
+                continue
             self._weigh(record)
         self.seen = count
 
