@@ -335,12 +335,14 @@ class Auto(Compressor):
             most = max_over_ranks(comm, [overhead_s[lb] for lb in self.labels], device)
             ctrl.update(overhead=dict(zip(self.labels, most, strict=True)))
         ctx = StepContext(step=0, ranks=tuple(ranks), world_size=comm.world_size)
-        self._decide(ctrl, comm, ctx, device)
+        # Not logged: nothing is applied here, and the caller says what it did with it.
+        self._decide(ctrl, comm, ctx, device, announce=False)
         return dict(ctrl["log"][-1])
 
     def _decide(self, ctrl: dict[str, Any], comm: Collective, ctx: StepContext,
-                device: torch.device) -> None:
-        """Probe, aggregate over ranks, predict every level, choose; applies from this step."""
+                device: torch.device, announce: bool = True) -> None:
+        """Probe, aggregate over ranks, predict every level, choose; applies from this step
+        (``announce``: log the decision's line)."""
         small, large = probe_link(comm, self.probe_bytes, self.clock, device)
         current = ctrl["current"]
         reduces = ctrl["reduces"]
@@ -403,7 +405,7 @@ class Auto(Compressor):
                     acc={n: None for n in ctrl["acc"]}, acc_steps=0, dropped=False, pending=False,
                     critical=decision.critical, periods=[], reduces=[], calls=[], wires=[],
                     skip=True, next=ctrl["step"] + self.every)
-        if 0 in ctx.ranks:  # one line per decision from one worker: what and why
+        if announce and 0 in ctx.ranks:  # one line per decision from one worker: what and why
             log.log(logging.INFO if choice != current else logging.DEBUG,
                     "auto: step %d: %s -> %s, predicted %.1f ms/step against %.1f "
                     "(compute %.1f ms, link %.1f Mbit/s, rtt %.2f ms, %s phase: %s)",

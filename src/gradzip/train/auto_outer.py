@@ -7,7 +7,11 @@ with ``--compressor auto``) and, after every step, weighs each new decision of
 switch (past the critical phase, or at the first decision with ``--auto-outer-early``; an
 outer-step candidate predicted faster by Auto's margin) is
 carried out at the start of the next step, so the loop's optimizer step of the deciding step
-has run:
+has run. With ``auto(warmup=0)`` and ``--auto-outer-early`` the stepper takes the first
+decision itself before step 0 (:meth:`~gradzip.Auto.first_decision`), priced with compute it
+times (:meth:`SwitchingStepper.time_compute`) and each level's measured compression time
+(:meth:`SwitchingStepper.level_overheads`), and a switch there is carried out before step 0.
+The switch:
 
 1. the replicas' parameters are checked equal by a 24-byte digest per worker, all-gathered
    (:func:`~gradzip.outer.consensus.agree_on_parameters`; counted in the run's bytes), and
