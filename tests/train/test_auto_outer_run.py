@@ -225,6 +225,28 @@ def test_timing_compute_before_step_0_changes_nothing_the_run_keeps(tmp_path: Pa
     assert model.training
 
 
+def test_only_the_levels_a_first_decision_may_choose_are_benchmarked(tmp_path: Path) -> None:
+    """A first decision is critical, so aggressive levels are never chosen by it: they are not
+    benchmarked (0), the others are (CPU time of an engine step, > 0); where every level is
+    aggressive, the first, Auto's fallback, is."""
+    cfg = resolve_config(RunConfig(**{**FORCED, "auto_outer_early": True,  # type: ignore[arg-type]
+                                      "out": str(tmp_path / "x")}))
+    model = _Net()
+
+    def overheads(auto: Auto) -> dict[str, float] | None:
+        stepper = SwitchingStepper(model, _Task(), auto, cfg,
+                                   torch.optim.SGD(model.parameters(), lr=0.1),
+                                   torch.device("cpu"))
+        return stepper.level_overheads()
+
+    costs = overheads(Auto(warmup=0))
+    assert costs is not None and list(costs) == Auto().labels
+    assert {lb for lb, v in costs.items() if v > 0} == {"none", "fp16", "powersgd-r4"}
+    assert all(costs[lb] == 0.0 for lb in ("powersgd-r2", "powersgd-r1", "topk-1%"))
+    only = overheads(Auto(levels="powersgd:rank=1|topk:ratio=0.01", warmup=0))
+    assert only is not None and only["powersgd-r1"] > 0 and only["topk-1%"] == 0.0
+
+
 class _Ticks:
     """A clock that only the task moves: ``per_loss`` seconds for every loss computed."""
 

@@ -167,10 +167,18 @@ class SwitchingStepper:
         """Each of Auto's levels' compression seconds per step on this model's shapes
         (:func:`~gradzip.plan.timing.measure_compress_seconds`: one engine step of one
         worker, CPU time on one thread), for a decision before any step has run one; ``None``
-        on a GPU, where that CPU micro-benchmark does not measure the device's time."""
+        on a GPU, where that CPU micro-benchmark does not measure the device's time.
+
+        Only the levels that decision may choose are measured: it is a first decision, which
+        Auto's guard always holds critical, so the ``aggressive`` levels are not allowed
+        (the first level excepted, Auto's fallback where every level is aggressive) and their
+        price is never compared; they get 0. Half of the default levels' benchmark, paid by
+        every worker before step 0, is saved."""
         if self.device.type != "cpu":
             return None
-        return {label: measure_compress_seconds(level.spec(), self.shapes)  # type: ignore[union-attr]
+        first = self.auto.labels[0]
+        return {label: (measure_compress_seconds(level.spec(), self.shapes)  # type: ignore[union-attr]
+                        if label == first or self.auto.quality(label) != "aggressive" else 0.0)
                 for label, level in zip(self.auto.labels, self.auto.levels, strict=True)}
 
     def _weigh_new_decisions(self) -> None:
