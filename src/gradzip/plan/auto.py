@@ -170,6 +170,13 @@ class Auto(Compressor):
         """The quality class of a level (see :data:`~gradzip.plan.candidates.QUALITIES`)."""
         return self._labels[label]  # type: ignore[attr-defined,no-any-return]
 
+    def allowed(self, critical: bool) -> list[str]:
+        """The levels the quality guard lets a decision choose, in order: all of them in a
+        steady phase; in a critical one, all but the ``aggressive`` class (the first level
+        alone where every level is aggressive). A first decision is always critical."""
+        kept = [lb for lb in self.labels if not (critical and self.quality(lb) == "aggressive")]
+        return kept or [self.labels[0]]
+
     # -- state -----------------------------------------------------------------------------
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
         return {"levels": {lb: lv.init_state(shapes) for lb, lv in zip(self.labels, self._levels,
@@ -378,11 +385,7 @@ class Auto(Compressor):
         predicted = {lb: p.step_ms / 1e3 + (unknown if overhead[lb] is None else overhead[lb])
                      for lb, p in base.items()}
         decision = decide(ctrl["prev_norm"], norm, self.eta, lr_dropped=ctrl["dropped"])
-        allowed = [lb for lb in self.labels
-                   if not (decision.critical and self.quality(lb) == "aggressive")]
-        if not allowed:
-            allowed = [self.labels[0]]
-        choice = pick(predicted, allowed, current, self.margin)
+        choice = pick(predicted, self.allowed(decision.critical), current, self.margin)
         rec = {"decision": ctrl["counts"]["decisions"], "step": ctx.step, "name": "model",
                "level": choice, "previous": current, "critical": decision.critical,
                "reason": decision.reason, "rel_change": decision.rel_change, "norm": norm,

@@ -169,16 +169,15 @@ class SwitchingStepper:
         worker, CPU time on one thread), for a decision before any step has run one; ``None``
         on a GPU, where that CPU micro-benchmark does not measure the device's time.
 
-        Only the levels that decision may choose are measured: it is a first decision, which
-        Auto's guard always holds critical, so the ``aggressive`` levels are not allowed
-        (the first level excepted, Auto's fallback where every level is aggressive) and their
-        price is never compared; they get 0. Half of the default levels' benchmark, paid by
-        every worker before step 0, is saved."""
+        Only the levels that decision may choose are measured (:meth:`Auto.allowed
+        <gradzip.plan.auto.Auto.allowed>` of a critical phase: a first decision is always
+        critical); the others' price is never compared, and they get 0. Half of the default
+        levels' benchmark, paid by every worker before step 0, is saved."""
         if self.device.type != "cpu":
             return None
-        first = self.auto.labels[0]
+        allowed = self.auto.allowed(critical=True)
         return {label: (measure_compress_seconds(level.spec(), self.shapes)  # type: ignore[union-attr]
-                        if label == first or self.auto.quality(label) != "aggressive" else 0.0)
+                        if label in allowed else 0.0)
                 for label, level in zip(self.auto.labels, self.auto.levels, strict=True)}
 
     def _weigh_new_decisions(self) -> None:
