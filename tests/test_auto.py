@@ -10,10 +10,11 @@ import torch
 import gradzip
 from gradzip import Auto, Engine, SimulatedGroup, compressor_from_spec
 from gradzip.comm.base import Collective
-from gradzip.plan.measure import fit_link, pick
+from gradzip.plan.measure import UNBOUNDED_MBIT, fit_link, pick, probe_link
 
 WORLD = 4
 SHAPES = {"w": torch.Size([128, 128]), "b": torch.Size([128])}
+DENSE = 4 * (128 * 128 + 128)  # their fp32 bytes, the largest probe
 
 
 class LinkClock:
@@ -215,9 +216,10 @@ def test_first_decision_is_the_step_0_decision_taken_without_state() -> None:
     for key in ("rtt_ms", "bandwidth_mbit"):
         assert record[key] == pytest.approx(expected[key], rel=1e-12)
     assert record["level"] != "none" and record["reason"] == "first"
-    # Its bytes are a decision's: three probes (one float, one float, probe_bytes) and the
-    # WORLD x 7 float64 maxima over ranks, each all-reduced at 2 (W - 1) / W; nothing else.
-    sizes = (4, 4, auto.probe_bytes, WORLD * 7 * 8)
+    # Its bytes are a decision's: the probes (one float, one float, probe_bytes, then grown
+    # 4x but no larger than the tensors' dense size: at once) and the WORLD x 8 float64
+    # maxima over ranks, each all-reduced at 2 (W - 1) / W; nothing else.
+    sizes = (4, 4, auto.probe_bytes, DENSE, WORLD * 8 * 8)
     assert group.meter.wire[0] == sum(2 * (WORLD - 1) * n // WORLD for n in sizes)
     # A fresh run's state is untouched: this Auto still decides before its own step 0.
     again = Engine(SHAPES, auto, collective=group)
@@ -257,7 +259,7 @@ def test_first_decision_prices_the_compute_it_is_given(caplog: pytest.LogCapture
     assert priced["level"] not in ("none", floor["level"])
     assert priced["predicted_ms"][floor["level"]] == pytest.approx(
         floor["predicted_ms"][floor["level"]] + 1e6, rel=1e-6)
-    sizes = (WORLD * len(auto.labels) * 8, 4, 4, auto.probe_bytes, WORLD * 7 * 8)
+    sizes = (WORLD * len(auto.labels) * 8, 4, 4, auto.probe_bytes, DENSE, WORLD * 8 * 8)
     assert group.meter.wire[0] - sent == sum(2 * (WORLD - 1) * n // WORLD for n in sizes)
     with pytest.raises(ValueError, match="`overhead_s` must map every level label"):
         auto.first_decision(SHAPES, group, ranks=range(WORLD), overhead_s={"none": 0.0})
@@ -299,6 +301,51 @@ def test_fit_link_and_pick() -> None:
     assert pick(times, ["b"], "a", 0.05) == "b"  # a not allowed any more
 
 
+class BucketClock:
+    """A link shaped by a token bucket: the first ``burst`` bytes of a message leave at line
+    rate (free), the rest at ``mbit``, plus ``latency_s`` per call; charged per interval
+    between two readings (the probe reads the clock around each timed call)."""
+
+    def __init__(self, group: Collective, mbit: float, burst: int, latency_s: float) -> None:
+        self.group, self.mbit, self.burst, self.latency = group, mbit, burst, latency_s
+        self.now, self._seen = 0.0, (0, 0)
+
+    def __call__(self) -> float:
+        wire, calls = self.group.meter.wire[0], self.group.meter.calls
+        sent, made = wire - self._seen[0], calls - self._seen[1]
+        self.now += made * self.latency + max(0, sent - made * self.burst) * 8 / (self.mbit * 1e6)
+        self._seen = (wire, calls)
+        return self.now
+
+
+@pytest.mark.parametrize(("mbit", "burst", "sizes"), [
+    (1000, 250_000, [4, 1 << 16, 1 << 18, 1 << 20]),  # 256 KiB still inside the burst
+    (10, 32_768, [4, 1 << 16, 1 << 18]),              # the first growth already costs 157 ms
+])
+def test_the_probe_grows_past_a_burst_and_reads_the_rate(mbit: float, burst: int,
+                                                        sizes: list[int]) -> None:
+    """A 64 KiB probe inside a 1000 Mbit/s link's burst costs what one float does: fitted from
+    it, the link looks unbounded. The probe grows 4x until the last growth costs 5 ms, and the
+    slope between its two largest messages, beyond the burst, reads the rate exactly."""
+    group = SimulatedGroup(2)
+    clock = BucketClock(group, mbit, burst, 50e-6)
+    calls = probe_link(group, 1 << 16, clock, torch.device("cpu"), limit_bytes=1 << 22)
+    assert [wire for wire, _ in calls] == sizes  # two workers: each sends the message once
+    small, large = calls[0], calls[-1]
+    assert fit_link(small, calls[1], 2)[0] == (UNBOUNDED_MBIT if mbit == 1000 else
+                                                pytest.approx(2 * mbit, rel=0.01))
+    bandwidth, rtt = fit_link(small, large, 2, start=calls[-2])
+    assert bandwidth == pytest.approx(mbit, rel=1e-6)
+    assert rtt == pytest.approx(0.025, rel=0.1)  # 50 us a call over 2 hops, less 4 bytes
+    # Never past the tensors' dense size: a model of 100 KiB is probed at 64 and 100 KiB.
+    group = SimulatedGroup(2)
+    capped = probe_link(group, 1 << 16, BucketClock(group, mbit, burst, 50e-6),
+                        torch.device("cpu"), limit_bytes=100 << 10)
+    assert [wire for wire, _ in capped] == [4, 1 << 16, 100 << 10]
+    with pytest.raises(ValueError, match="`large` must send more bytes"):
+        fit_link(small, large, 2, start=large)
+
+
 def test_a_level_keeps_its_state_while_another_runs() -> None:
     # Slow link: PowerSGD rank 4 from step 5, Top-k 1% from step 55 (see above).
     clock = LinkClock(10, 1e-3)
@@ -319,9 +366,14 @@ def test_probe_and_aggregation_bytes_are_metered() -> None:
     for step in range(12):
         plain.reduce(grads(step))
     extra = auto.stats["wire_bytes"][0] - plain.stats["wire_bytes"][0]
-    # Decisions at steps 2, 7: per decision, three all-reduces of the probe (one float, one
-    # float, 1024 bytes) and one of WORLD x 7 float64 maxima, at 2 (W - 1) / W of each.
-    per_decision = sum(2 * (WORLD - 1) * n // WORLD for n in (4, 4, 1024, WORLD * 7 * 8))
+    # Decisions at steps 2, 7: per decision, the probes (one float, one float, 1024 bytes,
+    # then 4x larger: 4096 bytes cost 3.7 ms more at 10 Mbit/s, under the 5 ms that stops
+    # the growth, 16384 bytes 14.7 ms more; each growth judged from the WORLD x 3 float64
+    # maxima of the last times) and one all-reduce of WORLD x 8 float64 maxima, at
+    # 2 (W - 1) / W of each.
+    maxima = WORLD * 3 * 8
+    sizes = (4, 4, 1024, 4096, maxima, 16384, maxima, WORLD * 8 * 8)
+    per_decision = sum(2 * (WORLD - 1) * n // WORLD for n in sizes)
     assert extra == 2 * per_decision
 
 

@@ -16,6 +16,7 @@ valid input for any compressor, so it carries over a switch unchanged.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -65,8 +66,10 @@ class Auto(Compressor):
     are underestimated). Medians over the interval keep one-off pauses (an evaluation, a
     checkpoint) out.
 
-    At step ``warmup`` and every ``every`` steps after it, it probes the link with two
-    all-reduces (one float, ``probe_bytes``), fits bandwidth and latency from them, takes the
+    At step ``warmup`` and every ``every`` steps after it, it probes the link with
+    all-reduces (one float, ``probe_bytes``, then 4x larger ones up to the tensors' dense size
+    until the size costs measurable time: :func:`~gradzip.plan.measure.probe_link`), fits
+    bandwidth and latency from them, takes the
     maximum of every measurement over the ranks with one more small all-reduce, and predicts
     each level's step time with :func:`~gradzip.plan.model.predict_candidate` from the level's
     traffic (simulated once from the tensors' shapes) plus its measured compression overhead
@@ -90,7 +93,7 @@ class Auto(Compressor):
             the probed link alone, as no step has been timed yet).
         margin: the fraction a switch must gain, in [0, 1).
         eta: threshold of the critical-regime rule (> 0).
-        probe_bytes: size of the large probe message (>= 8).
+        probe_bytes: size of the first large probe message (>= 8).
         clock: seconds as a float (``time.perf_counter``); not part of the spec.
 
     Raises:
@@ -350,24 +353,30 @@ class Auto(Compressor):
                 device: torch.device, announce: bool = True) -> None:
         """Probe, aggregate over ranks, predict every level, choose; applies from this step
         (``announce``: log the decision's line)."""
-        small, large = probe_link(comm, self.probe_bytes, self.clock, device)
+        dense = 4 * sum(math.prod(s) for s in ctrl["shapes"].values())
+        probes = probe_link(comm, self.probe_bytes, self.clock, device, limit_bytes=dense)
+        small, large = probes[0], probes[-1]
+        start = probes[-2] if len(probes) > 2 else None
         current = ctrl["current"]
         reduces = ctrl["reduces"]
         compute = median([p - r for p, r in zip(ctrl["periods"], reduces, strict=True)])
         mean_norm = _mean_norm(ctrl["acc"], ctrl["acc_steps"], comm.local_workers)
         mine = [max(compute, 0.0), median(reduces), small[1], large[1],
-                median(ctrl["calls"]) or 1.0, median(ctrl["wires"]), mean_norm]
+                start[1] if start else 0.0, median(ctrl["calls"]) or 1.0,
+                median(ctrl["wires"]), mean_norm]
         # Every rank must take the same decision (the next step's collectives depend on the
         # level), so the decision reads only these maxima over the ranks, identical on every
         # rank, never a rank's own clock (the norm too: each worker's own gradient differs).
-        compute, reduce_s, t_small, t_large, calls, wire, norm = max_over_ranks(comm, mine, device)
+        (compute, reduce_s, t_small, t_large, t_start, calls, wire,
+         norm) = max_over_ranks(comm, mine, device)
         # Whether whole steps were timed since the last decision: from the step count, the
         # same on every rank (a rank's own sample list could differ), so all take one branch.
         sampled = ctrl["acc_steps"] > 1
         if not sampled and ctrl["last_compute"] is not None:
             compute = ctrl["last_compute"]  # e.g. a decision brought forward by an LR drop
         workers = comm.world_size
-        bandwidth, rtt = fit_link((small[0], t_small), (large[0], t_large), 2 * (workers - 1))
+        bandwidth, rtt = fit_link((small[0], t_small), (large[0], t_large), 2 * (workers - 1),
+                                  start=None if start is None else (start[0], t_start))
         # Before any whole step was timed (a first decision at step 1) compute is unknown:
         # a floor of a nanosecond keeps the model defined and compares the levels by link time.
         setting = Setting(workers, bandwidth, rtt, max(compute * 1e3, 1e-6),

@@ -3,8 +3,9 @@
 Pure functions over plain numbers (and one collective each for the link probe and the
 aggregation), kept apart from the controller's step logic:
 
-* :func:`fit_link`: bandwidth and latency from two timed messages of different sizes;
-* :func:`probe_link`: time those two all-reduces on the group;
+* :func:`fit_link`: bandwidth and latency from timed messages of different sizes;
+* :func:`probe_link`: time those all-reduces on the group, the large one grown until its
+  size costs measurable time;
 * :func:`max_over_ranks`: the element-wise maximum of a few floats over every rank;
 * :func:`pick`: the fastest predicted level, with hysteresis and the quality guard.
 """
@@ -25,65 +26,106 @@ __all__ = ["fit_link", "max_over_ranks", "median", "pick", "probe_link"]
 #: free bytes, so only latency and compute count.
 UNBOUNDED_MBIT = 1e9
 
+#: The time the last growth of the probe message must cost (at least) to stop growing it.
+PROBE_RESOLVED_S = 5e-3
+
 
 def median(values: Sequence[float]) -> float:
     """The median of ``values`` (0.0 when empty)."""
     return float(statistics.median(values)) if values else 0.0
 
 
-def fit_link(small: tuple[int, float], large: tuple[int, float], hops: int) -> tuple[float, float]:
-    """The alpha-beta link (as :func:`~gradzip.plan.model.comm_seconds` reads it) from two
+def fit_link(small: tuple[int, float], large: tuple[int, float], hops: int, *,
+             start: tuple[int, float] | None = None) -> tuple[float, float]:
+    """The alpha-beta link (as :func:`~gradzip.plan.model.comm_seconds` reads it) from
     all-reduces of different sizes.
 
-    ``seconds = hops x rtt + wire x 8 / bandwidth``: the difference of the two gives the
-    bandwidth, the smaller one what is left for latency.
+    ``seconds = hops x rtt + wire x 8 / bandwidth``: the bandwidth is the slope between two
+    sizes, the smallest call gives what is left for latency. The slope is taken between
+    ``start`` and ``large`` where a mid-sized ``start`` is given, else between ``small`` and
+    ``large``: a cost every message beyond some size pays once (a token bucket's burst sent
+    at line rate, a transport's start) then cancels out of the slope.
 
     Args:
         small: ``(wire bytes, seconds)`` of the small all-reduce.
         large: ``(wire bytes, seconds)`` of the large one.
         hops: latency terms of one all-reduce (``2 (W - 1)``).
+        start: ``(wire bytes, seconds)`` of a call larger than ``small`` and smaller than
+            ``large``, or ``None``.
 
     Returns:
         ``(bandwidth_mbit, rtt_ms)``: bandwidth :data:`UNBOUNDED_MBIT` where the sizes cost
         no measurable time difference; rtt 0 where the bytes explain all of the small call.
 
     Raises:
-        ValueError: the large message is not larger, or a negative or non-finite time.
+        ValueError: the sizes are not increasing, or a negative or non-finite time.
     """
     (w_s, t_s), (w_l, t_l) = small, large
-    if w_l <= w_s and hops > 0:
-        raise ValueError(f"`large` must send more bytes than `small`, got {w_l} <= {w_s}")
-    for name, t in (("small", t_s), ("large", t_l)):
+    low = small if start is None else start
+    if hops > 0 and not w_s <= low[0] < w_l:
+        raise ValueError(f"`large` must send more bytes than `small` (and `start`, between "
+                         f"them), got {w_s}, {None if start is None else low[0]}, {w_l}")
+    for name, t in (("small", t_s), ("large", t_l), ("start", low[1])):
         if not math.isfinite(t) or t < 0:
             raise ValueError(f"`{name}` seconds must be finite and >= 0, got {t!r}")
     if hops == 0:  # one worker: nothing crosses a link
         return UNBOUNDED_MBIT, 0.0
-    per_byte = (t_l - t_s) / (w_l - w_s)
+    per_byte = (t_l - low[1]) / (w_l - low[0])
     bandwidth = UNBOUNDED_MBIT if per_byte <= 8 / (UNBOUNDED_MBIT * 1e6) else 8 / (per_byte * 1e6)
     latency = max(0.0, t_s - w_s * max(per_byte, 0.0)) / hops
     return bandwidth, 1e3 * latency
 
 
 def probe_link(comm: Collective, probe_bytes: int, clock: Callable[[], float],
-               device: torch.device) -> tuple[tuple[int, float], tuple[int, float]]:
-    """Time an all-reduce of one float and one of ``probe_bytes``, after an untimed one.
+               device: torch.device, limit_bytes: int = 0) -> list[tuple[int, float]]:
+    """Time an all-reduce of one float, then all-reduces of ``probe_bytes`` and larger, after
+    an untimed one.
 
     The untimed first call lines the ranks up: a rank that arrives early waits inside it,
     not inside the timed ones (the waiting would read as latency).
 
+    A message of ``probe_bytes`` (64 KiB by default) can cost no more than the small one on a
+    fast link: it hides under the fixed costs of a call, or inside a token bucket's burst
+    sent at line rate, and the bandwidth read from it is noise (this read 1,600 Mbit/s to
+    "unbounded" on a 1000 Mbit/s emulated link). So the message grows 4x at a time, up to
+    ``limit_bytes`` (the tensors' dense size: no exchange sends more), until the last growth
+    cost at least :data:`PROBE_RESOLVED_S` or a quarter of the small call's time, whichever
+    is more. Whether to grow is decided from the maxima of the times over the ranks (one
+    small all-reduce per growth), so every rank sends the same sequence of calls.
+
+    Args:
+        comm: the group.
+        probe_bytes: the first large message's size.
+        clock: seconds as a float.
+        device: where the messages live.
+        limit_bytes: the largest message (``probe_bytes`` where smaller).
+
     Returns:
-        ``((wire, seconds), (wire, seconds))`` of the small and the large call, as this
+        ``[(wire, seconds), ...]`` of the small call and of each large one, in order, as this
         rank's clock saw them; the wire bytes as the collective meters them.
     """
     workers = comm.local_workers
-    out = []
-    for numel, timed in ((1, False), (1, True), (max(2, probe_bytes // 4), True)):
+
+    def timed(numel: int) -> tuple[int, float]:
         x = torch.zeros(workers, numel, dtype=torch.float32, device=device)
         start = clock()
         comm.all_reduce(x)
-        if timed:
-            out.append((allreduce_wire_bytes(numel * 4, comm.world_size), clock() - start))
-    return out[0], out[1]
+        return allreduce_wire_bytes(numel * 4, comm.world_size), clock() - start
+
+    timed(1)
+    calls = [timed(1)]
+    numel = max(2, probe_bytes // 4)
+    cap = max(numel, limit_bytes // 4)
+    calls.append(timed(numel))
+    while numel < cap:
+        if len(calls) > 2:
+            t_small, t_before, t_last = max_over_ranks(
+                comm, [calls[0][1], calls[-2][1], calls[-1][1]], device)
+            if t_last - t_before >= max(PROBE_RESOLVED_S, t_small / 4):
+                break
+        numel = min(cap, 4 * numel)
+        calls.append(timed(numel))
+    return calls
 
 
 def max_over_ranks(comm: Collective, values: Sequence[float], device: torch.device) -> list[float]:
