@@ -20,7 +20,6 @@ CHECKPOINT_EVERY = 3
 
 
 def _train(rank: int, world: int, folder: str, die_at: int | None, resume: bool) -> torch.Tensor:
-    torch.set_num_threads(1)
     # DDP reorders a bucket's parameters when it rebuilds buckets after the first step, so the
     # resumed run's first step sees another order than the uninterrupted run's step; the
     # engine's fixed tensor order keeps the all-reduced buffers' layout (and so the order in
@@ -49,16 +48,31 @@ def _train(rank: int, world: int, folder: str, die_at: int | None, resume: bool)
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def _restart(rank: int, world: int, crashed: str, straight: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The restart from the crashed run's checkpoints, then, in the same processes and group
+    (saving one launch), the uninterrupted run from scratch. The restart runs first, so it
+    sees fresh processes just as after a real crash."""
+    torch.set_num_threads(1)
+    resumed = _train(rank, world, crashed, None, True)
+    return resumed, _train(rank, world, straight, None, False)
+
+
+def _crash(rank: int, world: int, folder: str) -> torch.Tensor:
+    torch.set_num_threads(1)
+    return _train(rank, world, folder, 5, False)
+
+
 @pytest.mark.slow
 def test_restart_from_checkpoint_after_a_dead_worker_matches_the_uninterrupted_run(tmp_path: Path) -> None:
     (tmp_path / "straight").mkdir()
-    straight = run_processes(_train, 3, str(tmp_path / "straight"), None, False, timeout=180)
     crashed = tmp_path / "crashed"
     crashed.mkdir()
     # Rank 2 dies at step 5: the others fail in their next collective instead of hanging.
-    results = run_processes(_train, 3, str(crashed), 5, False, timeout=180, return_exceptions=True)
+    results = run_processes(_crash, 3, str(crashed), timeout=180, return_exceptions=True)
     assert all(isinstance(r, RuntimeError) for r in results), results
-    # Every rank restarts from its own last checkpoint (step 3) and finishes the run.
-    resumed = run_processes(_train, 3, str(crashed), None, True, timeout=180)
-    for rank in range(3):
-        assert torch.equal(resumed[rank], straight[rank]), rank
+    assert sorted(p.name for p in crashed.iterdir()) == ["rank0.pt", "rank1.pt", "rank2.pt"]
+    # Every rank restarts from its own last checkpoint (step 3) and finishes the run; the
+    # same processes then run the uninterrupted reference.
+    ranks = run_processes(_restart, 3, str(crashed), str(tmp_path / "straight"), timeout=180)
+    for rank, (resumed, straight) in enumerate(ranks):
+        assert torch.equal(resumed, straight), rank
