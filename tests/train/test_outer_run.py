@@ -104,32 +104,41 @@ def _train_cmd(out: Path, epochs: int, mode: str, *extra: str) -> list[str]:
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_killed_outer_run_resumes_to_the_uninterrupted_result(tmp_path: Path, mode: str) -> None:
     """SIGKILL the process tree once its second checkpoint exists (the kill point is a file
-    the run writes), then resume with --resume."""
+    the run writes), then resume with --resume.
+
+    The uninterrupted reference, a process of its own with one thread, runs meanwhile: it
+    shares nothing with the killed run but the machine."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(killed, 12, mode), env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        while proc.poll() is None:
-            manifest = read_manifest(killed) if (killed / "checkpoint").exists() else None
-            if manifest is not None and manifest.epoch >= 2:
-                os.killpg(proc.pid, signal.SIGKILL)
-                break
-            time.sleep(0.005)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
-    assert not (killed / "summary.json").exists()
-    done = subprocess.run(_train_cmd(killed, 12, mode, "--resume"), env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
     whole = tmp_path / "whole"
-    ref = subprocess.run(_train_cmd(whole, 12, mode), env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert ref.returncode == 0, ref.stderr[-2000:]
+    ref = subprocess.Popen(_train_cmd(whole, 12, mode), env=env, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        killed = tmp_path / "killed"
+        proc = subprocess.Popen(_train_cmd(killed, 12, mode), env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            while proc.poll() is None:
+                manifest = read_manifest(killed) if (killed / "checkpoint").exists() else None
+                if manifest is not None and manifest.epoch >= 2:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.005)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
+        assert not (killed / "summary.json").exists()
+        done = subprocess.run(_train_cmd(killed, 12, mode, "--resume"), env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        _, ref_err = ref.communicate(timeout=300)
+    finally:
+        if ref.poll() is None:
+            os.killpg(ref.pid, signal.SIGKILL)
+            ref.communicate()
+    assert ref.returncode == 0, ref_err[-2000:]
     assert_same_run(killed, whole)
 
 
