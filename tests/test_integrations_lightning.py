@@ -1,8 +1,9 @@
 """gradzip.integrations.lightning with the real Lightning: 2 CPU gloo processes under torchrun.
 
 Run as a script (by torchrun), this file is the worker: ``trainer OUT`` fits with
-``GradzipDDPStrategy``, ``fabric OUT`` trains with ``GradzipFabricDDPStrategy``; every rank
-saves its final parameters and hook state under ``OUT``.
+``GradzipDDPStrategy``, ``fabric OUT`` trains with ``GradzipFabricDDPStrategy``, ``both OUT``
+does both in one launch (Fabric's in ``OUT/fabric``, then the Trainer's in ``OUT/trainer``);
+every rank saves its final parameters and hook state under its folder.
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ def trainer_worker(out: Path) -> None:
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader, TensorDataset
 
-    import gradzip.comm
     from gradzip.integrations.lightning import CHECKPOINT_KEY, GradzipDDPStrategy
 
     class Module(L.LightningModule):
@@ -92,14 +92,12 @@ def trainer_worker(out: Path) -> None:
         torch.save(checkpoint, stripped)
     torch.distributed.barrier()
     fit("stripped", ckpt_path=str(stripped), logger=False, enable_checkpointing=False)
-    gradzip.comm.shutdown_process_group()
 
 
 # -- worker: Fabric -------------------------------------------------------------------------
 def fabric_worker(out: Path) -> None:
     import lightning as L
 
-    import gradzip.comm
     from gradzip.integrations.lightning import GradzipFabricDDPStrategy
 
     def run(seed: int, name: str, start: int, total: int, save_at: int | None = None) -> None:
@@ -128,7 +126,14 @@ def fabric_worker(out: Path) -> None:
 
     run(0, "full", 0, 8, save_at=4)
     run(1, "resumed", 4, 8)
-    gradzip.comm.shutdown_process_group()
+
+
+def both_workers(out: Path) -> None:
+    """Fabric's runs, then the Trainer's, in the same processes and process group (one
+    launch: starting processes that import Lightning costs more than the training)."""
+    for name, worker in (("fabric", fabric_worker), ("trainer", trainer_worker)):
+        (out / name).mkdir(exist_ok=True)
+        worker(out / name)
 
 
 # -- tests ----------------------------------------------------------------------------------
@@ -148,10 +153,18 @@ def assert_resumed_exactly(out: Path, steps: int) -> None:
     assert not trees_equal(full[0]["state"], full[1]["state"])
 
 
-@pytest.mark.slow
-def test_trainer_strategy_compresses_logs_and_resumes_exactly(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of one ``both`` launch: ``fabric/`` and ``trainer/`` each hold their runs."""
     pytest.importorskip("lightning", reason="needs lightning (the `integrations` extra)")
-    torchrun(HERE, "trainer", str(tmp_path))
+    out = tmp_path_factory.mktemp("lightning")
+    torchrun(HERE, "both", str(out))
+    return out
+
+
+@pytest.mark.slow
+def test_trainer_strategy_compresses_logs_and_resumes_exactly(runs: Path) -> None:
+    tmp_path = runs / "trainer"
     assert_resumed_exactly(tmp_path, 2 * STEPS_PER_EPOCH)
     # Resuming without the gradzip entry (residuals and counters lost) does not match.
     stripped = load(tmp_path, "stripped")
@@ -170,10 +183,8 @@ def test_trainer_strategy_compresses_logs_and_resumes_exactly(tmp_path: Path) ->
 
 
 @pytest.mark.slow
-def test_fabric_strategy_saves_every_rank_and_resumes_exactly(tmp_path: Path) -> None:
-    pytest.importorskip("lightning", reason="needs lightning (the `integrations` extra)")
-    torchrun(HERE, "fabric", str(tmp_path))
-    assert_resumed_exactly(tmp_path, 8)
+def test_fabric_strategy_saves_every_rank_and_resumes_exactly(runs: Path) -> None:
+    assert_resumed_exactly(runs / "fabric", 8)
 
 
 def test_strategy_validates_its_arguments() -> None:
@@ -195,4 +206,8 @@ def test_strategy_validates_its_arguments() -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    {"trainer": trainer_worker, "fabric": fabric_worker}[sys.argv[1]](Path(sys.argv[2]))
+    import gradzip.comm
+
+    {"trainer": trainer_worker, "fabric": fabric_worker, "both": both_workers}[sys.argv[1]](
+        Path(sys.argv[2]))
+    gradzip.comm.shutdown_process_group()
