@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import torch
 
+import shared_launch
 from gradzip import Engine, SimulatedGroup, compressor_from_spec
-from gradzip.comm import run_processes
 from gradzip.control import Accordion
 from test_accordion_state import scaled_grads as grads_for
 
@@ -66,9 +66,14 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     return {name: run(spec, rank) for name, spec in SCENARIOS.items()}
 
 
+shared_launch.register(WORLD, "accordion_gloo", _worker)
+
+
 @pytest.mark.slow
-def test_every_rank_decides_alike_and_like_the_simulator() -> None:
-    per_rank = run_processes(_worker, WORLD, timeout=240)
+def test_every_rank_decides_alike_and_like_the_simulator(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    per_rank = shared_launch.results(WORLD, "accordion_gloo", tmp_path_factory)
     for name, spec in SCENARIOS.items():
         sim = run(spec, None)
         ranks = [got[name] for got in per_rank]

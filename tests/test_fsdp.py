@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 
 import gradzip
 import gradzip.fsdp
+import shared_launch
 from fsdp_nets import Net, refusal
 from fsdp_nets import batch as _batch
 from fsdp_nets import sharded as _sharded
@@ -357,20 +358,22 @@ def _mesh_worker(rank: int, world: int, replicas: int, folder: str) -> dict[str,
     return out
 
 
+for _replicas in (1, 2):
+    shared_launch.register(_replicas * 2, "fsdp", _mesh_worker, _replicas, with_folder=True,
+                           timeout=480)
+
+
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``mesh_runs(replicas)``: every rank's :func:`_mesh_worker` results on the replicas x 2
-    mesh, launched at the first test that asks for them; ``mesh_runs.folders[replicas]`` the
-    checkpoint folder the resume scenario wrote."""
-    runs: dict[int, list[dict[str, Any]]] = {}
+    mesh, launched at the first test that asks for them (with the other modules' workers of
+    that world size, :mod:`shared_launch`); ``mesh_runs.folders[replicas]`` the checkpoint
+    folder the resume scenario wrote."""
 
     def get(replicas: int) -> list[dict[str, Any]]:
-        if replicas not in runs:
-            folder = str(tmp_path_factory.mktemp(f"fsdp-{replicas}x2"))
-            get.folders[replicas] = folder  # type: ignore[attr-defined]
-            runs[replicas] = run_processes(_mesh_worker, replicas * 2, replicas, folder,
-                                           timeout=480)
-        return runs[replicas]
+        runs = shared_launch.results(replicas * 2, "fsdp", tmp_path_factory)
+        get.folders[replicas] = str(shared_launch.folder(replicas * 2, "fsdp"))  # type: ignore[attr-defined]
+        return runs
 
     get.folders = {}  # type: ignore[attr-defined]
     return get

@@ -1,7 +1,8 @@
 """gradzip.ShardedOuter: outer-step training of FSDP2 models, state per shard, exchanged across
 replicas only, in real gloo processes of 2 (1 x 2) and 4 (2 x 2) ranks.
 
-One process-spawning run per mesh checks everything (process start-up is most of its time):
+One process-spawning run per mesh checks everything (process start-up is most of its time;
+the run is shared with other modules' workers of the same size, see ``shared_launch``):
 the ``none`` run equals the unsharded outer loop bit for bit, a PowerSGD run equals the
 simulator fed the same shards bit for bit, the outer state per rank is a shard's, resume
 through a DCP checkpoint is bit-identical, a NaN on one rank is skipped by every rank, and
@@ -10,7 +11,6 @@ unsupported models and meshes are refused with one line.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,10 +20,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import gradzip
+import shared_launch
 from fsdp_nets import Net, refusal
 from fsdp_nets import batch as _batch
 from fsdp_nets import sharded as _sharded
-from gradzip.comm import run_processes
 
 LR = 0.05
 MESHES = [(1, 2), (2, 2)]
@@ -225,12 +225,18 @@ def _worker(rank: int, world: int, replicas: int, folder: str) -> dict[str, Any]
     return out
 
 
+for _replicas, _shards in MESHES:
+    shared_launch.register(_replicas * _shards, "fsdp_outer", _worker, _replicas,
+                           with_folder=True, timeout=300)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas,shards", MESHES)
 def test_sharded_outer_equals_the_unsharded_loop_and_keeps_state_per_shard(
-        replicas: int, shards: int, tmp_path: Path) -> None:
+        replicas: int, shards: int, tmp_path_factory: pytest.TempPathFactory) -> None:
     world = replicas * shards
-    ranks = run_processes(_worker, world, replicas, str(tmp_path), timeout=300)
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    ranks = shared_launch.results(world, "fsdp_outer", tmp_path_factory)
 
     # `none`: element-wise from end to end, so every rank's gathered parameters (and the
     # islands' mean) are the unsharded loop's replica's (and its consensus), bit for bit (FSDP2's reduce-scatter averages 2 numbers: the

@@ -2,7 +2,7 @@
 compressed through the engine, in real gloo processes of 2 and 4 ranks.
 
 One process-spawning run per world size checks everything (process start-up is most of its
-time): ``none`` equals plain FSDP2, and Top-k, PowerSGD and Accordion equal the engine
+time; the run is shared with other modules' workers of the same size, see ``shared_launch``): ``none`` equals plain FSDP2, and Top-k, PowerSGD and Accordion equal the engine
 simulator fed the same unsharded gradients, bit for bit at 2 ranks (a sum of two is the same
 arithmetic in any order) and within rounding at 4 (gloo's all-reduce adds in another order
 than its reduce-scatter and the simulator); bytes follow the formula, residuals are the
@@ -13,7 +13,6 @@ one line.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import gradzip
 import gradzip.fsdp
+import shared_launch
 from fsdp_nets import Net, batch, refusal, sharded
-from gradzip.comm import run_processes
 from gradzip.comm.base import allreduce_wire_bytes
 from gradzip.comm.header import rider_bytes
 from gradzip.control import Accordion
@@ -239,10 +238,16 @@ def _worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     return out
 
 
+for _world in (2, 4):
+    shared_launch.register(_world, "fsdp_scatter", _worker, with_folder=True, timeout=400)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
-def test_compressed_reduce_scatter_of_plain_fsdp2(world: int, tmp_path: Path) -> None:
-    ranks = run_processes(_worker, world, str(tmp_path), timeout=400)
+def test_compressed_reduce_scatter_of_plain_fsdp2(
+        world: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    ranks = shared_launch.results(world, "fsdp_scatter", tmp_path_factory)
     header = rider_bytes(torch.float32, world, summed=True)
     for out in ranks:
         none = out["none"]

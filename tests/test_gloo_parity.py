@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import gradzip
+import shared_launch
 from conformance import DECODE_TOL, SHAPES, SPECS, make_grads
-from gradzip.comm import run_processes
 
 STEPS = 3
 
@@ -33,10 +33,16 @@ def _simulate(spec: str, workers: int) -> tuple[list[dict[str, torch.Tensor]], g
     return [engine.reduce(make_grads(workers, s)) for s in range(STEPS)], engine
 
 
+for _world in (2, 4):
+    shared_launch.register(_world, "gloo_parity", _worker, SPECS)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_simulator_matches_gloo_processes(world_size: int) -> None:
-    per_rank = run_processes(_worker, world_size, SPECS, timeout=240)
+def test_simulator_matches_gloo_processes(
+        world_size: int, tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    per_rank = shared_launch.results(world_size, "gloo_parity", tmp_path_factory)
     for spec in SPECS:
         sim_results, sim = _simulate(spec, world_size)
         for rank, got in enumerate(per_rank):

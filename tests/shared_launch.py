@@ -1,0 +1,86 @@
+"""Worker functions of several test modules in one launch of gloo processes per world size.
+
+Starting gloo processes (each imports torch) costs more than most multi-process scenarios. A
+module registers its worker at import, before any test runs; the first test that asks for a
+world size's results runs every worker registered for that size not run yet, one after the
+other, in one set of processes. Each worker still sees what it would see alone: the world
+process group, its own arguments, its own folder, and the thread count it started with.
+
+A worker is a module-level function ``fn(rank, world, *args)`` (it pickles into the spawned
+processes) whose return value pickles too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gradzip.comm import run_processes
+
+__all__ = ["folder", "register", "results"]
+
+
+@dataclass(frozen=True)
+class _Job:
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    with_folder: bool
+    timeout: float
+
+
+_JOBS: dict[int, dict[str, _Job]] = {}
+_DONE: dict[int, dict[str, list[Any]]] = {}
+_FOLDERS: dict[tuple[int, str], str] = {}
+
+
+def register(world: int, key: str, fn: Callable[..., Any], *args: Any, with_folder: bool = False,
+             timeout: float = 240.0) -> None:
+    """Run ``fn(rank, world, *args)`` (with ``with_folder``, a fresh folder's path appended
+    to ``args``) in the shared launch of ``world`` processes; ``timeout`` is what it would
+    get launched alone."""
+    job = _Job(fn, args, with_folder, timeout)
+    jobs = _JOBS.setdefault(world, {})
+    if jobs.get(key, job) != job:
+        raise ValueError(f"`key` {key!r} is registered with another worker at world {world}")
+    jobs[key] = job
+
+
+def _worker(rank: int, world: int, jobs: dict[str, tuple[_Job, tuple[Any, ...]]]) -> dict[str, Any]:
+    out = {}
+    threads = torch.get_num_threads()
+    for key, (job, args) in jobs.items():
+        out[key] = job.fn(rank, world, *args)
+        torch.set_num_threads(threads)  # as the next worker would find it in its own launch
+    return out
+
+
+def results(world: int, key: str, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+    """Worker ``key``'s return values on every rank of ``world`` processes, in rank order.
+    Every worker registered at this size and not run yet runs now, in one launch."""
+    done = _DONE.setdefault(world, {})
+    if key not in done:
+        missing = {k: job for k, job in _JOBS.get(world, {}).items() if k not in done}
+        if key not in missing:
+            raise KeyError(f"no worker {key!r} is registered at world {world}")
+        calls = {}
+        for k, job in missing.items():
+            args = job.args
+            if job.with_folder:
+                _FOLDERS[world, k] = str(tmp_path_factory.mktemp(f"{k}-{world}"))
+                args = (*args, _FOLDERS[world, k])
+            calls[k] = (job, args)
+        per_rank = run_processes(_worker, world, calls,
+                                 timeout=sum(job.timeout for job in missing.values()))
+        for k in missing:
+            done[k] = [ranks[k] for ranks in per_rank]
+    return done[key]
+
+
+def folder(world: int, key: str) -> Path:
+    """The folder worker ``key`` got at ``world`` (once :func:`results` ran it)."""
+    return Path(_FOLDERS[world, key])
