@@ -7,7 +7,8 @@ other, in one set of processes. Each worker still sees what it would see alone: 
 process group, its own arguments, its own folder, and the thread count it started with.
 
 A worker is a module-level function ``fn(rank, world, *args)`` (it pickles into the spawned
-processes) whose return value pickles too.
+processes) whose return value pickles too. Workers written for ``ddp_helpers.spawn`` (which
+sets one thread) are registered with ``threads=1``.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ __all__ = ["folder", "register", "results"]
 class _Job:
     fn: Callable[..., Any]
     args: tuple[Any, ...]
-    with_folder: bool
+    with_folder: bool | type
     timeout: float
+    threads: int | None
 
 
 _JOBS: dict[int, dict[str, _Job]] = {}
@@ -38,12 +40,15 @@ _DONE: dict[int, dict[str, list[Any]]] = {}
 _FOLDERS: dict[tuple[int, str], str] = {}
 
 
-def register(world: int, key: str, fn: Callable[..., Any], *args: Any, with_folder: bool = False,
-             timeout: float = 240.0) -> None:
-    """Run ``fn(rank, world, *args)`` (with ``with_folder``, a fresh folder's path appended
-    to ``args``) in the shared launch of ``world`` processes; ``timeout`` is what it would
-    get launched alone."""
-    job = _Job(fn, args, with_folder, timeout)
+def register(world: int, key: str, fn: Callable[..., Any], *args: Any,
+             with_folder: bool | type = False, timeout: float = 240.0,
+             threads: int | None = None) -> None:
+    """Run ``fn(rank, world, *args)`` in the shared launch of ``world`` processes.
+
+    ``with_folder``: a fresh folder's path appended to ``args`` (a ``str``, or ``Path`` when
+    it is ``Path``); ``timeout``: what it would get launched alone; ``threads``: the thread
+    count it runs with (by default the one a fresh process starts with)."""
+    job = _Job(fn, args, with_folder, timeout, threads)
     jobs = _JOBS.setdefault(world, {})
     if jobs.get(key, job) != job:
         raise ValueError(f"`key` {key!r} is registered with another worker at world {world}")
@@ -54,6 +59,8 @@ def _worker(rank: int, world: int, jobs: dict[str, tuple[_Job, tuple[Any, ...]]]
     out = {}
     threads = torch.get_num_threads()
     for key, (job, args) in jobs.items():
+        if job.threads is not None:
+            torch.set_num_threads(job.threads)
         out[key] = job.fn(rank, world, *args)
         torch.set_num_threads(threads)  # as the next worker would find it in its own launch
     return out
@@ -72,10 +79,13 @@ def results(world: int, key: str, tmp_path_factory: pytest.TempPathFactory) -> l
             args = job.args
             if job.with_folder:
                 _FOLDERS[world, k] = str(tmp_path_factory.mktemp(f"{k}-{world}"))
-                args = (*args, _FOLDERS[world, k])
+                args = (*args, Path(_FOLDERS[world, k]) if job.with_folder is Path
+                        else _FOLDERS[world, k])
             calls[k] = (job, args)
-        per_rank = run_processes(_worker, world, calls,
-                                 timeout=sum(job.timeout for job in missing.values()))
+        # The longest worker's own limit, and a minute for each other one (a hang still
+        # fails within minutes).
+        timeout = max(job.timeout for job in missing.values()) + 60 * (len(missing) - 1)
+        per_rank = run_processes(_worker, world, calls, timeout=timeout)
         for k in missing:
             done[k] = [ranks[k] for ranks in per_rank]
     return done[key]

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip.ddp
+import shared_launch
 from ddp_helpers import ALL_SPECS, spawn, trees_equal
 from ddp_scenarios import (
     BUILTIN_START,
@@ -38,19 +39,21 @@ WORLD = 2
 BUCKET_LABELS = ("one", "tiny")
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("ddp")
+shared_launch.register(WORLD, "ddp_main", main_group, with_folder=Path, threads=1)
 
 
 @pytest.fixture(scope="module")
-def main(folder: Path) -> list[dict[str, Any]]:
-    return spawn(main_group, WORLD, folder / "main", folder)
+def main(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    return shared_launch.results(WORLD, "ddp_main", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def resumed(main: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:
-    return spawn(resume_group, WORLD, folder / "resume", folder)
+def resumed(main: list[dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+            ) -> list[dict[str, Any]]:
+    """Fresh processes of their own, resuming from the files the main group wrote."""
+    folder = shared_launch.folder(WORLD, "ddp_main")
+    return spawn(resume_group, WORLD, tmp_path_factory.mktemp("ddp-resume"), folder)
 
 
 # -- no processes -------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gradzip
+import shared_launch
 from conformance import SHAPES, SPECS, make_grads
 from gradzip.comm import run_processes
 from gradzip.comm.header import HEADER_BYTES, rider_bytes, rider_digit_bits
@@ -243,10 +244,16 @@ def _out_of_step(rank: int, world: int, case: str) -> dict[str, Any]:
     return {"message": message, "step": engine.state_dict()["step"]}
 
 
+shared_launch.register(2, "engine_calls", _counted,
+                       ["none", "fp16", "bf16", "topk:ratio=0.05", "powersgd:rank=2"],
+                       timeout=120)
+
+
 @pytest.mark.slow
-def test_gloo_all_reduce_only_engines_make_one_collective_per_call() -> None:
-    specs = ["none", "fp16", "bf16", "topk:ratio=0.05", "powersgd:rank=2"]
-    for per_rank in run_processes(_counted, 2, specs, timeout=120):
+def test_gloo_all_reduce_only_engines_make_one_collective_per_call(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    for per_rank in shared_launch.results(2, "engine_calls", tmp_path_factory):
         assert per_rank == [[1, 1], [1, 1], [1, 1], [2, 2], [2, 2]], per_rank
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import gradzip
+import shared_launch
 from conformance import SHAPES, make_grads
-from gradzip.comm import run_processes
 from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.spec import compressor_from_spec
 
@@ -191,9 +191,13 @@ def _device_paths(rank: int, world: int, specs: list[str]) -> dict[str, Any]:
 DEVICE_SPECS = ["powersgd:rank=2", "topk:ratio=0.05", "sign"]
 
 
+shared_launch.register(2, "device_paths", _device_paths, DEVICE_SPECS)
+
+
 @pytest.fixture(scope="module")
-def device_paths() -> list[dict[str, Any]]:
-    return run_processes(_device_paths, 2, DEVICE_SPECS, timeout=240)
+def device_paths(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    return shared_launch.results(2, "device_paths", tmp_path_factory)
 
 
 @pytest.mark.slow

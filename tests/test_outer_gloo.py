@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip
+import shared_launch
 from gradzip.comm import run_processes
 from outer_helpers import inner_step, make_inner, make_model, params_of, run_rank, run_simulated
 
@@ -48,9 +49,14 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return {"outer": run_rank(rank, world, MODES), "reference": _periodic_averaging(rank, world)}
 
 
+shared_launch.register(2, "outer_gloo", _worker)
+
+
 @pytest.mark.slow
-def test_two_gloo_processes_match_periodic_averaging_and_the_simulator_bit_for_bit() -> None:
-    per_rank = run_processes(_worker, 2, timeout=240)
+def test_two_gloo_processes_match_periodic_averaging_and_the_simulator_bit_for_bit(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    per_rank = shared_launch.results(2, "outer_gloo", tmp_path_factory)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the worker processes
     try:

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import gradzip
+import shared_launch
 from gradzip.comm import run_processes
 from outer_helpers import batch, make_model, params_of
 
@@ -66,9 +67,14 @@ def _simulated(kwargs: dict[str, Any]) -> tuple[list[torch.nn.Module], gradzip.O
     return models, outer
 
 
+shared_launch.register(2, "outer_gloo_recovery", _rank, timeout=180)
+
+
 @pytest.mark.slow
-def test_a_skipped_sync_and_user_collectives_match_the_simulator_bit_for_bit() -> None:
-    per_rank = run_processes(_rank, 2, timeout=180)
+def test_a_skipped_sync_and_user_collectives_match_the_simulator_bit_for_bit(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    per_rank = shared_launch.results(2, "outer_gloo_recovery", tmp_path_factory)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the worker processes
     try:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import gradzip
+import shared_launch
 from conformance import SHAPES, make_grads
-from gradzip.comm import run_processes
 
 OUT_OF_STEP = "ranks are out of step"
 
@@ -141,10 +141,14 @@ def _scenarios(rank: int, world: int) -> dict[str, Any]:
             "nonfinite": _nonfinite_on_one_rank(rank, world)}
 
 
+shared_launch.register(2, "desync", _scenarios)
+
+
 @pytest.fixture(scope="module")
-def scenarios() -> dict[str, list[Any]]:
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     """``scenarios[name][rank]``."""
-    per_rank = run_processes(_scenarios, 2, timeout=240)
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    per_rank = shared_launch.results(2, "desync", tmp_path_factory)
     return {name: [ranks[name] for ranks in per_rank] for name in per_rank[0]}
 
 

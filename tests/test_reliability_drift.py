@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip
-from ddp_helpers import batch, mlp, spawn
+import shared_launch
+from ddp_helpers import batch, mlp
 
 OUT_OF_STEP = "ranks are out of step"
 
@@ -60,10 +61,14 @@ def _drifts(rank: int, world: int) -> list[dict[str, Any]]:
     return [_drift(rank, world, *case) for case in CASES]
 
 
+shared_launch.register(2, "drift", _drifts, threads=1)
+
+
 @pytest.fixture(scope="module")
 def drifts(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
     """``drifts[case][rank]``."""
-    by_rank = spawn(_drifts, 2, tmp_path_factory.mktemp("drift"))
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    by_rank = shared_launch.results(2, "drift", tmp_path_factory)
     return [list(ranks) for ranks in zip(*by_rank, strict=True)]
 
 

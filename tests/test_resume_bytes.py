@@ -11,13 +11,13 @@ counts and dense-equivalent counters are equal; with one bucket, everything is e
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ddp_helpers import ONE_BUCKET_MB, TINY_BUCKET_MB, mlp, spawn, train_ddp
+import shared_launch
+from ddp_helpers import ONE_BUCKET_MB, TINY_BUCKET_MB, mlp, train_ddp
 
 SPECS = ("topk:ratio=0.1", "powersgd:rank=2")
 TOTAL, AT = 5, 2
@@ -55,9 +55,13 @@ def _runs(rank: int, world: int) -> dict[Any, Any]:
     return out
 
 
+shared_launch.register(2, "resume_bytes", _runs, threads=1)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    return spawn(_runs, 2, Path(tmp_path_factory.mktemp("resume-bytes")))
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    return shared_launch.results(2, "resume_bytes", tmp_path_factory)
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import gradzip
-from ddp_helpers import TINY_BUCKET_MB, batch, clone_tree, flat_params, mlp, spawn, train_ddp
+import shared_launch
+from ddp_helpers import TINY_BUCKET_MB, batch, clone_tree, flat_params, mlp, train_ddp
 from gradzip import Engine, EngineOptions, Rule, SimulatedGroup
 from gradzip.cli import main
 from gradzip.comm.header import HEADER_BYTES
@@ -307,9 +308,14 @@ def _hook_worker(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+shared_launch.register(2, "rules_hook", _hook_worker, threads=1)
+
+
 @pytest.mark.slow
-def test_simulator_equals_two_gloo_processes_through_the_ddp_hook(tmp_path: Path) -> None:
-    real = spawn(_hook_worker, 2, tmp_path)
+def test_simulator_equals_two_gloo_processes_through_the_ddp_hook(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    real = shared_launch.results(2, "rules_hook", tmp_path_factory)
     reference = _simulated_hook(4)
     for rank, result in enumerate(real):
         for label, run in result.items():

@@ -4,7 +4,6 @@ the simulator's, including the gentle steps after a learning-rate drop."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip.ddp
-from ddp_helpers import TINY_BUCKET_MB, batch, mlp, replicas_identical, spawn
+import shared_launch
+from ddp_helpers import TINY_BUCKET_MB, batch, mlp, replicas_identical
 from gradzip import Engine, Schedule, SimulatedGroup
 from test_accordion_state import scaled_grads
 
@@ -77,9 +77,14 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     return {"engine": engine_levels(rank), "ddp": ddp_levels(rank)}
 
 
+shared_launch.register(WORLD, "schedule", _worker, threads=1)
+
+
 @pytest.mark.slow
-def test_levels_follow_the_schedule_on_every_rank(tmp_path: Path) -> None:
-    results = spawn(_worker, WORLD, tmp_path)
+def test_levels_follow_the_schedule_on_every_rank(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    results = shared_launch.results(WORLD, "schedule", tmp_path_factory)
     assert engine_levels(None) == EXPECTED
     for rank, got in enumerate(results):
         assert got["engine"] == EXPECTED, rank
