@@ -33,6 +33,7 @@ class _Job:
     with_folder: bool | type
     timeout: float
     threads: int | None
+    last: bool
 
 
 _JOBS: dict[int, dict[str, _Job]] = {}
@@ -42,13 +43,16 @@ _FOLDERS: dict[tuple[int, str], str] = {}
 
 def register(world: int, key: str, fn: Callable[..., Any], *args: Any,
              with_folder: bool | type = False, timeout: float = 240.0,
-             threads: int | None = None) -> None:
+             threads: int | None = None, last: bool = False) -> None:
     """Run ``fn(rank, world, *args)`` in the shared launch of ``world`` processes.
 
     ``with_folder``: a fresh folder's path appended to ``args`` (a ``str``, or ``Path`` when
     it is ``Path``); ``timeout``: what it would get launched alone; ``threads``: the thread
-    count it runs with (by default the one a fresh process starts with)."""
-    job = _Job(fn, args, with_folder, timeout, threads)
+    count it runs with (by default the one a fresh process starts with); ``last``: it runs
+    after every other worker of its launch (one whose ranks leave the group unpaired)."""
+    job = _Job(fn, args, with_folder, timeout, threads, last)
+    if last and any(other.last for k, other in _JOBS.get(world, {}).items() if k != key):
+        raise ValueError(f"another worker runs last at world {world}")
     jobs = _JOBS.setdefault(world, {})
     if jobs.get(key, job) != job:
         raise ValueError(f"`key` {key!r} is registered with another worker at world {world}")
@@ -72,6 +76,7 @@ def results(world: int, key: str, tmp_path_factory: pytest.TempPathFactory) -> l
     done = _DONE.setdefault(world, {})
     if key not in done:
         missing = {k: job for k, job in _JOBS.get(world, {}).items() if k not in done}
+        missing = dict(sorted(missing.items(), key=lambda item: item[1].last))  # stable
         if key not in missing:
             raise KeyError(f"no worker {key!r} is registered at world {world}")
         calls = {}

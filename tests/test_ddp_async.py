@@ -21,13 +21,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip.ddp
+import shared_launch
 from ddp_helpers import (
     ALL_SPECS,
     TINY_BUCKET_MB,
     batch,
     chain,
     replicas_identical,
-    spawn,
     train_ddp,
 )
 from ddp_scenarios import train_branchy
@@ -215,10 +215,14 @@ def async_group(rank: int, world: int, folder: Path) -> dict[str, Any]:
 
 
 # -- the tests ---------------------------------------------------------------------------------------
+# Last in its launch: its final scenario has rank 1 leave while rank 0 still fails.
+shared_launch.register(WORLD, "ddp_async", async_group, with_folder=Path, threads=1, last=True)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    folder = tmp_path_factory.mktemp("ddp_async")
-    return spawn(async_group, WORLD, folder / "group", folder)
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    return shared_launch.results(WORLD, "ddp_async", tmp_path_factory)
 
 
 def test_overlap_must_be_a_bool() -> None:
