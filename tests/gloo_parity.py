@@ -1,6 +1,8 @@
 """Engines in real gloo processes against the simulator, for the test modules that register
 cases here: every case registered runs in one launch of processes per world size (starting
-them costs more than the cases), the first time a test asks for that size.
+them costs more than the cases), the first time a test asks for that size; at the sizes the
+registering modules ask for (:data:`SHARED_WORLDS`), the launch other modules' workers share
+(``shared_launch``).
 
 A case is plain data and module-level functions, so it pickles into the spawned processes.
 """
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 import gradzip
+import shared_launch
 from gradzip.comm import run_processes
 
 __all__ = ["Case", "register", "results", "simulate"]
@@ -68,11 +71,23 @@ def _worker(rank: int, world: int, cases: dict[str, Case]) -> dict[str, dict[str
     return {key: _run(rank, world, case) for key, case in cases.items()}
 
 
+#: The world sizes the registering modules ask for.
+SHARED_WORLDS = (3, 4)
+for _world in SHARED_WORLDS:
+    # CASES itself: the cases registered by the time the launch runs (every module registers
+    # at import, before any test runs).
+    shared_launch.register(_world, "gloo_parity", _worker, CASES, timeout=480)
+
+
 def results(world: int, key: str) -> list[dict[str, Any]]:
     """Case ``key``'s outcome on every rank of ``world`` gloo processes, in rank order:
     ``results`` (each step's), ``stats``, ``residuals`` and ``owner`` (this rank's rows) and
     ``probe``. Every registered case not run yet at this size runs now, in one launch."""
     done = _RUNS.setdefault(world, {})
+    if world in SHARED_WORLDS and not done:
+        per_rank = shared_launch.results(world, "gloo_parity")
+        for k in per_rank[0]:
+            done[k] = [ranks[k] for ranks in per_rank]
     missing = {k: c for k, c in CASES.items() if k not in done}
     if missing:
         per_rank = run_processes(_worker, world, missing, timeout=240 + 20 * len(missing))

@@ -13,6 +13,7 @@ sets one thread) are registered with ``threads=1``.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,9 +71,11 @@ def _worker(rank: int, world: int, jobs: dict[str, tuple[_Job, tuple[Any, ...]]]
     return out
 
 
-def results(world: int, key: str, tmp_path_factory: pytest.TempPathFactory) -> list[Any]:
+def results(world: int, key: str,
+            tmp_path_factory: pytest.TempPathFactory | None = None) -> list[Any]:
     """Worker ``key``'s return values on every rank of ``world`` processes, in rank order.
-    Every worker registered at this size and not run yet runs now, in one launch."""
+    Every worker registered at this size and not run yet runs now, in one launch; their
+    folders come from ``tmp_path_factory`` (without one, from :func:`tempfile.mkdtemp`)."""
     done = _DONE.setdefault(world, {})
     if key not in done:
         missing = {k: job for k, job in _JOBS.get(world, {}).items() if k not in done}
@@ -83,7 +86,9 @@ def results(world: int, key: str, tmp_path_factory: pytest.TempPathFactory) -> l
         for k, job in missing.items():
             args = job.args
             if job.with_folder:
-                _FOLDERS[world, k] = str(tmp_path_factory.mktemp(f"{k}-{world}"))
+                _FOLDERS[world, k] = (str(tmp_path_factory.mktemp(f"{k}-{world}"))
+                                      if tmp_path_factory is not None
+                                      else tempfile.mkdtemp(prefix=f"{k}-{world}-"))
                 args = (*args, Path(_FOLDERS[world, k]) if job.with_folder is Path
                         else _FOLDERS[world, k])
             calls[k] = (job, args)

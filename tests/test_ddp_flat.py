@@ -20,7 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip.ddp
-from ddp_helpers import TINY_BUCKET_MB, batch, chain, flat_params, spawn, train_ddp
+import shared_launch
+from ddp_helpers import TINY_BUCKET_MB, batch, chain, flat_params, train_ddp
 from gradzip import Engine
 from gradzip.comm.torch_dist import ProcessGroupCollective
 
@@ -172,9 +173,13 @@ def flat_group(rank: int, world: int) -> dict[Any, Any]:
     return out
 
 
+shared_launch.register(WORLD, "ddp_flat", flat_group, timeout=600, threads=1)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
-    return spawn(flat_group, WORLD, tmp_path_factory.mktemp("flat"), timeout=600)
+    # Launched with the other modules' workers of this world size (see shared_launch).
+    return shared_launch.results(WORLD, "ddp_flat", tmp_path_factory)
 
 
 @pytest.mark.slow
