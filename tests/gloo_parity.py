@@ -76,7 +76,7 @@ SHARED_WORLDS = (3, 4)
 for _world in SHARED_WORLDS:
     # CASES itself: the cases registered by the time the launch runs (every module registers
     # at import, before any test runs).
-    shared_launch.register(_world, "gloo_parity", _worker, CASES, timeout=480)
+    shared_launch.register(_world, "gloo_parity_cases", _worker, CASES, timeout=480)
 
 
 def results(world: int, key: str) -> list[dict[str, Any]]:
@@ -85,7 +85,7 @@ def results(world: int, key: str) -> list[dict[str, Any]]:
     ``probe``. Every registered case not run yet at this size runs now, in one launch."""
     done = _RUNS.setdefault(world, {})
     if world in SHARED_WORLDS and not done:
-        per_rank = shared_launch.results(world, "gloo_parity")
+        per_rank = shared_launch.results(world, "gloo_parity_cases")
         for k in per_rank[0]:
             done[k] = [ranks[k] for ranks in per_rank]
     missing = {k: c for k, c in CASES.items() if k not in done}
