@@ -3,8 +3,11 @@
 Starting gloo processes (each imports torch) costs more than most multi-process scenarios. A
 module registers its worker at import, before any test runs; the first test that asks for a
 world size's results runs every worker registered for that size not run yet, one after the
-other, in one set of processes. Each worker still sees what it would see alone: the world
-process group, its own arguments, its own folder, and the thread count it started with.
+other, in one set of processes. Each worker gets the world process group, its own arguments
+and folder, and the thread count it would start with alone; it runs in processes that ran the
+workers registered before it (each worker builds its own models, engines and meshes). A worker
+whose ranks fail apart, leaving collectives unpaired, stalls those after it until the launch's
+limit: such a worker runs ``last``, or in a launch of its own.
 
 A worker is a module-level function ``fn(rank, world, *args)`` (it pickles into the spawned
 processes) whose return value pickles too. Workers written for ``ddp_helpers.spawn`` (which
