@@ -87,11 +87,11 @@ def fits(probe: Sequence[Sequence[float]], world: int) -> dict[str, float]:
     """Both fits of one probe (``[[wire, seconds], ...]``, the one-float call first):
     bandwidth (Mbit/s) and rtt (ms) as the grown probe reads them and as the first two calls
     alone read them, the largest message and the probe's time."""
-    from gradzip.plan.measure import fit_link
+    from gradzip.plan.measure import fit_link, fit_probe
 
     hops = 2 * (world - 1)
     calls = [(int(w), float(t)) for w, t in probe]
-    grown = fit_link(calls[0], calls[-1], hops, start=calls[-2] if len(calls) > 2 else None)
+    grown = fit_probe(calls, hops)  # as a decision reads it
     fixed = fit_link(calls[0], calls[1], hops)
     return {"grown_mbit": grown[0], "grown_rtt_ms": grown[1], "fixed_mbit": fixed[0],
             "fixed_rtt_ms": fixed[1], "largest_bytes": calls[-1][0],

@@ -10,7 +10,7 @@ import torch
 import gradzip
 from gradzip import Auto, Engine, SimulatedGroup, compressor_from_spec
 from gradzip.comm.base import Collective
-from gradzip.plan.measure import UNBOUNDED_MBIT, fit_link, pick, probe_link
+from gradzip.plan.measure import UNBOUNDED_MBIT, fit_link, fit_probe, pick, probe_link
 
 WORLD = 4
 SHAPES = {"w": torch.Size([128, 128]), "b": torch.Size([128])}
@@ -334,7 +334,7 @@ def test_the_probe_grows_past_a_burst_and_reads_the_rate(mbit: float, burst: int
     small, large = calls[0], calls[-1]
     assert fit_link(small, calls[1], 2)[0] == (UNBOUNDED_MBIT if mbit == 1000 else
                                                 pytest.approx(2 * mbit, rel=0.01))
-    bandwidth, rtt = fit_link(small, large, 2, start=calls[-2])
+    bandwidth, rtt = fit_probe(calls, 2)  # the slope between the two largest messages
     assert bandwidth == pytest.approx(mbit, rel=1e-6)
     assert rtt == pytest.approx(0.025, rel=0.1)  # 50 us a call over 2 hops, less 4 bytes
     # Never past the tensors' dense size: a model of 100 KiB is probed at 64 and 100 KiB.

@@ -30,7 +30,7 @@ from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.control.rule import decide, is_lr_drop
 from gradzip.plan.auto_state import auto_problem, fresh_controller, level_qualities
 from gradzip.plan.candidates import Candidate
-from gradzip.plan.measure import fit_link, max_over_ranks, median, pick, probe_link
+from gradzip.plan.measure import fit_probe, max_over_ranks, median, pick, probe_link
 from gradzip.plan.model import Setting, predict_candidate
 from gradzip.plan.traffic import Traffic, measure_traffic
 from gradzip.spec import (
@@ -355,28 +355,27 @@ class Auto(Compressor):
         (``announce``: log the decision's line)."""
         dense = 4 * sum(math.prod(s) for s in ctrl["shapes"].values())
         probes = probe_link(comm, self.probe_bytes, self.clock, device, limit_bytes=dense)
-        small, large = probes[0], probes[-1]
-        start = probes[-2] if len(probes) > 2 else None
+        fitted = probes[:1] + probes[-2:] if len(probes) > 2 else probes  # what fit_probe reads
         current = ctrl["current"]
         reduces = ctrl["reduces"]
         compute = median([p - r for p, r in zip(ctrl["periods"], reduces, strict=True)])
         mean_norm = _mean_norm(ctrl["acc"], ctrl["acc_steps"], comm.local_workers)
-        mine = [max(compute, 0.0), median(reduces), small[1], large[1],
-                start[1] if start else 0.0, median(ctrl["calls"]) or 1.0,
+        times = [t for _, t in fitted] + [0.0] * (3 - len(fitted))  # always three floats
+        mine = [max(compute, 0.0), median(reduces), *times, median(ctrl["calls"]) or 1.0,
                 median(ctrl["wires"]), mean_norm]
         # Every rank must take the same decision (the next step's collectives depend on the
         # level), so the decision reads only these maxima over the ranks, identical on every
         # rank, never a rank's own clock (the norm too: each worker's own gradient differs).
-        (compute, reduce_s, t_small, t_large, t_start, calls, wire,
-         norm) = max_over_ranks(comm, mine, device)
+        compute, reduce_s, *most, calls, wire, norm = max_over_ranks(comm, mine, device)
         # Whether whole steps were timed since the last decision: from the step count, the
         # same on every rank (a rank's own sample list could differ), so all take one branch.
         sampled = ctrl["acc_steps"] > 1
         if not sampled and ctrl["last_compute"] is not None:
             compute = ctrl["last_compute"]  # e.g. a decision brought forward by an LR drop
         workers = comm.world_size
-        bandwidth, rtt = fit_link((small[0], t_small), (large[0], t_large), 2 * (workers - 1),
-                                  start=None if start is None else (start[0], t_start))
+        bandwidth, rtt = fit_probe(
+            [(w, t) for (w, _), t in zip(fitted, most[:len(fitted)], strict=True)],
+            2 * (workers - 1))
         # Before any whole step was timed (a first decision at step 1) compute is unknown:
         # a floor of a nanosecond keeps the model defined and compares the levels by link time.
         setting = Setting(workers, bandwidth, rtt, max(compute * 1e3, 1e-6),

@@ -4,6 +4,7 @@ Pure functions over plain numbers (and one collective each for the link probe an
 aggregation), kept apart from the controller's step logic:
 
 * :func:`fit_link`: bandwidth and latency from timed messages of different sizes;
+* :func:`fit_probe`: :func:`fit_link` over the calls :func:`probe_link` made;
 * :func:`probe_link`: time those all-reduces on the group, the large one grown until its
   size costs measurable time;
 * :func:`max_over_ranks`: the element-wise maximum of a few floats over every rank;
@@ -20,7 +21,7 @@ import torch
 
 from gradzip.comm.base import Collective, allreduce_wire_bytes
 
-__all__ = ["fit_link", "max_over_ranks", "median", "pick", "probe_link"]
+__all__ = ["fit_link", "fit_probe", "max_over_ranks", "median", "pick", "probe_link"]
 
 #: Bandwidth used when the probe sees no cost of size (one worker, or noise): effectively
 #: free bytes, so only latency and compute count.
@@ -74,6 +75,14 @@ def fit_link(small: tuple[int, float], large: tuple[int, float], hops: int, *,
     bandwidth = UNBOUNDED_MBIT if per_byte <= 8 / (UNBOUNDED_MBIT * 1e6) else 8 / (per_byte * 1e6)
     latency = max(0.0, t_s - w_s * max(per_byte, 0.0)) / hops
     return bandwidth, 1e3 * latency
+
+
+def fit_probe(calls: Sequence[tuple[int, float]], hops: int) -> tuple[float, float]:
+    """:func:`fit_link` over the calls :func:`probe_link` made (``(wire bytes, seconds)``,
+    the one-float call first; their times as one rank saw them, or the maxima over the
+    ranks): the bandwidth from the slope between the two largest messages, the latency from
+    the one-float call."""
+    return fit_link(calls[0], calls[-1], hops, start=calls[-2] if len(calls) > 2 else None)
 
 
 def probe_link(comm: Collective, probe_bytes: int, clock: Callable[[], float],
