@@ -271,6 +271,31 @@ def test_first_decision_prices_the_compute_it_is_given(caplog: pytest.LogCapture
         auto.first_decision(SHAPES, group, ranks=range(WORLD), compute_s="fast")  # type: ignore[arg-type]
 
 
+def test_first_decision_on_a_known_link_does_not_probe() -> None:
+    """Given the link an earlier record measured, the first decision probes nothing (its
+    bytes are the maxima over ranks alone) and is the record the probe gave."""
+    clock = LinkClock(10, 1e-3)
+    group = SimulatedGroup(WORLD)
+    clock.group = group
+    auto = Auto(clock=clock, every=5, warmup=0)
+    probed = auto.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=0.01)
+    sent = group.meter.wire[0]
+    link = (probed["bandwidth_mbit"], probed["rtt_ms"])
+    known = auto.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=0.01, link=link)
+    assert group.meter.wire[0] - sent == 2 * (WORLD - 1) * (WORLD * 8 * 8) // WORLD
+    assert known == probed
+    # Another link prices the levels anew.
+    fast = auto.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=0.01,
+                               link=(1e5, 0.0))
+    assert (fast["bandwidth_mbit"], fast["rtt_ms"], fast["level"]) == (1e5, 0.0, "none")
+    for bad, error, match in (((10.0,), ValueError, r"`link` must be a pair"),
+                              ((0.0, 1.0), ValueError, r"`link\[0\] \(bandwidth_mbit\)` must be"),
+                              ((10.0, -1.0), ValueError, r"`link\[1\] \(rtt_ms\)` must be"),
+                              ((10.0, "1"), TypeError, r"`link\[1\] \(rtt_ms\)` must be")):
+        with pytest.raises(error, match=match):
+            auto.first_decision(SHAPES, group, ranks=range(WORLD), link=bad)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
     ({"levels": []}, ValueError, "levels"),
     ({"levels": ["none", "none"]}, ValueError, "repeat"),

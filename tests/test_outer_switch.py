@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from gradzip import Auto
+from gradzip.comm import SimulatedGroup
 from gradzip.plan.candidates import Candidate
-from gradzip.plan.switch import OUTER_CANDIDATES, outer_switch
+from gradzip.plan.switch import OUTER_CANDIDATES, outer_switch, outer_switch_bound
 from gradzip.plan.traffic import measure_traffic
 from test_auto import SHAPES, WORLD, LinkClock, drive
 
@@ -143,3 +146,48 @@ def test_the_levels_measured_overhead_is_in_the_per_step_price() -> None:
     other = outer_switch(bare, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=100.0)
     moved = outer_switch(priced, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=100.0)
     assert moved["predicted_ms"][level] == pytest.approx(other["predicted_ms"][level] + 40.0)
+
+
+#: One Auto for the bound's examples: its levels' traffic is simulated once.
+_AUTO = Auto(warmup=0)
+_SPECS = {lb: lv.spec() for lb, lv in zip(_AUTO.labels, _AUTO._levels, strict=True)}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(bandwidth=st.floats(1e-3, 1e5), rtt=st.floats(0.0, 100.0), compute=st.floats(0.0, 5.0),
+       costs=st.lists(st.floats(0.0, 5.0), min_size=len(_SPECS), max_size=len(_SPECS)))
+@example(bandwidth=10.0, rtt=1.0, compute=0.01, costs=[0.0, 0.0, 0.5, 0.0, 0.0, 0.0])
+@example(bandwidth=1e4, rtt=0.01, compute=0.05, costs=[0.0] * len(_SPECS))
+def test_a_switch_on_the_bound_is_a_switch_on_the_measured_prices(
+        bandwidth: float, rtt: float, compute: float, costs: list[float]) -> None:
+    """The decision before step 0 may switch on the bound (the allowed levels priced without
+    compression, :func:`outer_switch_bound`) and skip measuring compression: the measured
+    decision on the same link and compute must then switch too, at the same candidate, with
+    at least the bound's gain, whatever the levels' compression costs."""
+    group = SimulatedGroup(WORLD)
+    link = (bandwidth, rtt)
+    free = _AUTO.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=compute, link=link)
+    allowed = {lb: _SPECS[lb] for lb in _AUTO.allowed(bool(free["critical"]))}
+    bound = outer_switch_bound(free, allowed, SHAPES, WORLD, margin=0.05, early=True)
+    measured = _AUTO.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=compute,
+                                    overhead_s=dict(zip(_AUTO.labels, costs, strict=True)),
+                                    link=link)
+    got = outer_switch(measured, _SPECS[measured["level"]], SHAPES, WORLD, margin=0.05,
+                       early=True)
+    assert bound["level"] in allowed and got["gain"] >= bound["gain"] - 1e-12
+    if bound["switch"]:
+        assert got["switch"] and got["candidate"] == bound["candidate"]
+    # It is the smallest gain of the allowed levels' verdicts.
+    each = [outer_switch({**free, "level": lb}, spec, SHAPES, WORLD, margin=0.05, early=True)
+            for lb, spec in allowed.items()]
+    assert bound == min(each, key=lambda v: v["gain"])
+
+
+def test_the_bound_names_its_levels() -> None:
+    record = _AUTO.first_decision(SHAPES, SimulatedGroup(WORLD), ranks=range(WORLD),
+                                  link=(10.0, 1.0))
+    with pytest.raises(ValueError, match="`level_specs` must map level labels to compressor "
+                                         "specs, at least one, got {}"):
+        outer_switch_bound(record, {}, SHAPES, WORLD, margin=0.05)
+    with pytest.raises(ValueError, match="`margin`"):
+        outer_switch_bound(record, {"none": "none"}, SHAPES, WORLD, margin=1.0)

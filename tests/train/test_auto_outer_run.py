@@ -23,7 +23,9 @@ from torch import nn
 from gradzip.cli import main
 from gradzip.comm.base import allgather_wire_bytes
 from gradzip.plan import Auto
-from gradzip.train.auto_outer import SwitchingStepper
+from gradzip.plan import auto as auto_module
+from gradzip.plan.measure import probe_link
+from gradzip.train.auto_outer import SwitchingStepper, switch_line
 from gradzip.train.config import resolve_config
 from gradzip.train.rundir import load_rank_file, read_manifest
 from gradzip.train.runner import RunConfig, run
@@ -266,12 +268,41 @@ class _TimedTask(_Task):
         return super().loss(model, batch, carry)
 
 
-def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: Path) -> None:
+def test_a_first_decision_its_bound_settles_measures_no_compression(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """Before step 0 on a slow link, outer steps win even against the cheapest allowed
+    level with its compression priced free: the switch is taken on that bound, and no level's
+    compression is benchmarked."""
+    cfg = resolve_config(RunConfig(**{**FORCED, "auto_outer_early": True,  # type: ignore[arg-type]
+                                      "out": str(tmp_path / "x")}))
+    torch.manual_seed(0)
+    model = _Net()
+    auto = Auto(levels="none|powersgd:rank=1|topk:ratio=0.3", warmup=0, every=3)
+    stepper = SwitchingStepper(model, _Task(), auto, cfg,
+                               torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    monkeypatch.setattr(stepper, "level_overheads", lambda: pytest.fail("benchmarked"))
+    batch = (torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))
+    stepper.step([[batch], [batch]], [0, 0])
+    (verdict,) = stepper.take_records()
+    assert (verdict["switch"], verdict["priced"], verdict["reason"]) == (
+        True, "bound", "first and faster")
+    # The cheapest level the critical first decision may choose: top-k is aggressive.
+    assert verdict["level"] in ("none", "powersgd-r1")
+    assert stepper.switch is not None and stepper.switch["switched_at"] == 0
+    assert "(gain at least " in switch_line({"switched": True, "switch": stepper.switch})
+
+
+def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: Path,
+                                                                      monkeypatch) -> None:
     """Compute of 50 s a step (a scripted clock) against a link priced at one second a dense
     exchange: outer steps at H = 2 gain 1%, so the decision before step 0 keeps per-step
-    communication. Auto's own decision in step 0 timed no step and, compute at its floor,
-    would find them 50% faster; it is not weighed, and the decision at step 3, with compute
-    measured, stays too."""
+    communication (its bound did not settle it: compression was measured, the link probed
+    once). Auto's own decision in step 0 timed no step and, compute at its floor, would find
+    them 50% faster; it is not weighed, and the decision at step 3, with compute measured,
+    stays too."""
+    probes = []
+    monkeypatch.setattr(auto_module, "probe_link",
+                        lambda *a, **k: probes.append(a) or probe_link(*a, **k))
     clock = _Ticks(50.0)
     torch.manual_seed(0)
     model = _Net()
@@ -282,10 +313,18 @@ def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: 
     auto = Auto(levels="none", warmup=0, every=3, eta=100, clock=clock)
     stepper = SwitchingStepper(model, _TimedTask(clock), auto, cfg,
                                torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    benchmarked, before_step = [], []
+    measure, per_step = stepper.level_overheads, stepper.per_step.step
+    monkeypatch.setattr(stepper, "level_overheads", lambda: benchmarked.append(1) or measure())
+    monkeypatch.setattr(stepper.per_step, "step",
+                        lambda *a: before_step.append(len(probes)) or per_step(*a))
     batch = (torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))
-    for _ in range(5):
+    stepper.step([[batch], [batch]], [0, 0])
+    assert (before_step, len(benchmarked)) == ([1], 1)  # then Auto's own in step 0 probes
+    for _ in range(4):
         stepper.step([[batch], [batch]], [0, 0])
     first, later = stepper.take_records()  # the decision before step 0, then step 3's
+    assert first["priced"] == "measured"
     assert stepper.switch is None and stepper.pending is None and stepper.evaluations == 2
     assert Auto.counts(stepper.compressor_state)["decisions"] == 2  # Auto's: steps 0 and 3
     assert (first["step"], first["reason"], first["compute_ms"]) == (0, "no gain", 50_000.0)

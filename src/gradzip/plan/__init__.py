@@ -10,7 +10,7 @@ from gradzip.plan.auto import DEFAULT_LEVELS, Auto
 from gradzip.plan.candidates import QUALITIES, Candidate, default_candidates
 from gradzip.plan.model import Prediction, Setting, comm_seconds, predict_candidate
 from gradzip.plan.planner import Plan, choose, parse_count, plan, predict
-from gradzip.plan.switch import OUTER_CANDIDATES, outer_switch
+from gradzip.plan.switch import OUTER_CANDIDATES, outer_switch, outer_switch_bound
 from gradzip.plan.timing import TimingCache, measure_compress_seconds
 from gradzip.plan.traffic import Call, Traffic, count_layout, measure_traffic
 
@@ -33,6 +33,7 @@ __all__ = [
     "measure_compress_seconds",
     "measure_traffic",
     "outer_switch",
+    "outer_switch_bound",
     "parse_count",
     "plan",
     "predict",

@@ -281,7 +281,8 @@ class Auto(Compressor):
     def first_decision(self, shapes: Mapping[str, Sequence[int]], comm: Collective, *,
                        ranks: Sequence[int], device: torch.device | None = None,
                        compute_s: float | None = None,
-                       overhead_s: Mapping[str, float] | None = None) -> dict[str, Any]:
+                       overhead_s: Mapping[str, float] | None = None,
+                       link: tuple[float, float] | None = None) -> dict[str, Any]:
         """The decision record a first decision before step 0 makes (``warmup=0``: the link
         probed, no step timed), taken on a scratch controller: no state changes.
 
@@ -306,6 +307,9 @@ class Auto(Compressor):
                 a running level learns; the maxima over the ranks are taken with one more
                 all-reduce of ``len(levels)`` floats per rank. ``None``: every level's
                 overhead is unknown (0).
+            link: ``(bandwidth_mbit, rtt_ms)`` already measured on this group, for example
+                an earlier record's (maxima over the ranks: the same on every rank), to
+                decide on without probing again; ``None``: the link is probed.
 
         Returns:
             The record, as :meth:`decisions` returns them (numbered 0, ``step`` 0).
@@ -315,7 +319,8 @@ class Auto(Compressor):
                 real number.
             ValueError: ``shapes`` empty or not a mapping of shapes, ``ranks`` not one
                 rank per local worker of ``comm``, ``compute_s`` or an overhead negative or
-                not finite, or ``overhead_s`` not keyed by exactly the levels' labels.
+                not finite, ``overhead_s`` not keyed by exactly the levels' labels, or
+                ``link`` not a pair of a bandwidth > 0 and a round trip >= 0.
         """
         if not isinstance(comm, Collective):
             raise TypeError(f"`comm` must be a Collective, got {type(comm).__name__}")
@@ -335,6 +340,12 @@ class Auto(Compressor):
                                  f"seconds, got {overhead_s!r}")
             for label in self.labels:
                 check_real(f"overhead_s[{label!r}]", overhead_s[label], low=0)
+        if link is not None:
+            if not isinstance(link, (tuple, list)) or len(link) != 2:
+                raise ValueError(f"`link` must be a pair (bandwidth_mbit, rtt_ms), got {link!r}")
+            check_real("link[0] (bandwidth_mbit)", link[0], low=0, low_open=True)
+            check_real("link[1] (rtt_ms)", link[1], low=0)
+            link = (float(link[0]), float(link[1]))
         device = device if device is not None else torch.device("cpu")
         ctrl = fresh_controller({n: torch.Size(s) for n, s in shapes.items()}, self.labels, 0)
         if compute_s is not None:  # one step's compute, none of it in reduce
@@ -346,15 +357,19 @@ class Auto(Compressor):
             ctrl.update(overhead=dict(zip(self.labels, most, strict=True)))
         ctx = StepContext(step=0, ranks=tuple(ranks), world_size=comm.world_size)
         # Not logged: nothing is applied here, and the caller says what it did with it.
-        self._decide(ctrl, comm, ctx, device, announce=False)
+        self._decide(ctrl, comm, ctx, device, announce=False, link=link)
         return dict(ctrl["log"][-1])
 
     def _decide(self, ctrl: dict[str, Any], comm: Collective, ctx: StepContext,
-                device: torch.device, announce: bool = True) -> None:
-        """Probe, aggregate over ranks, predict every level, choose; applies from this step
-        (``announce``: log the decision's line)."""
-        dense = 4 * sum(math.prod(s) for s in ctrl["shapes"].values())
-        probes = probe_link(comm, self.probe_bytes, self.clock, device, limit_bytes=dense)
+                device: torch.device, announce: bool = True,
+                link: tuple[float, float] | None = None) -> None:
+        """Probe (unless ``link`` is known), aggregate over ranks, predict every level,
+        choose; applies from this step (``announce``: log the decision's line)."""
+        if link is None:
+            dense = 4 * sum(math.prod(s) for s in ctrl["shapes"].values())
+            probes = probe_link(comm, self.probe_bytes, self.clock, device, limit_bytes=dense)
+        else:
+            probes = []
         fitted = probes[:1] + probes[-2:] if len(probes) > 2 else probes  # what fit_probe reads
         current = ctrl["current"]
         reduces = ctrl["reduces"]
@@ -373,7 +388,7 @@ class Auto(Compressor):
         if not sampled and ctrl["last_compute"] is not None:
             compute = ctrl["last_compute"]  # e.g. a decision brought forward by an LR drop
         workers = comm.world_size
-        bandwidth, rtt = fit_probe(
+        bandwidth, rtt = link if link is not None else fit_probe(
             [(w, t) for (w, _), t in zip(fitted, most[:len(fitted)], strict=True)],
             2 * (workers - 1))
         # Before any whole step was timed (a first decision at step 1) compute is unknown:

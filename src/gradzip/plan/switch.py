@@ -18,6 +18,10 @@ measured for it (read from its own prediction in the record); the outer candidat
 and compute (their dense exchange has no compression). Among the candidates within the margin
 of the fastest, the one with the smallest ``H`` is taken: the model prices time, not the
 quality a rarer synchronisation costs.
+
+:func:`outer_switch_bound` weighs the candidates against the cheapest of several levels: given
+a record that prices the levels without their compression, a lower bound on the gain, enough
+to decide a switch before any compression was measured.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from gradzip.plan.candidates import Candidate
 from gradzip.plan.model import Setting, predict_candidate
 from gradzip.plan.traffic import Traffic, measure_traffic
 
-__all__ = ["OUTER_CANDIDATES", "outer_switch"]
+__all__ = ["OUTER_CANDIDATES", "outer_switch", "outer_switch_bound"]
 
 #: The outer-step candidates weighed by default: DiLoCo's dense exchange at H = 10, 30, 100.
 OUTER_CANDIDATES = tuple(Candidate(f"diloco-h{h}", "none", "outer", h) for h in (10, 30, 100))
@@ -146,3 +150,38 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
                              **{n: p.step_ms for n, p in outer.items()}},
             "candidate": best.name, "outer_steps": best.outer_steps,
             "outer_lr": best.outer_lr, "outer_momentum": best.outer_momentum, "gain": gain}
+
+
+def outer_switch_bound(record: Mapping[str, Any], level_specs: Mapping[str, str],
+                       shapes: Mapping[str, Sequence[int]], workers: int, *, margin: float,
+                       **options: Any) -> dict[str, Any]:
+    """:func:`outer_switch` against the cheapest of several per-step levels: the verdict of
+    the level :func:`outer_switch` prices lowest (the smallest ``gain``; the first on a tie).
+
+    With a record that prices its levels without compression cost (an Auto first decision
+    taken without ``overhead_s``) and the levels that decision may choose, this verdict is a
+    bound: compression only adds to a per-step price, and the candidates' prices and choice
+    read link and compute alone. So where it says switch, the record of the same inputs with
+    each level's measured compression says switch too, at the same candidate, with at least
+    this gain; the compression need not be measured. ``gradzip train --auto-outer`` decides
+    this way before step 0 (:mod:`gradzip.train.auto_outer`).
+
+    Args:
+        record: an Auto decision record whose ``predicted_ms`` prices every level named in
+            ``level_specs`` (its ``level`` is replaced by each in turn).
+        level_specs: ``label -> compressor spec`` of the levels to weigh, at least one.
+        shapes, workers, margin, options: as for :func:`outer_switch`.
+
+    Returns:
+        The switch record of the cheapest level, as :func:`outer_switch` returns it.
+
+    Raises:
+        TypeError, ValueError: an invalid parameter, naming it.
+    """
+    if not isinstance(level_specs, Mapping) or not level_specs or any(
+            not isinstance(k, str) or not isinstance(v, str) for k, v in level_specs.items()):
+        raise ValueError(f"`level_specs` must map level labels to compressor specs, at least "
+                         f"one, got {level_specs!r}")
+    verdicts = [outer_switch({**record, "level": label}, spec, shapes, workers, margin=margin,
+                             **options) for label, spec in level_specs.items()]
+    return min(verdicts, key=lambda v: v["gain"])

@@ -9,8 +9,9 @@ outer-step candidate predicted faster by Auto's margin) is
 carried out at the start of the next step, so the loop's optimizer step of the deciding step
 has run. With ``auto(warmup=0)`` and ``--auto-outer-early`` the stepper takes the first
 decision itself before step 0 (:meth:`~gradzip.Auto.first_decision`), priced with compute it
-times (:meth:`SwitchingStepper.time_compute`) and each level's measured compression time
-(:meth:`SwitchingStepper.level_overheads`), and a switch there is carried out before step 0.
+times (:meth:`SwitchingStepper.time_compute`) and, where a bound that prices compression
+free does not settle it, each level's measured compression time
+(:meth:`SwitchingStepper.level_overheads`); a switch there is carried out before step 0.
 The switch:
 
 1. the replicas' parameters are checked equal by a 24-byte digest per worker, all-gathered
@@ -44,7 +45,14 @@ from gradzip.comm import Collective, ProcessGroupCollective, SimulatedGroup
 from gradzip.compressors.base import Compressor
 from gradzip.ops.flat import flatten_workers, unpack
 from gradzip.outer.consensus import agree_on_parameters
-from gradzip.plan import Auto, Candidate, Traffic, measure_traffic, outer_switch
+from gradzip.plan import (
+    Auto,
+    Candidate,
+    Traffic,
+    measure_traffic,
+    outer_switch,
+    outer_switch_bound,
+)
 from gradzip.plan.timing import measure_compress_seconds
 from gradzip.spec import compressor_from_spec
 from gradzip.train.metrics import format_bytes
@@ -112,12 +120,8 @@ class SwitchingStepper:
         (carrying a pending switch out first)."""
         comm = None
         if self.steps == 0 and self.switch is None and self._decides_before_start():
-            compute = self.time_compute(batches[0], carries[0])
-            overheads = self.level_overheads()
             comm = self._collective()
-            self._weigh(self.auto.first_decision(self.shapes, comm, ranks=self.local_ranks,
-                                                 device=self.device, compute_s=compute,
-                                                 overhead_s=overheads))
+            self._decide_before_start(batches[0], carries[0], comm)
         if self.pending is not None:
             self._carry_out(comm)
         elif comm is not None:  # the probes of a first decision that kept per-step training
@@ -132,6 +136,38 @@ class SwitchingStepper:
             self._weigh_new_decisions()
         self.steps += 1
         return loss
+
+    def _decide_before_start(self, micro: list[Any], carry: Any, comm: Collective) -> None:
+        """The first decision, before step 0, with compression measured only where it could
+        change the verdict.
+
+        Compute is timed (:meth:`time_compute`) and the link probed first, and the verdict
+        is weighed against the cheapest level the decision may choose, its compression
+        priced free. Compression adds to per-step prices only (the outer candidates' dense
+        exchange compresses nothing), so where outer steps win against that lower bound
+        they win against every measured price, at the same candidate (its choice reads
+        compute and link alone): the switch is taken on the bound (its record's ``priced``
+        is ``"bound"``, its ``gain`` a lower bound) and the compression benchmark, a third
+        of what every worker spends before step 0 on the race's model, is skipped.
+        Otherwise each allowed level's compression is measured and the decision is taken
+        again on the link already probed (``priced``: ``"measured"``).
+
+        Every branch reads the records' maxima over the ranks, so all ranks take the same."""
+        ranks, device = self.local_ranks, self.device
+        compute = self.time_compute(micro, carry)
+        record = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
+                                          compute_s=compute)
+        allowed = self.auto.allowed(bool(record["critical"]))
+        bound = outer_switch_bound(record, {lb: self._spec(lb) for lb in allowed},
+                                   **self._switch_options())
+        if bound["switch"]:
+            self._keep({"kind": "outer_switch", **bound, "priced": "bound"})
+            return
+        link = (float(record["bandwidth_mbit"]), float(record["rtt_ms"]))
+        measured = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
+                                            compute_s=compute, overhead_s=self.level_overheads(),
+                                            link=link)
+        self._keep(self._verdict(measured))
 
     def time_compute(self, micro: list[Any], carry: Any, repeats: int = 2) -> float:
         """Seconds of one worker's compute for a step: forward and backward over its
@@ -209,17 +245,30 @@ class SwitchingStepper:
     def _weigh(self, record: dict[str, Any]) -> None:
         """Weigh one Auto decision record against outer-step training; a switch is pending
         from the first that says so."""
-        label = str(record["level"])
-        spec = self.auto.levels[self.auto.labels.index(label)].spec()  # type: ignore[union-attr]
+        self._keep(self._verdict(record))
+
+    def _verdict(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The switch evaluation of one Auto decision record (nothing kept)."""
+        verdict = outer_switch(record, self._spec(str(record["level"])),
+                               **self._switch_options())
+        return {"kind": "outer_switch", **verdict, "priced": "measured"}
+
+    def _spec(self, label: str) -> str:
+        return self.auto.levels[self.auto.labels.index(label)].spec()  # type: ignore[union-attr]
+
+    def _switch_options(self) -> dict[str, Any]:
+        """What :func:`outer_switch` reads besides the record and the level."""
         # The record's inputs are maxima over the ranks (Auto aggregates them before it
         # decides) and everything else here is configuration or shapes, so every rank
         # reaches the same verdict and carries the switch out at the same step: the
         # collectives that follow (the parameter exchange, the outer loop's) match.
-        verdict = outer_switch(record, spec, self.shapes, self.world, margin=self.auto.margin,
-                               candidates=self.candidates,
-                               bandwidth_mbit=self.cfg.auto_outer_bandwidth_mbit,
-                               traffic=self._known_traffic(), early=self.cfg.auto_outer_early)
-        verdict = {"kind": "outer_switch", **verdict}
+        return {"shapes": self.shapes, "workers": self.world, "margin": self.auto.margin,
+                "candidates": self.candidates,
+                "bandwidth_mbit": self.cfg.auto_outer_bandwidth_mbit,
+                "traffic": self._known_traffic(), "early": self.cfg.auto_outer_early}
+
+    def _keep(self, verdict: dict[str, Any]) -> None:
+        """Record a switch evaluation; a switch is pending from the first that says so."""
         self.evaluations += 1
         self.last = verdict
         self._fresh.append(verdict)
@@ -460,11 +509,14 @@ def switch_line(entry: dict[str, Any]) -> str:
     if rec is None:
         return "auto-outer: no decision weighed outer steps (stayed per-step)"
     ms = rec["predicted_ms"]
+    # Decided on a bound (a decision before step 0 that needed no more): compression priced
+    # free, so the gain is at least this.
+    gain = "gain at least" if rec.get("priced") == "bound" else "gain"
     # A decision before any timed step prices compute at a floor (see Auto): say so.
     compute = ("compute not timed yet" if rec["compute_ms"] < 1e-3
                else f"compute {rec['compute_ms']:.1f} ms")
     prices = (f"predicted {ms[rec['candidate']]:.1f} ms/step against {ms[rec['level']]:.1f} "
-              f"for per-step {rec['level']} (gain {100 * rec['gain']:.0f}%; {compute}, "
+              f"for per-step {rec['level']} ({gain} {100 * rec['gain']:.0f}%; {compute}, "
               f"link {rec['bandwidth_mbit']:.3g} Mbit/s, rtt {rec['rtt_ms']:.2f} ms)")
     if entry.get("switched"):
         phase = ("it is the first decision (--auto-outer-early)" if rec.get("critical")
