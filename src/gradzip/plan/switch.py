@@ -170,7 +170,11 @@ def outer_switch_bound(record: Mapping[str, Any], level_specs: Mapping[str, str]
         record: an Auto decision record whose ``predicted_ms`` prices every level named in
             ``level_specs`` (its ``level`` is replaced by each in turn).
         level_specs: ``label -> compressor spec`` of the levels to weigh, at least one.
-        shapes, workers, margin, options: as for :func:`outer_switch`.
+        shapes: the trained tensors' shapes, as for :func:`outer_switch`.
+        workers: ``W`` (>= 2), as for :func:`outer_switch`.
+        margin: the fraction a switch must gain, in [0, 1).
+        **options: :func:`outer_switch`'s other keyword arguments (``candidates``,
+            ``bandwidth_mbit``, ``traffic``, ``early``).
 
     Returns:
         The switch record of the cheapest level, as :func:`outer_switch` returns it.
