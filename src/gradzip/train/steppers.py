@@ -151,10 +151,10 @@ class DDPStepper:
         self.local_ranks = [dist.get_rank()]
         ids = [device.index] if device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers when it is built: a whole model over
-        # the link before the first step (a 7.6 MB model, about 6 s at 10 Mbit/s). Every rank
-        # built its replica from the same seed (or loads the same checkpoint), so they are
-        # nearly always equal already: a 24-byte digest per rank says whether, and DDP's
-        # broadcast runs only where they differ (its shape check with it).
+        # the link before the first step (4-5 s of a run at 10 Mbit/s in the outer-step
+        # race). Every rank built its replica from the same seed, so they are nearly always
+        # equal already: a 24-byte digest per rank says whether, and DDP's broadcast runs
+        # only where they differ (its shape check with it).
         self.synced_at_start = not _replicas_equal(model) or not _CAN_SKIP_INIT_SYNC
         skip = {} if self.synced_at_start else {"init_sync": False}
         # Buffers (BatchNorm statistics) follow rank 0 at every forward: DDP's default.
