@@ -217,9 +217,10 @@ def test_first_decision_is_the_step_0_decision_taken_without_state() -> None:
         assert record[key] == pytest.approx(expected[key], rel=1e-12)
     assert record["level"] != "none" and record["reason"] == "first"
     # Its bytes are a decision's: the probes (one float, one float, probe_bytes, then grown
-    # 4x but no larger than the tensors' dense size: at once) and the WORLD x 8 float64
-    # maxima over ranks, each all-reduced at 2 (W - 1) / W; nothing else.
-    sizes = (4, 4, auto.probe_bytes, DENSE, WORLD * 8 * 8)
+    # 4x but no larger than the tensors' dense size: at once; probe_bytes again, the slope's
+    # lower end timed twice) and the WORLD x 8 float64 maxima over ranks, each all-reduced
+    # at 2 (W - 1) / W; nothing else.
+    sizes = (4, 4, auto.probe_bytes, DENSE, auto.probe_bytes, WORLD * 8 * 8)
     assert group.meter.wire[0] == sum(2 * (WORLD - 1) * n // WORLD for n in sizes)
     # A fresh run's state is untouched: this Auto still decides before its own step 0.
     again = Engine(SHAPES, auto, collective=group)
@@ -259,7 +260,8 @@ def test_first_decision_prices_the_compute_it_is_given(caplog: pytest.LogCapture
     assert priced["level"] not in ("none", floor["level"])
     assert priced["predicted_ms"][floor["level"]] == pytest.approx(
         floor["predicted_ms"][floor["level"]] + 1e6, rel=1e-6)
-    sizes = (WORLD * len(auto.labels) * 8, 4, 4, auto.probe_bytes, DENSE, WORLD * 8 * 8)
+    sizes = (WORLD * len(auto.labels) * 8, 4, 4, auto.probe_bytes, DENSE, auto.probe_bytes,
+             WORLD * 8 * 8)
     assert group.meter.wire[0] - sent == sum(2 * (WORLD - 1) * n // WORLD for n in sizes)
     with pytest.raises(ValueError, match="`overhead_s` must map every level label"):
         auto.first_decision(SHAPES, group, ranks=range(WORLD), overhead_s={"none": 0.0})
@@ -384,6 +386,42 @@ def test_a_level_keeps_its_state_while_another_runs() -> None:
     assert not all(torch.equal(q[n], fresh[n]) for n in q)  # ... and it had moved while it ran
 
 
+class PausingClock(BucketClock):
+    """:class:`BucketClock`, plus a pause of ``pause_s`` inside the first call that sends
+    ``size`` wire bytes (its process scheduled out on a busy machine)."""
+
+    def __init__(self, group: Collective, mbit: float, burst: int, latency_s: float, *,
+                 size: int, pause_s: float) -> None:
+        super().__init__(group, mbit, burst, latency_s)
+        self.size, self.pause, self.paused = size, pause_s, False
+
+    def __call__(self) -> float:
+        if not self.paused and self.group.meter.wire[0] - self._seen[0] == self.size:
+            self.now += self.pause
+            self.paused = True
+        return super().__call__()
+
+
+@pytest.mark.parametrize("pause_s", [0.0, 4e-3])
+def test_a_pause_in_the_slopes_lower_end_is_timed_away(pause_s: float) -> None:
+    """At 150 Mbit/s the growth from 64 to 256 KiB costs 10.5 ms. A 4 ms pause inside the
+    64 KiB call leaves 6.5 ms, still enough to stop growing, and alone would read the link
+    as 242 Mbit/s; the 64 KiB message is timed once more and the faster call kept, so the
+    probe reads 150 either way, for one more 64 KiB message."""
+    group = SimulatedGroup(2)
+    clock = PausingClock(group, 150, 37_500, 50e-6, size=1 << 16, pause_s=pause_s)
+    calls = probe_link(group, 1 << 16, clock, torch.device("cpu"), limit_bytes=1 << 22)
+    assert [wire for wire, _ in calls] == [4, 1 << 16, 1 << 18]
+    assert fit_probe(calls, 2)[0] == pytest.approx(150, rel=1e-6)
+    # Two calls of 4 bytes (the untimed one first), 64 KiB twice, 256 KiB once, and the
+    # 2 x 3 float64 maxima that stopped the growth.
+    assert group.meter.wire[0] == 2 * 4 + 2 * (1 << 16) + (1 << 18) + 2 * 3 * 8
+    # The paused call alone as the slope's lower end: the link read 1.6x too fast.
+    mid = (1 << 16, calls[1][1] + pause_s)
+    alone = fit_link(calls[0], calls[-1], 2, start=mid)[0]
+    assert alone == pytest.approx(150 if pause_s == 0 else 242, rel=0.01)
+
+
 def test_probe_and_aggregation_bytes_are_metered() -> None:
     plain = Engine(SHAPES, "none", collective=SimulatedGroup(WORLD))
     clock = LinkClock(10, 1e-3)
@@ -394,10 +432,10 @@ def test_probe_and_aggregation_bytes_are_metered() -> None:
     # Decisions at steps 2, 7: per decision, the probes (one float, one float, 1024 bytes,
     # then 4x larger: 4096 bytes cost 3.7 ms more at 10 Mbit/s, under the 5 ms that stops
     # the growth, 16384 bytes 14.7 ms more; each growth judged from the WORLD x 3 float64
-    # maxima of the last times) and one all-reduce of WORLD x 8 float64 maxima, at
-    # 2 (W - 1) / W of each.
+    # maxima of the last times; then 4096 bytes again, the slope's lower end timed twice)
+    # and one all-reduce of WORLD x 8 float64 maxima, at 2 (W - 1) / W of each.
     maxima = WORLD * 3 * 8
-    sizes = (4, 4, 1024, 4096, maxima, 16384, maxima, WORLD * 8 * 8)
+    sizes = (4, 4, 1024, 4096, maxima, 16384, maxima, 4096, WORLD * 8 * 8)
     per_decision = sum(2 * (WORLD - 1) * n // WORLD for n in sizes)
     assert extra == 2 * per_decision
 
