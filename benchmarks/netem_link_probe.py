@@ -47,9 +47,11 @@ PROBE_BYTES = 1 << 16
 # --------------------------------------------------------------------------- the worker
 
 
-def probe_rounds(rounds: int, compute_s: float) -> list[list[list[float]]]:
+def probe_rounds(rounds: int, compute_s: float) -> tuple[list[list[list[float]]], list[float]]:
     """``rounds`` probes, each after ``compute_s`` of sleep: per probe, its calls'
-    ``[wire bytes, seconds]`` with the seconds the maxima over the ranks."""
+    ``[wire bytes, seconds]`` with the seconds the maxima over the ranks, and the seconds the
+    whole probe took (the maximum over the ranks: the calls it returns leave out a repeated
+    message and the maxima it takes)."""
     import torch
 
     from gradzip.comm.torch_dist import ProcessGroupCollective
@@ -57,13 +59,16 @@ def probe_rounds(rounds: int, compute_s: float) -> list[list[list[float]]]:
 
     comm = ProcessGroupCollective()
     cpu = torch.device("cpu")
-    out = []
+    out, spent = [], []
     for _ in range(rounds):
         time.sleep(compute_s)
+        start = time.perf_counter()
         calls = probe_link(comm, PROBE_BYTES, time.perf_counter, cpu, limit_bytes=DENSE_BYTES)
-        most = max_over_ranks(comm, [t for _, t in calls], cpu)
+        seconds = time.perf_counter() - start
+        *most, whole = max_over_ranks(comm, [*(t for _, t in calls), seconds], cpu)
         out.append([[float(w), t] for (w, _), t in zip(calls, most, strict=True)])
-    return out
+        spent.append(whole)
+    return out, spent
 
 
 def worker_main(args: argparse.Namespace) -> int:
@@ -72,11 +77,11 @@ def worker_main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    probes = probe_rounds(args.rounds, args.compute_ms / 1e3)
+    probes, spent = probe_rounds(args.rounds, args.compute_ms / 1e3)
     dist.barrier()
     if dist.get_rank() == 0:
         Path(args.result).write_text(json.dumps({"world": dist.get_world_size(),
-                                                 "probes": probes}))
+                                                 "probes": probes, "probe_seconds": spent}))
     launch.exit_skipping_teardown()
 
 
@@ -101,6 +106,8 @@ def fits(probe: Sequence[Sequence[float]], world: int) -> dict[str, float]:
 def summarise(rate_mbit: float, goodput_mbit: float, record: dict[str, Any]) -> dict[str, Any]:
     """One link's row: medians (and ranges) over the probes of both fits."""
     each = [fits(p, record["world"]) for p in record["probes"]]
+    for e, seconds in zip(each, record.get("probe_seconds", []), strict=False):
+        e["probe_ms"] = 1e3 * seconds  # the whole probe, where it was timed
     row: dict[str, Any] = {"cap_mbit": rate_mbit, "goodput_mbit": goodput_mbit,
                            "probes": len(each)}
     for key in ("grown_mbit", "fixed_mbit", "grown_rtt_ms", "probe_ms", "largest_bytes"):

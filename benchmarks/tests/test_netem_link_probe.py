@@ -38,6 +38,10 @@ def test_summary_and_table() -> None:
     assert row["grown_over_goodput"] == pytest.approx(150 / 95, rel=1e-3)
     text = lp.table([row])
     assert text.splitlines()[2].startswith("| 100 | 95 | 150 (100-200) | 1.58 |")
+    # Where the whole probe was timed (its repeated message and maxima included), that time
+    # is the probe's.
+    timed = lp.summarise(100.0, 95.0, {**record, "probe_seconds": [0.03, 0.01]})
+    assert timed["probe_ms"] == pytest.approx(20.0) and timed["probe_ms_range"] == [10.0, 30.0]
     fast = lp.summarise(1000.0, 950.0, {"world": 2, "probes": [[[4, 1e-4], [65536, 1e-4]]]})
     assert "unbounded" in lp.table([fast])  # no time for the size: the old probe's failure
 
