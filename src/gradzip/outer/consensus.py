@@ -16,7 +16,7 @@ from torch import Tensor
 
 from gradzip.comm import Collective
 
-__all__ = ["agree_on_parameters", "parameter_digest"]
+__all__ = ["agree_on_parameters", "parameter_digest", "replicas_equal"]
 
 
 def parameter_digest(rows: Tensor) -> Tensor:
@@ -26,6 +26,14 @@ def parameter_digest(rows: Tensor) -> Tensor:
     x = rows.to(torch.float64)
     weights = torch.arange(1, x.shape[1] + 1, dtype=torch.float64, device=x.device)
     return torch.stack([x.sum(dim=1), (x * x).sum(dim=1), (x * weights).sum(dim=1)], dim=1)
+
+
+def replicas_equal(rows: Tensor, comm: Collective) -> bool:
+    """Whether every worker holds the same ``rows`` (``[L, n]``, each local worker's
+    flattened values), from one all-gathered 24-byte :func:`parameter_digest` per worker.
+    Every worker receives the same digests, so all return the same answer."""
+    digests = comm.all_gather(parameter_digest(rows))
+    return bool((digests == digests[0]).all())
 
 
 def agree_on_parameters(rows: Tensor, comm: Collective) -> Tensor | None:
@@ -42,8 +50,7 @@ def agree_on_parameters(rows: Tensor, comm: Collective) -> Tensor | None:
     Returns:
         The mean ``[n]`` where the replicas differed, else ``None`` (nothing to change).
     """
-    digests = comm.all_gather(parameter_digest(rows))
-    if bool((digests == digests[0]).all()):
+    if replicas_equal(rows, comm):
         return None
     # Added in rank order on every backend (gloo's ring adds in another order from three
     # workers on), so the simulator and a process group agree on the mean bit for bit.

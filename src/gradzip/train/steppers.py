@@ -22,7 +22,7 @@ from gradzip.comm.simulated import SimulatedGroup
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.engine import Engine
-from gradzip.outer.consensus import parameter_digest
+from gradzip.outer.consensus import replicas_equal
 
 __all__ = ["DDPStepper", "SimStepper", "to_device"]
 
@@ -44,15 +44,13 @@ _CAN_SKIP_INIT_SYNC = "init_sync" in inspect.signature(
 
 
 def _replicas_equal(model: nn.Module) -> bool:
-    """Whether every process holds the same parameters and buffers as this one: one
-    24-byte :func:`~gradzip.outer.consensus.parameter_digest` each, all-gathered (every
-    rank receives the same digests and returns the same answer)."""
+    """Whether every process holds the same parameters and buffers as this one
+    (:func:`~gradzip.outer.consensus.replicas_equal`: a 24-byte digest each, all-gathered)."""
     states = [t.detach().reshape(-1).to(torch.float64)
               for t in (*model.parameters(), *model.buffers())]
     if not states:
         return True
-    digests = ProcessGroupCollective().all_gather(parameter_digest(torch.cat(states)[None]))
-    return bool((digests == digests[0]).all())
+    return replicas_equal(torch.cat(states)[None], ProcessGroupCollective())
 
 
 class SimStepper:
@@ -155,7 +153,8 @@ class DDPStepper:
         # race). Every rank built its replica from the same seed, so they are nearly always
         # equal already: a 24-byte digest per rank says whether, and DDP's broadcast runs
         # only where they differ (its shape check with it).
-        self.synced_at_start = not _replicas_equal(model) or not _CAN_SKIP_INIT_SYNC
+        # (The constant first: where torch cannot skip the broadcast, no digest is sent.)
+        self.synced_at_start = not _CAN_SKIP_INIT_SYNC or not _replicas_equal(model)
         skip = {} if self.synced_at_start else {"init_sync": False}
         # Buffers (BatchNorm statistics) follow rank 0 at every forward: DDP's default.
         self.ddp = DistributedDataParallel(model, device_ids=ids, **skip)
