@@ -54,6 +54,9 @@ METHODS: dict[str, tuple[str, dict[str, Any], int]] = {
 METHODS["powersgd4"] = ("per-step PowerSGD r4", {"compressor": "powersgd:rank=4"}, 0)
 # DiLoCo with the outer settings gradzip now takes from H (``gradzip.outer_defaults``).
 METHODS["diloco30-default"] = ("DiLoCo fp32 H=30, default outer", {"outer-steps": 30}, 30)
+# ... and with the 8-bit exchange (error feedback), the other exchange ``--auto-outer`` weighs.
+METHODS["diloco30-8bit-default"] = ("DiLoCo 8-bit H=30, default outer",
+                                    {"outer-steps": 30, "compressor": "scatterq:bits=8"}, 30)
 # gradzip choosing the per-step level itself (``gradzip.Auto``, its default levels and every);
 # ``auto10`` decides every 10 steps instead of 50, to follow a link that changes within a run;
 METHODS["auto"] = ("per-step auto", {"compressor": "auto"}, 0)
@@ -83,9 +86,18 @@ METHODS["autoe-outer"] = ("auto from step 1, outer steps allowed at once",
                           {"compressor": "auto(warmup=1,every=10)", "auto-outer": True,
                            "auto-outer-early": True}, 0)
 # ... deciding before the first step (``warmup=0``: from the probed link alone).
-METHODS["autoe0-outer-h30"] = ("auto before step 0, outer steps allowed at once, H <= 30",
+# With the default exchanges (dense and 8-bit at each H); ``-dense`` weighs the dense one only,
+# as every revision before the 8-bit exchange was weighed.
+METHODS["autoe0-outer-h30"] = ("auto before step 0, outer steps allowed at once, H <= 30, "
+                               "dense or 8-bit exchange",
                                {"compressor": "auto(warmup=0,every=10)", "auto-outer": True,
                                 "auto-outer-early": True, "auto-outer-steps": "10,30"}, 0)
+METHODS["autoe0-outer-h30-dense"] = ("auto before step 0, outer steps allowed at once, H <= 30, "
+                                     "dense exchange",
+                                     {"compressor": "auto(warmup=0,every=10)",
+                                      "auto-outer": True, "auto-outer-early": True,
+                                      "auto-outer-steps": "10,30", "auto-outer-exchange": "none"},
+                                     0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 

@@ -151,36 +151,82 @@ def test_the_levels_measured_overhead_is_in_the_per_step_price() -> None:
 #: One Auto for the bound's examples: its levels' traffic is simulated once.
 _AUTO = Auto(warmup=0)
 _SPECS = {lb: lv.spec() for lb, lv in zip(_AUTO.labels, _AUTO._levels, strict=True)}
+#: The dense and the 8-bit exchange at each H (``--auto-outer``'s default candidates).
+_EIGHT = OUTER_CANDIDATES + tuple(Candidate(f"diloco-h{c.outer_steps}-8bit", "scatterq:bits=8",
+                                            "outer", c.outer_steps) for c in OUTER_CANDIDATES)
+_TRAFFIC = {spec: measure_traffic(spec, WORLD, shapes=SHAPES)
+            for spec in {*_SPECS.values(), "none", "scatterq:bits=8"}}
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(bandwidth=st.floats(1e-3, 1e5), rtt=st.floats(0.0, 100.0), compute=st.floats(0.0, 5.0),
-       costs=st.lists(st.floats(0.0, 5.0), min_size=len(_SPECS), max_size=len(_SPECS)))
-@example(bandwidth=10.0, rtt=1.0, compute=0.01, costs=[0.0, 0.0, 0.5, 0.0, 0.0, 0.0])
-@example(bandwidth=1e4, rtt=0.01, compute=0.05, costs=[0.0] * len(_SPECS))
+       costs=st.lists(st.floats(0.0, 5.0), min_size=len(_SPECS), max_size=len(_SPECS)),
+       exchange_cost=st.floats(0.0, 5.0))
+@example(bandwidth=10.0, rtt=1.0, compute=0.01, costs=[0.0, 0.0, 0.5, 0.0, 0.0, 0.0],
+         exchange_cost=0.0)
+@example(bandwidth=1e4, rtt=0.01, compute=0.05, costs=[0.0] * len(_SPECS), exchange_cost=0.0)
+@example(bandwidth=10.0, rtt=1.0, compute=0.3, costs=[0.0, 0.0, 0.02, 0.0, 0.0, 0.0],
+         exchange_cost=0.05)
 def test_a_switch_on_the_bound_is_a_switch_on_the_measured_prices(
-        bandwidth: float, rtt: float, compute: float, costs: list[float]) -> None:
+        bandwidth: float, rtt: float, compute: float, costs: list[float],
+        exchange_cost: float) -> None:
     """The decision before step 0 may switch on the bound (the allowed levels priced without
     compression, :func:`outer_switch_bound`) and skip measuring compression: the measured
     decision on the same link and compute must then switch too, at the same candidate, with
-    at least the bound's gain, whatever the levels' compression costs."""
+    at least the bound's gain, whatever the levels' compression costs; with a compressed
+    exchange among the candidates too, its own compression priced alike in both."""
     group = SimulatedGroup(WORLD)
     link = (bandwidth, rtt)
+    options = {"early": True, "candidates": _EIGHT, "traffic": _TRAFFIC,
+               "candidate_overhead_s": {"scatterq:bits=8": exchange_cost}}
     free = _AUTO.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=compute, link=link)
     allowed = {lb: _SPECS[lb] for lb in _AUTO.allowed(bool(free["critical"]))}
-    bound = outer_switch_bound(free, allowed, SHAPES, WORLD, margin=0.05, early=True)
+    bound = outer_switch_bound(free, allowed, SHAPES, WORLD, margin=0.05, **options)
     measured = _AUTO.first_decision(SHAPES, group, ranks=range(WORLD), compute_s=compute,
                                     overhead_s=dict(zip(_AUTO.labels, costs, strict=True)),
                                     link=link)
     got = outer_switch(measured, _SPECS[measured["level"]], SHAPES, WORLD, margin=0.05,
-                       early=True)
+                       **options)
     assert bound["level"] in allowed and got["gain"] >= bound["gain"] - 1e-12
     if bound["switch"]:
         assert got["switch"] and got["candidate"] == bound["candidate"]
+        assert got["exchange"] == bound["exchange"]
     # It is the smallest gain of the allowed levels' verdicts.
-    each = [outer_switch({**free, "level": lb}, spec, SHAPES, WORLD, margin=0.05, early=True)
+    each = [outer_switch({**free, "level": lb}, spec, SHAPES, WORLD, margin=0.05, **options)
             for lb, spec in allowed.items()]
     assert bound == min(each, key=lambda v: v["gain"])
+
+
+def test_a_compressed_exchange_is_priced_with_its_compression_and_dense_wins_ties() -> None:
+    engine = drive(LinkClock(10, 1e-3), 60)
+    record = _steady(Auto.decisions(engine)[-1])
+    spec = _spec(engine, record["level"])
+    options = {"candidates": _EIGHT, "traffic": _TRAFFIC}
+    free = outer_switch(record, spec, SHAPES, WORLD, margin=0.05, **options)
+    # At 10 Mbit/s the 8-bit exchange (fewer bytes) is the fastest at each H.
+    pred = free["predicted_ms"]
+    for h in (10, 30, 100):
+        assert pred[f"diloco-h{h}-8bit"] < pred[f"diloco-h{h}"]
+    assert free["exchange"] == "scatterq:bits=8" and free["candidate"].endswith("-8bit")
+    # Its compression time is added to each exchange, once every H steps.
+    costly = outer_switch(record, spec, SHAPES, WORLD, margin=0.05,
+                          candidate_overhead_s={"scatterq:bits=8": 3.0}, **options)
+    for h in (10, 30, 100):
+        assert costly["predicted_ms"][f"diloco-h{h}-8bit"] == pytest.approx(
+            pred[f"diloco-h{h}-8bit"] + 3000.0 / h)
+        assert costly["predicted_ms"][f"diloco-h{h}"] == pred[f"diloco-h{h}"]
+    # Compute dwarfing the link: every candidate is within the margin, and at the smallest H
+    # the dense exchange is taken before the 8-bit one.
+    slow = outer_switch({**record, "compute_ms": 1e7}, spec, SHAPES, WORLD, margin=0.05,
+                        **options)
+    assert (slow["candidate"], slow["exchange"]) == ("diloco-h10", "none")
+    with pytest.raises(ValueError, match=r"`candidate_overhead_s\['scatterq:bits=8'\]` must be"):
+        outer_switch(record, spec, SHAPES, WORLD, margin=0.05,
+                     candidate_overhead_s={"scatterq:bits=8": -1.0}, **options)
+    with pytest.raises(ValueError, match="`candidate_overhead_s` must map exchange specs to "
+                                         "seconds, got"):
+        outer_switch(record, spec, SHAPES, WORLD, margin=0.05,
+                     candidate_overhead_s=[1.0], **options)  # type: ignore[arg-type]
 
 
 def test_the_bound_names_its_levels() -> None:

@@ -21,18 +21,23 @@ from test_resume import TINY, records
 from torch import nn
 
 from gradzip.cli import main
-from gradzip.comm.base import allgather_wire_bytes
+from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.plan import Auto
 from gradzip.plan import auto as auto_module
 from gradzip.plan.measure import probe_link
 from gradzip.train.auto_outer import SwitchingStepper, switch_line
 from gradzip.train.config import resolve_config
+from gradzip.train.outer_fields import AUTO_OUTER_EXCHANGES
 from gradzip.train.rundir import load_rank_file, read_manifest
 from gradzip.train.runner import RunConfig, run
 
 AUTO = "auto(levels=none,every=3,warmup=2,eta=100)"
+#: The dense exchange alone: the 8-bit one sends 4x fewer bytes and would win on this link.
 FORCED: dict[str, Any] = {**TINY, "compressor": AUTO, "auto_outer": True,
-                          "auto_outer_steps": (2,), "auto_outer_bandwidth_mbit": 1e-6}
+                          "auto_outer_steps": (2,), "auto_outer_bandwidth_mbit": 1e-6,
+                          "auto_outer_exchanges": ("none",)}
+#: FORCED with the default exchanges, dense and 8-bit.
+EIGHT: dict[str, Any] = {**FORCED, "auto_outer_exchanges": AUTO_OUTER_EXCHANGES}
 #: Fields of a switch evaluation measured by the clock (the only ones runs may differ in).
 MEASURED = {"compute_ms", "rtt_ms", "predicted_ms", "gain"}
 
@@ -154,7 +159,8 @@ def test_a_first_decision_before_step_0_starts_outer_steps_at_step_0(tmp_path: P
     main(["train", "--task", "digits", "--workers", "2", "--limit-train", "200", "--milestones",
           "20", "--epochs", "2", "--eval-every", "2", "--compressor",
           "auto(levels=none,warmup=0,every=3)", "--auto-outer", "--auto-outer-early",
-          "--auto-outer-steps", "2", "--auto-outer-bandwidth-mbit", "1e-6", "--out", str(auto)])
+          "--auto-outer-steps", "2", "--auto-outer-exchange", "none",
+          "--auto-outer-bandwidth-mbit", "1e-6", "--out", str(auto)])
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("auto-outer: ")]
     assert line[0].startswith("auto-outer: switched to outer steps before the first step "
                               "(diloco-h2: H=2, outer lr 0.7, momentum 0.5) because it is the "
@@ -356,9 +362,11 @@ def test_the_cli_names_the_switch_and_why(tmp_path: Path, capsys) -> None:
     lines = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("auto-outer: ")]
     assert len(lines) == 1
-    assert lines[0].startswith("auto-outer: switched to outer steps after step 6 (diloco-h2: "
-                               "H=2, outer lr 0.7, momentum 0.5) because the phase is steady")
-    assert "for per-step none (gain 50%" in lines[0]
+    # The default exchanges: the 8-bit one sends 4x fewer bytes over this link.
+    assert lines[0].startswith("auto-outer: switched to outer steps after step 6 (diloco-h2-8bit"
+                               ": H=2, outer lr 0.7, momentum 0.5, exchange scatterq:bits=8) "
+                               "because the phase is steady")
+    assert re.search(r"for per-step none \(gain [89]\d%", lines[0])
 
 
 @pytest.mark.parametrize(("level", "stop"), [("none", 1), ("none", 2), ("topk:ratio=0.3", 1)],
@@ -403,8 +411,18 @@ def test_a_run_resumed_across_the_switch_equals_the_uninterrupted_run(tmp_path: 
     ({"workers": 1}, "`workers` must be >= 2 with `auto_outer`, got 1"),
     ({"auto_outer_steps": "0,3"}, "`auto_outer_steps` must be >= 1, got 0"),
     ({"auto_outer_steps": (3, 3)}, "`auto_outer_steps` must not repeat a value, got [3, 3]"),
-    ({"auto_outer": False}, "`auto_outer_steps`, `auto_outer_early` and "
-                            "`auto_outer_bandwidth_mbit` need `auto_outer`, got auto_outer=False"),
+    ({"auto_outer": False}, "`auto_outer_steps`, `auto_outer_exchanges`, `auto_outer_early` "
+                            "and `auto_outer_bandwidth_mbit` need `auto_outer`, got "
+                            "auto_outer=False"),
+    ({"auto_outer_exchanges": ()}, "`auto_outer_exchanges` must be a non-empty list of "
+                                   "compressor specs, got ()"),
+    ({"auto_outer_exchanges": ("none", "scatterq", "scatterq:bits=8")},
+     "`auto_outer_exchanges` must not repeat a compressor, got ['none', 'scatterq', "
+     "'scatterq:bits=8']"),
+    ({"auto_outer_exchanges": ("auto",)}, "`auto_outer_exchanges` must hold plain compressors, "
+                                          "not controllers, got 'auto'"),
+    ({"auto_outer_exchanges": ("nope",)}, "`auto_outer_exchanges` must hold compressor specs, "
+                                          "got 'nope'"),
     ({"auto_outer": False, "auto_outer_early": True}, "need `auto_outer`"),
     ({"auto_outer_bandwidth_mbit": 0.0}, "`auto_outer_bandwidth_mbit` must be"),
 ])
@@ -427,7 +445,9 @@ def test_procs_switch_like_the_simulator_and_resume_across_the_switch(tmp_path: 
     arithmetic being the same, train the same bits; stopped after the switch and resumed
     (each rank rebuilding its outer loop), they end with the simulator's uninterrupted run."""
     # Top-k 30% (see above): residuals to drop, their norm pooled over the ranks.
-    base: dict[str, Any] = {**FORCED, "timeout": 300, "threads": 1,
+    # The default exchanges: both ranks measure the 8-bit exchange's compression at the first
+    # weighing and take the maxima, so they choose it alike (the simulator's choice).
+    base: dict[str, Any] = {**EIGHT, "timeout": 300, "threads": 1,
                             "compressor": AUTO.replace("levels=none", "levels=topk:ratio=0.3")}
     procs, sim = tmp_path / "procs", tmp_path / "sim"
     run(RunConfig(**base, epochs=3, launcher="sim", out=str(sim)))  # type: ignore[arg-type]
@@ -435,6 +455,7 @@ def test_procs_switch_like_the_simulator_and_resume_across_the_switch(tmp_path: 
     a, b = _summary(procs)["auto_outer"], _summary(sim)["auto_outer"]
     assert a["switched"] and _unmeasured(a["switch"]) == _unmeasured(b["switch"])
     assert a["switch"]["dropped_residual_norm"] == b["switch"]["dropped_residual_norm"] > 0
+    assert a["switch"]["candidate"] == "diloco-h2-8bit"
     run(RunConfig(**base, epochs=3, launcher="procs", out=str(procs)), resume=True)  # type: ignore[arg-type]
     _assert_same_run(procs, sim)
 
@@ -444,7 +465,7 @@ def test_procs_switch_before_step_0_like_the_simulator_and_resume(tmp_path: Path
     """A decision before step 0 in two gloo processes: the probes, the switch and the outer
     loop send what the simulator counts and train its bits; stopped after epoch 1 and resumed,
     the ranks rebuild the outer loop and end with the simulator's uninterrupted run."""
-    base: dict[str, Any] = {**FORCED, "timeout": 300, "threads": 1, "auto_outer_early": True,
+    base: dict[str, Any] = {**EIGHT, "timeout": 300, "threads": 1, "auto_outer_early": True,
                             "compressor": AUTO.replace("warmup=2", "warmup=0")}
     procs, sim = tmp_path / "procs", tmp_path / "sim"
     run(RunConfig(**base, epochs=2, launcher="sim", out=str(sim)))  # type: ignore[arg-type]
@@ -452,5 +473,35 @@ def test_procs_switch_before_step_0_like_the_simulator_and_resume(tmp_path: Path
     run(RunConfig(**base, epochs=2, launcher="procs", out=str(procs)), resume=True)  # type: ignore[arg-type]
     a, b = _summary(procs)["auto_outer"], _summary(sim)["auto_outer"]
     assert a["switched"] and a["switch"]["switched_at"] == 0
+    assert a["switch"]["exchange"] == "scatterq:bits=8"
     assert _unmeasured(a["switch"]) == _unmeasured(b["switch"])
     _assert_same_run(procs, sim)
+
+
+def test_a_compressed_exchange_is_priced_chosen_and_carried_out(tmp_path: Path) -> None:
+    """With the default exchanges the 8-bit one is weighed beside the dense one at each H,
+    priced with its compression time (measured once, the maxima over the workers: one
+    all-reduce of a float, counted with the switch's bytes), chosen where it is faster, and
+    the outer loop then sends what a static outer run with that exchange sends."""
+    out = tmp_path / "eight"
+    summary = run(RunConfig(**EIGHT, epochs=3, log_every=1, out=str(out)))  # type: ignore[arg-type]
+    switch = summary["auto_outer"]["switch"]
+    assert (switch["candidate"], switch["exchange"], switch["switched_at"]) == (
+        "diloco-h2-8bit", "scatterq:bits=8", 6)
+    pred = switch["predicted_ms"]
+    assert set(pred) == {"none", "diloco-h2", "diloco-h2-8bit"}
+    assert pred["diloco-h2-8bit"] < pred["diloco-h2"] / 2  # its bytes: 8-bit codes, scales
+    # The switch's bytes: the maxima of one float per worker, then the parameters' digests.
+    exchange = allreduce_wire_bytes(2 * 8, 2) + allgather_wire_bytes(24, 2)
+    assert switch["exchange_wire_bytes"] == exchange
+    static = tmp_path / "static"
+    run(RunConfig(**{**TINY, "compressor": "scatterq:bits=8"}, epochs=1, outer_steps=2,  # type: ignore[arg-type]
+                  out=str(static)))
+    sync = records(static)[-1]
+    assert sync["rounds"] == 3 and sync["wire_bytes"] % 3 == 0
+    wire = {r["step"]: r["wire_bytes"] for r in records(out) if r["kind"] == "step"}
+    assert [wire[s] - wire[s - 1] for s in range(8, 19, 2)] == [sync["wire_bytes"] // 3] * 6
+    assert all(wire[s] == wire[s - 1] for s in range(9, 19, 2))
+    # Measured once: the state keeps the costs, and a later weighing issues no collective.
+    state = json.loads((out / "summary.json").read_text())["auto_outer"]
+    assert state["evaluations"] == 2

@@ -15,9 +15,11 @@ does (:mod:`gradzip.train.auto_outer`).
 
 The per-step level is priced from link and compute plus the compression overhead Auto
 measured for it (read from its own prediction in the record); the outer candidates from link
-and compute (their dense exchange has no compression). Among the candidates within the margin
-of the fastest, the one with the smallest ``H`` is taken: the model prices time, not the
-quality a rarer synchronisation costs.
+and compute, plus, for a compressed exchange (an 8-bit one, ``scatterq:bits=8``), its
+compression time per exchange where the caller measured it (``candidate_overhead_s``). Among
+the candidates within the margin of the fastest, the one with the smallest ``H`` is taken,
+and at the same ``H`` the dense exchange before a compressed one: the model prices time, not
+the quality a rarer synchronisation or a lossy exchange costs.
 
 :func:`outer_switch_bound` weighs the candidates against the cheapest of several levels: given
 a record that prices the levels without their compression, a lower bound on the gain, enough
@@ -48,7 +50,8 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
                  candidates: Sequence[Candidate] = OUTER_CANDIDATES,
                  bandwidth_mbit: float | None = None,
                  traffic: Mapping[str, Traffic] | None = None,
-                 early: bool = False) -> dict[str, Any]:
+                 early: bool = False,
+                 candidate_overhead_s: Mapping[str, float] | None = None) -> dict[str, Any]:
     """Weigh outer-step training against the per-step level of one Auto decision.
 
     Args:
@@ -71,13 +74,19 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
             ``"first"``: no previous interval's norm to compare with) may switch. Outer steps
             from the start of training are what DiLoCo runs; the guard's start-of-training
             assumption is waived for them, not its measured signals.
+        candidate_overhead_s: compression seconds of one exchange by candidate spec (for
+            example from :func:`~gradzip.plan.timing.measure_compress_seconds`; the same on
+            every rank, such as maxima over the ranks), added to a candidate's exchange; a
+            spec not found there (``None``: any) is priced without compression, as the dense
+            exchange (``none``) is.
 
     Returns:
         The switch record: ``switch`` (bool), ``step``, ``reason``, the inputs
         (``compute_ms``, ``bandwidth_mbit``, ``rtt_ms``, ``calls``, ``critical``), the
         per-step ``level``, ``predicted_ms`` of it and of every candidate, the best
-        ``candidate`` with its ``outer_steps``, ``outer_lr`` and ``outer_momentum``, and
-        the predicted ``gain`` of the best candidate over staying.
+        ``candidate`` with its ``outer_steps``, ``outer_lr``, ``outer_momentum`` and
+        ``exchange`` (its compressor spec), and the predicted ``gain`` of the best candidate
+        over staying.
 
     Raises:
         TypeError, ValueError: an invalid parameter, naming it.
@@ -99,6 +108,7 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
             not isinstance(t, Traffic) or t.workers != workers for t in traffic.values())):
         raise ValueError(f"`traffic` must map specs to Traffic among {workers} workers, got "
                          f"{traffic!r}")
+    costs = _candidate_costs(candidate_overhead_s)
     bandwidth = float(record["bandwidth_mbit"] if bandwidth_mbit is None else bandwidth_mbit)
     # The record's numbers are maxima over the ranks (Auto aggregates them before deciding),
     # so every rank builds the same setting and takes the same branch below: the switch
@@ -127,13 +137,15 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
         overhead = float(own[level]) - predict_candidate(here, traffic_of(level_spec),
                                                          at_record, None).step_ms
         stay_ms += max(0.0, overhead)
-    outer = {c.name: predict_candidate(c, traffic_of(c.spec), setting, None) for c in candidates}
+    outer = {c.name: predict_candidate(c, traffic_of(c.spec), setting, costs.get(c.spec))
+             for c in candidates}
     fastest = min(p.step_ms for p in outer.values())
     # A larger H synchronises less often, which costs quality per step (BENCHMARKS section 5:
     # H = 100 ends worse than H = 30); the model prices time only, so the candidate taken is
-    # the one with the smallest H among those within the margin of the fastest.
+    # the one with the smallest H among those within the margin of the fastest, and at the
+    # same H the exact (dense) exchange before a lossy one.
     best = min((c for c in candidates if outer[c.name].step_ms <= fastest * (1 + margin)),
-               key=lambda c: (c.outer_steps, outer[c.name].step_ms))
+               key=lambda c: (c.outer_steps, c.spec != "none", outer[c.name].step_ms))
     gain = 1 - outer[best.name].step_ms / stay_ms
     waived = early and record.get("reason") == "first"
     if record["critical"] and not waived:
@@ -149,7 +161,19 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
             "predicted_ms": {level: stay_ms,
                              **{n: p.step_ms for n, p in outer.items()}},
             "candidate": best.name, "outer_steps": best.outer_steps,
-            "outer_lr": best.outer_lr, "outer_momentum": best.outer_momentum, "gain": gain}
+            "outer_lr": best.outer_lr, "outer_momentum": best.outer_momentum,
+            "exchange": best.spec, "gain": gain}
+
+
+def _candidate_costs(given: Mapping[str, float] | None) -> dict[str, float]:
+    """``candidate_overhead_s`` checked: spec -> seconds >= 0."""
+    if given is None:
+        return {}
+    if not isinstance(given, Mapping) or any(not isinstance(k, str) for k in given):
+        raise ValueError(f"`candidate_overhead_s` must map exchange specs to seconds, got "
+                         f"{given!r}")
+    return {spec: check_real(f"candidate_overhead_s[{spec!r}]", seconds, low=0)
+            for spec, seconds in given.items()}
 
 
 def outer_switch_bound(record: Mapping[str, Any], level_specs: Mapping[str, str],
@@ -161,7 +185,8 @@ def outer_switch_bound(record: Mapping[str, Any], level_specs: Mapping[str, str]
     With a record that prices its levels without compression cost (an Auto first decision
     taken without ``overhead_s``) and the levels that decision may choose, this verdict is a
     bound: compression only adds to a per-step price, and the candidates' prices and choice
-    read link and compute alone. So where it says switch, the record of the same inputs with
+    read link, compute and the candidates' own compression (``candidate_overhead_s``, given
+    alike to both) alone. So where it says switch, the record of the same inputs with
     each level's measured compression says switch too, at the same candidate, with at least
     this gain; the compression need not be measured. ``gradzip train --auto-outer`` decides
     this way before step 0 (:mod:`gradzip.train.auto_outer`).
@@ -174,7 +199,9 @@ def outer_switch_bound(record: Mapping[str, Any], level_specs: Mapping[str, str]
         workers: ``W`` (>= 2), as for :func:`outer_switch`.
         margin: the fraction a switch must gain, in [0, 1).
         **options: :func:`outer_switch`'s other keyword arguments (``candidates``,
-            ``bandwidth_mbit``, ``traffic``, ``early``).
+            ``bandwidth_mbit``, ``traffic``, ``early``, ``candidate_overhead_s``: the
+            candidates are priced as there, so the bound holds with compressed exchanges
+            too).
 
     Returns:
         The switch record of the cheapest level, as :func:`outer_switch` returns it.

@@ -23,8 +23,15 @@ The switch:
    deltas, another space and scale; sending them once densely would cost a full exchange to
    correct one step's compression error;
 3. an :class:`~gradzip.train.outer_stepper.OuterStepper` takes over, its anchor the agreed
-   parameters, ``H``, outer learning rate and momentum the candidate's, the exchange dense
-   (``none``), and each worker's inner optimizer continuing from the loop optimizer's state.
+   parameters, ``H``, outer learning rate, momentum and exchange the candidate's (dense,
+   ``none``, or compressed with error feedback, such as 8-bit ``scatterq:bits=8``), and each
+   worker's inner optimizer continuing from the loop optimizer's state.
+
+The candidates are every ``H`` of ``--auto-outer-steps`` with every exchange of
+``--auto-outer-exchanges`` (dense and 8-bit by default). A compressed exchange is priced with
+its compression time, measured once on this model's shapes before the first decision that
+weighs it (:meth:`SwitchingStepper.candidate_overheads`; the maxima over the ranks, kept in
+checkpoints).
 
 Counters are cumulative across the switch (the per-step ones, the exchange, the outer ones),
 and a checkpoint holds the per-step state, the switch and the outer loop's state, so a run
@@ -53,13 +60,14 @@ from gradzip.plan import (
     outer_switch,
     outer_switch_bound,
 )
+from gradzip.plan.measure import max_over_ranks
 from gradzip.plan.timing import measure_compress_seconds
 from gradzip.spec import compressor_from_spec
 from gradzip.train.metrics import format_bytes
 from gradzip.train.outer_stepper import OuterStepper
 from gradzip.train.steppers import DDPStepper, SimStepper, to_device
 
-__all__ = ["SwitchingStepper", "outer_candidates", "switch_line"]
+__all__ = ["SwitchingStepper", "exchange_suffix", "outer_candidates", "switch_line"]
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +75,20 @@ log = logging.getLogger(__name__)
 _COUNTERS = ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes")
 
 
-def outer_candidates(steps: tuple[int, ...]) -> tuple[Candidate, ...]:
-    """The outer-step candidates of ``--auto-outer``: DiLoCo's dense exchange at each ``H``,
-    the outer learning rate and momentum from ``H`` by the default rule."""
-    return tuple(Candidate(f"diloco-h{h}", "none", "outer", h) for h in steps)
+def outer_candidates(steps: tuple[int, ...],
+                     exchanges: tuple[str, ...] = ("none",)) -> tuple[Candidate, ...]:
+    """The outer-step candidates of ``--auto-outer``: DiLoCo at each ``H`` with each exchange
+    (``diloco-h30`` dense, ``diloco-h30-8bit`` for ``scatterq:bits=8``, else the spec in the
+    name), the outer learning rate and momentum from ``H`` by the default rule."""
+    return tuple(Candidate(f"diloco-h{h}{exchange_suffix(spec)}", spec, "outer", h)
+                 for h in steps for spec in exchanges)
+
+
+def exchange_suffix(spec: str) -> str:
+    """The part of a candidate's name that says its exchange: ``""`` for the dense one,
+    ``"-8bit"`` for ``scatterq:bits=8``, else ``"-"`` and the spec (in its stable form)."""
+    stable = compressor_from_spec(spec).spec()
+    return {"none": "", "scatterq": "-8bit"}.get(stable, f"-{stable}")
 
 
 class SwitchingStepper:
@@ -98,7 +116,8 @@ class SwitchingStepper:
                                                       device)
         self.world = self.per_step.world
         self.local_ranks = self.per_step.local_ranks
-        self.candidates = outer_candidates(tuple(cfg.auto_outer_steps))
+        self.candidates = outer_candidates(tuple(cfg.auto_outer_steps),
+                                           tuple(cfg.auto_outer_exchanges))
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if p.requires_grad}
         self.outer: OuterStepper | None = None
         self._saved_outer: dict[str, Any] | None = None  # loaded, built at first use
@@ -111,6 +130,9 @@ class SwitchingStepper:
         self.last: dict[str, Any] | None = None  # the latest evaluation
         self.pending: dict[str, Any] | None = None  # decided, to be carried out next step
         self.switch: dict[str, Any] | None = None  # carried out
+        # Compression seconds of one exchange by candidate spec (maxima over the ranks),
+        # measured before the first decision that weighs a compressed exchange.
+        self.exchange_costs: dict[str, float] | None = None
         self.exchange = {"payload": [0] * len(self.local_ranks),
                          "wire": [0] * len(self.local_ranks)}
 
@@ -154,6 +176,7 @@ class SwitchingStepper:
 
         Every branch reads the records' maxima over the ranks, so all ranks take the same."""
         ranks, device = self.local_ranks, self.device
+        self.candidate_overheads(comm)
         compute = self.time_compute(micro, carry)
         record = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
                                           compute_s=compute)
@@ -245,7 +268,32 @@ class SwitchingStepper:
     def _weigh(self, record: dict[str, Any]) -> None:
         """Weigh one Auto decision record against outer-step training; a switch is pending
         from the first that says so."""
+        if self.exchange_costs is None:
+            # Every rank weighs the same records at the same step (they are built from
+            # maxima over the ranks), so every rank measures here, together.
+            comm = self._collective()
+            self.candidate_overheads(comm)
+            self._count_exchange(comm)
         self._keep(self._verdict(record))
+
+    def candidate_overheads(self, comm: Collective) -> dict[str, float]:
+        """Compression seconds of one exchange for each compressed exchange among the
+        candidates (:func:`~gradzip.plan.timing.measure_compress_seconds` on this model's
+        shapes, CPU time on one thread), the maxima over the ranks (one all-reduce of a float
+        per spec), so that every rank prices the candidates alike; measured once, then kept
+        (and checkpointed). The dense exchange is priced without compression, as before any
+        candidate was compressed; so is every exchange on a GPU, where that CPU
+        micro-benchmark does not measure the device's time (no collective is issued then,
+        nor where no candidate compresses)."""
+        if self.exchange_costs is None:
+            specs = sorted({c.spec for c in self.candidates if c.spec != "none"})
+            costs: dict[str, float] = {}
+            if specs and self.device.type == "cpu":
+                mine = [measure_compress_seconds(spec, self.shapes) for spec in specs]
+                most = max_over_ranks(comm, mine, self.device)
+                costs = dict(zip(specs, most, strict=True))
+            self.exchange_costs = costs
+        return self.exchange_costs
 
     def _verdict(self, record: dict[str, Any]) -> dict[str, Any]:
         """The switch evaluation of one Auto decision record (nothing kept)."""
@@ -265,7 +313,8 @@ class SwitchingStepper:
         return {"shapes": self.shapes, "workers": self.world, "margin": self.auto.margin,
                 "candidates": self.candidates,
                 "bandwidth_mbit": self.cfg.auto_outer_bandwidth_mbit,
-                "traffic": self._known_traffic(), "early": self.cfg.auto_outer_early}
+                "traffic": self._known_traffic(), "early": self.cfg.auto_outer_early,
+                "candidate_overhead_s": self.exchange_costs}
 
     def _keep(self, verdict: dict[str, Any]) -> None:
         """Record a switch evaluation; a switch is pending from the first that says so."""
@@ -342,8 +391,10 @@ class SwitchingStepper:
             outer_delay=0, rules=(), dense_1d=False, min_numel=0, auto_outer=False)
         for p in self.model.parameters():
             p.grad = None  # the last per-step gradient is spent; replicas start without one
-        return OuterStepper(self.model, self.task, compressor_from_spec("none"), cfg,
-                            self.loop_optimizer, self.device)
+        # A switch recorded before candidates had exchanges of their own was dense.
+        exchange = compressor_from_spec(str(verdict.get("exchange", "none")))
+        return OuterStepper(self.model, self.task, exchange, cfg, self.loop_optimizer,
+                            self.device)
 
     def _carry_out(self, comm: Collective | None = None) -> None:
         """Agree on the parameters, drop the residuals, start the outer loop (every rank at
@@ -455,7 +506,8 @@ class SwitchingStepper:
                 "switching": {"steps": self.steps, "seen": self.seen,
                               "evaluations": self.evaluations, "last": self.last,
                               "pending": self.pending, "switch": self.switch,
-                              "exchange": copy.deepcopy(self.exchange)}}
+                              "exchange": copy.deepcopy(self.exchange),
+                              "exchange_costs": copy.deepcopy(self.exchange_costs)}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the outer loop is rebuilt at its first use).
@@ -477,6 +529,9 @@ class SwitchingStepper:
         self.evaluations, self.last = int(own["evaluations"]), own["last"]
         self.pending, self.switch = own["pending"], own["switch"]
         self.exchange = copy.deepcopy(own["exchange"])
+        costs = own.get("exchange_costs")  # absent from checkpoints before compressed exchanges
+        self.exchange_costs = None if costs is None else {str(k): float(v)
+                                                          for k, v in costs.items()}
         self.outer = None
         self._saved_outer = to_device(state["outer"], self.device) if state["outer"] else None
         self._fresh = []
@@ -524,6 +579,8 @@ def switch_line(entry: dict[str, Any]) -> str:
         agreed = ("replicas differed, parameters averaged" if rec.get("replicas_differed")
                   else "replicas checked equal")
         sent = format_bytes(rec["exchange_wire_bytes"])
+        spec = rec.get("exchange", "none")  # absent from switches recorded before it was chosen
+        exchange_note = "" if spec == "none" else f", exchange {spec}"
         if rec["switched_at"] == 0:  # nothing trained yet: no residual; the probes ride here
             where, exchange = "before the first step", f"{sent} per worker with the link probes)"
         else:
@@ -532,7 +589,7 @@ def switch_line(entry: dict[str, Any]) -> str:
                         f"{rec['dropped_residual_norm']:.3g} dropped")
         return (f"auto-outer: switched to outer steps {where} "
                 f"({rec['candidate']}: H={rec['outer_steps']}, outer lr {rec['outer_lr']:g}, "
-                f"momentum {rec['outer_momentum']:g}) because {phase} and it is "
+                f"momentum {rec['outer_momentum']:g}{exchange_note}) because {phase} and it is "
                 f"{prices}; {agreed} ({exchange}")
     why = "the phase is critical" if rec["reason"] == "critical" else "it gains too little"
     return (f"auto-outer: stayed per-step (last decision at step {rec['step']}: {why}; "

@@ -25,7 +25,7 @@ from gradzip.train.events import require_tensorboard
 from gradzip.train.fields import ACCORDION, OPTIM, SCHEDULE, Option, int_at_least, option, real_in
 from gradzip.train.hsdp_fields import HSDPFields, check_hsdp
 from gradzip.train.idle import ETA_DEFAULT, check_idle_options, idle_options
-from gradzip.train.outer_fields import OuterFields, outer_steps_list
+from gradzip.train.outer_fields import OuterFields, outer_exchanges_list, outer_steps_list
 from gradzip.train.rundir import check_out_dir
 from gradzip.train.schedules import milestone_epochs
 from gradzip.train.tasks import TASKS, get_task, parse_model_spec
@@ -155,7 +155,8 @@ class RunConfig(OuterFields, HSDPFields):
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (tuples as lists)."""
         out = dataclasses.asdict(self)
-        for key in ("milestones", "accordion_batch", "rules", "auto_outer_steps"):
+        for key in ("milestones", "accordion_batch", "rules", "auto_outer_steps",
+                    "auto_outer_exchanges"):
             if out[key] is not None:
                 out[key] = list(out[key])
         return out
@@ -191,6 +192,8 @@ class RunConfig(OuterFields, HSDPFields):
             values["rules"] = _rule_texts(values["rules"])
         if "auto_outer_steps" in values:
             values["auto_outer_steps"] = outer_steps_list(values["auto_outer_steps"])
+        if "auto_outer_exchanges" in values:
+            values["auto_outer_exchanges"] = outer_exchanges_list(values["auto_outer_exchanges"])
         return cls(**values)
 
     @classmethod
@@ -201,6 +204,8 @@ class RunConfig(OuterFields, HSDPFields):
         values = dict(values)
         if values.get("accordion") is not None and "accordion_rule" not in values:
             values["accordion_rule"] = "first"
+        if values.get("auto_outer") and "auto_outer_exchanges" not in values:
+            values["auto_outer_exchanges"] = ["none"]  # its candidates were dense only
         return cls.from_dict(values)
 
     def result_key(self) -> dict[str, Any]:
@@ -336,7 +341,8 @@ def resolve_config(cfg: RunConfig) -> RunConfig:
         _prefixed("accordion", compressor_from_spec, cfg.accordion)
         _prefixed("accordion", Accordion, cfg.compressor, cfg.accordion, eta=cfg.eta, interval=1)
     _check_schedule(cfg)
-    cfg = dataclasses.replace(cfg, auto_outer_steps=outer_steps_list(cfg.auto_outer_steps))
+    cfg = dataclasses.replace(cfg, auto_outer_steps=outer_steps_list(cfg.auto_outer_steps),
+                              auto_outer_exchanges=outer_exchanges_list(cfg.auto_outer_exchanges))
     cfg.check_outer()
     if cfg.accordion_batch is not None:
         small, large = _batch_pair(cfg.accordion_batch)
