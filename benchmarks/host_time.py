@@ -56,7 +56,9 @@ ACCORDION = op_counts.ACCORDION
 SCHEMES = ["local", "ddp", "torch-fp16", "torch-powersgd:rank=4", "gradzip:none", "gradzip:fp16",
            "gradzip:powersgd:rank=4", "gradzip:topk:ratio=0.01", "gradzip:randk:ratio=0.01",
            "gradzip:qsgd:levels=16", "gradzip:sign", "gradzip:threshold:lam=0.001",
-           "gradzip:threshold:lam=0.001,capacity=0.05", f"gradzip:{ACCORDION}"]
+           "gradzip:threshold:lam=0.001,capacity=0.05", f"gradzip:{ACCORDION}",
+           # The same with the step's buckets in one engine call (``fuse_buckets=True``).
+           *[name for name in op_counts.SCHEMES if name.startswith("gradzip-fused:")]]
 PATHS = ("device", "auto")
 #: A gradzip scheme's extra host time must be at most this multiple of native DDP's.
 LIMIT = 2.0

@@ -89,8 +89,9 @@ HOST_SYNC_OPS = frozenset({
 
 ACCORDION = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=10)"
 #: name -> (kind, argument). kind: "local" (no DDP), "ddp" (no hook), "torch" (a PyTorch
-#: hook), "gradzip" (a gradzip spec) or "gradzip1" (a gradzip spec in one bucket, the
-#: layout PyTorch's powerSGD_hook is counted in).
+#: hook), "gradzip" (a gradzip spec), "gradzip1" (a gradzip spec in one bucket, the
+#: layout PyTorch's powerSGD_hook is counted in) or "gradzipf" (a gradzip spec with
+#: ``fuse_buckets=True``: DDP's buckets as they are, averaged in one engine call per step).
 SCHEMES: dict[str, tuple[str, str]] = {
     "local": ("local", ""),
     "ddp": ("ddp", ""),
@@ -110,6 +111,9 @@ SCHEMES: dict[str, tuple[str, str]] = {
     # The threshold's GPU form: a fixed capacity per tensor, no sizes read on the host.
     "gradzip:threshold:lam=0.001,capacity=0.05": ("gradzip", "threshold:lam=0.001,capacity=0.05"),
     f"gradzip:{ACCORDION}": ("gradzip", ACCORDION),
+    **{f"gradzip-fused:{spec}": ("gradzipf", spec) for spec in (
+        "none", "powersgd:rank=4", "topk:ratio=0.01", "randk:ratio=0.01", "qsgd:levels=16",
+        "sign", "threshold:lam=0.001,capacity=0.05", ACCORDION)},
 }
 #: The targets: scheme -> (reference scheme, the largest allowed ratio of extra ops).
 TARGETS: dict[str, tuple[str, float]] = {
@@ -125,10 +129,18 @@ TARGETS: dict[str, tuple[str, float]] = {
     "gradzip:sign": ("ddp", 2.0),
     # Accordion: against the larger of its levels' compressors alone.
     f"gradzip:{ACCORDION}": ("gradzip:powersgd:rank=4", 1.2),
+    # The many-workers targets, with the step's buckets in one engine call (DDP's 4 buckets
+    # unchanged): at most 1.5x native DDP's; PowerSGD at most PyTorch's hook's.
+    **{f"gradzip-fused:{spec}": ("ddp", 1.5) for spec in (
+        "topk:ratio=0.01", "randk:ratio=0.01", "qsgd:levels=16", "sign",
+        "threshold:lam=0.001,capacity=0.05")},
+    "gradzip-fused:powersgd:rank=4": ("torch-powersgd:rank=4", 1.0),
+    f"gradzip-fused:{ACCORDION}": ("gradzip-fused:powersgd:rank=4", 1.2),
 }
 #: Schemes allowed host syncs in steady state (the default threshold's exchanged sizes, not
 #: its fixed-capacity form; Accordion's decisions).
-SYNCS_ALLOWED = {"gradzip:threshold:lam=0.001", f"gradzip:{ACCORDION}"}
+SYNCS_ALLOWED = {"gradzip:threshold:lam=0.001", f"gradzip:{ACCORDION}",
+                 f"gradzip-fused:{ACCORDION}"}
 
 
 class SplitMatrices(nn.Module):
@@ -245,7 +257,8 @@ def _build(scheme: str, model: nn.Module, cap_mb: float,
                                        start_powerSGD_iter=2, random_seed=0)
         ddp.register_comm_hook(state, inner)
     else:
-        hook_state = gradzip.ddp.register(ddp, arg, overlap=False)
+        hook_state = gradzip.ddp.register(ddp, arg, overlap=False,
+                                          fuse_buckets=kind == "gradzipf")
         if force_device:
             force_device_path(hook_state)
     return ddp, lambda: _bucket_count(ddp)

@@ -2,7 +2,8 @@
 
 A thin adapter: :mod:`~gradzip.ddp.hook` (the hook, ``make_hook`` and ``register``),
 :mod:`~gradzip.ddp.state` (:class:`GradzipHookState`: one engine, the buckets' work,
-checkpoints), :mod:`~gradzip.ddp.gate` (readers of the state wait for the step to close),
+checkpoints), :mod:`~gradzip.ddp.fused` (``fuse_buckets``: a step's buckets in one engine
+call), :mod:`~gradzip.ddp.gate` (readers of the state wait for the step to close),
 :mod:`~gradzip.ddp.gathered` (every rank's state in one checkpoint),
 :mod:`~gradzip.ddp.thread` (the communication thread and its private group) and
 :mod:`~gradzip.ddp.params` (a model's trainable parameters, state trees moved between

@@ -74,8 +74,13 @@ def gradzip_hook(state: GradzipHookState, bucket: dist.GradBucket) -> torch.futu
         A future holding the bucket's buffer, completed once that buffer holds the averaged
         gradients: at once with ``overlap=False`` or inline on NCCL (:func:`runs_inline`; the
         buffer's averages are then queued on the current CUDA stream, which DDP's later use
-        of the buffer follows), by the communication thread otherwise.
+        of the buffer follows), by the communication thread otherwise; with
+        ``fuse_buckets``, when the step's last bucket arrives (every bucket's at once).
     """
+    if state._fused is not None:
+        # DDP waits for the buckets' futures only once the backward pass has ended, after
+        # the last bucket's hook: the earlier buckets' futures may stay open until then.
+        return state._fused.take(state, bucket)
     if state.overlap and not _inline(state):
         return state._submit(bucket)
     # Collectives issued here, in bucket order, identical on every rank: see gradzip.ddp's
@@ -105,6 +110,7 @@ def make_hook(
     process_group: dist.ProcessGroup | None = None,
     overlap: bool = True,
     options: EngineOptions | None = None,
+    fuse_buckets: bool = False,
     **engine_options: Any,
 ) -> tuple[GradzipHookState, Any]:
     """The ``(state, hook)`` pair that ``ddp_model.register_comm_hook(state, hook)`` and
@@ -118,6 +124,7 @@ def make_hook(
         overlap: see :class:`GradzipHookState`.
         options: an :class:`~gradzip.EngineOptions` record (its fields may also be given as
             keywords, which replace the record's).
+        fuse_buckets: see :class:`GradzipHookState`.
         **engine_options: fields of :class:`~gradzip.EngineOptions` as keywords.
 
     Returns:
@@ -129,6 +136,7 @@ def make_hook(
     state = GradzipHookState(
         named_trainable_parameters(model_or_named_params), compressor, process_group=process_group,
         overlap=overlap, options=EngineOptions.build(options, **engine_options),
+        fuse_buckets=fuse_buckets,
     )
     return state, gradzip_hook
 
@@ -140,6 +148,7 @@ def register(
     process_group: dist.ProcessGroup | None = None,
     overlap: bool = True,
     options: EngineOptions | None = None,
+    fuse_buckets: bool = False,
     **engine_options: Any,
 ) -> GradzipHookState:
     """Register gradzip as ``ddp_model``'s communication hook (before the first backward).
@@ -151,6 +160,7 @@ def register(
         overlap: see :class:`GradzipHookState`.
         options: an :class:`~gradzip.EngineOptions` record (its fields may also be given as
             keywords, which replace the record's).
+        fuse_buckets: see :class:`GradzipHookState`.
         **engine_options: fields of :class:`~gradzip.EngineOptions` as keywords
             (``optimizer``, ``error_feedback``, ``nonfinite``, ``grad_scaler``, ``dense_1d``,
             ``rules``, ``min_numel``).
@@ -172,7 +182,7 @@ def register(
         process_group = getattr(ddp_model, "process_group", None)
     state, hook = make_hook(
         ddp_model.module, compressor, process_group=process_group, overlap=overlap,
-        options=options,
+        options=options, fuse_buckets=fuse_buckets,
     )
     ddp_model.register_comm_hook(state, hook)
     log.debug("registered gradzip %s on %d parameters", state.compressor.spec(), len(state.params))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from gradzip._validate import check_bool
 from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
+from gradzip.ddp.fused import FusedBuckets
 from gradzip.ddp.gate import StepGate
 from gradzip.ddp.gathered import GatheredState, rank_entry
 from gradzip.ddp.params import named_trainable_parameters, tree_to
@@ -48,6 +49,10 @@ class GradzipHookState:
             later buckets (the default); ``False`` runs it inside the hook, synchronously. On
             CUDA with NCCL, a compressor that decides on the device runs inside the hook either
             way: its collectives are asynchronous already (``gradzip.ddp.hook.runs_inline``).
+        fuse_buckets: keep every bucket of a backward pass and average them all in one engine
+            call at the last one (:mod:`gradzip.ddp.fused`): a step's fixed per-call work is
+            paid once instead of once per bucket, for no overlap with the backward pass and
+            one more gradient-sized buffer. ``overlap`` then does not apply.
 
     Raises:
         TypeError, ValueError: invalid arguments, naming the parameter.
@@ -61,6 +66,7 @@ class GradzipHookState:
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = True,
         options: EngineOptions | None = None,
+        fuse_buckets: bool = False,
         **engine_options: Any,
     ) -> None:
         pairs = named_trainable_parameters(named_params)
@@ -78,6 +84,8 @@ class GradzipHookState:
         self.grad_scaler = options.grad_scaler
         self.dense_1d = options.dense_1d
         self.overlap = check_bool("overlap", overlap)
+        self.fuse_buckets = check_bool("fuse_buckets", fuse_buckets)
+        self._fused = FusedBuckets() if fuse_buckets else None
         self.process_group = process_group
         self.params: dict[str, torch.Tensor] = dict(pairs)
         # The engine is built at the first bucket; a rule that decides nothing is refused now.
@@ -345,8 +353,9 @@ class GradzipHookState:
                      f"{self._pending.get('step', '?')} waits to be loaded)")
         else:
             where = "engine=None (built at the first bucket, once the process group exists)"
+        fused = ", fuse_buckets=True" if self.fuse_buckets else ""
         return (f"GradzipHookState(compressor={self.compressor.spec()!r}, "
-                f"parameters={len(self.params)}, overlap={self.overlap}, {where})")
+                f"parameters={len(self.params)}, overlap={self.overlap}{fused}, {where})")
 
 
 def _count_steps_of(optimizer: torch.optim.Optimizer, state: GradzipHookState) -> None:
