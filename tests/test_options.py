@@ -113,10 +113,14 @@ def test_entry_point_signatures_share_the_record() -> None:
 
 
 def test_integrations_route_the_records_fields() -> None:
-    assert frozenset(EngineOptions.names()) | {"options", "overlap"} == ENGINE_OPTIONS
+    assert frozenset(EngineOptions.names()) | {"options", "overlap", "fuse_buckets"} == \
+        ENGINE_OPTIONS
     engine, other = split_engine_options(
-        {"rules": [("*.bias", "dense")], "min_numel": 8, "bucket_cap_mb": 1.0}, "Strategy")
-    assert engine == {"rules": [("*.bias", "dense")], "min_numel": 8}
+        {"rules": [("*.bias", "dense")], "min_numel": 8, "bucket_cap_mb": 1.0,
+         "fuse_buckets": True}, "Strategy")
+    assert engine == {"rules": [("*.bias", "dense")], "min_numel": 8, "fuse_buckets": True}
+    with pytest.raises(TypeError, match="`fuse_buckets` must be a bool, got"):
+        split_engine_options({"fuse_buckets": "yes"}, "Strategy")
     assert other == {"bucket_cap_mb": 1.0}
     with pytest.raises(ValueError, match="`min_numel` must be >= 0, got -2"):
         split_engine_options({"min_numel": -2}, "Strategy")

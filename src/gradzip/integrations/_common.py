@@ -6,16 +6,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import gradzip.ddp
+from gradzip._validate import check_bool
 from gradzip.options import EngineOptions
 
 __all__ = ["ENGINE_OPTIONS", "hook_metrics", "missing_framework", "split_engine_options",
            "with_optimizer"]
 
 # The keywords that configure the hook: the fields of the options record (so an option added
-# there is accepted here too), the record itself, and the hook's `overlap`. `process_group`
+# there is accepted here too), the record itself, and the hook's `overlap` and
+# `fuse_buckets`. `process_group`
 # stays with the framework: the hook reduces over the group the framework's DDP model was
 # built with.
-ENGINE_OPTIONS: frozenset[str] = frozenset((*EngineOptions.names(), "options", "overlap"))
+HOOK_OPTIONS = ("overlap", "fuse_buckets")
+ENGINE_OPTIONS: frozenset[str] = frozenset((*EngineOptions.names(), "options", *HOOK_OPTIONS))
 
 
 def missing_framework(module: str, package: str, error: ImportError) -> ImportError:
@@ -58,7 +61,10 @@ def split_engine_options(
     engine = {k: v for k, v in options.items() if k in ENGINE_OPTIONS}
     # Validated now, so a bad option fails where it is written, not at the first fit.
     EngineOptions.build(engine.get("options"), **{
-        k: v for k, v in engine.items() if k not in ("options", "overlap")})
+        k: v for k, v in engine.items() if k not in ("options", *HOOK_OPTIONS)})
+    for key in HOOK_OPTIONS:
+        if key in engine:
+            check_bool(key, engine[key])
     other = {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
     for key in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"):
         if key in other:

@@ -54,8 +54,8 @@ def register(
         **engine_options: the keywords of :func:`gradzip.ddp.register`: the fields of
             :class:`~gradzip.EngineOptions` (``error_feedback``, ``nonfinite``,
             ``grad_scaler``, ``dense_1d``, ``rules``, ``min_numel``, ...), an ``options``
-            record, ``overlap``. ``optimizer`` (read for the learning rate) defaults to the
-            one optimizer ``accelerator`` prepared, if one.
+            record, ``overlap``, ``fuse_buckets``. ``optimizer`` (read for the learning rate)
+            defaults to the one optimizer ``accelerator`` prepared, if one.
 
     Returns:
         The hook state (``stats``, ``state_dict()``).

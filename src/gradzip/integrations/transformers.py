@@ -85,7 +85,7 @@ class GradzipCallback(TrainerCallback):
         compressor: a :class:`~gradzip.Compressor` or spec string such as ``"topk:ratio=0.01"``.
         **engine_options: the fields of :class:`~gradzip.EngineOptions` (``error_feedback``,
             ``nonfinite``, ``dense_1d``, ``rules``, ``min_numel``, ...), an ``options`` record,
-            ``overlap``; ``optimizer`` defaults to the Trainer's.
+            ``overlap``, ``fuse_buckets``; ``optimizer`` defaults to the Trainer's.
 
     Attributes:
         state: the :class:`~gradzip.ddp.GradzipHookState` once training began (``stats``).
