@@ -172,6 +172,20 @@ def test_timings_are_cached_read_back_and_overridden(tmp_path, monkeypatch) -> N
         TimingCache(tmp_path / "bad.json")
 
 
+def test_a_cache_write_uses_a_temporary_file_of_its_own(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two processes writing the cache at once must not move each other's half-written file
+    into place: each writes a temporary file named for its process. Another process's
+    temporary file (here one that cannot be written over: a folder) is left alone."""
+    path = tmp_path / "timings.json"
+    (tmp_path / "timings.json.tmp").mkdir()
+    (tmp_path / "timings.json.1.tmp").mkdir()
+    cache = TimingCache(path)
+    cache.put(timing_key("fp16", SHAPES), 0.5)
+    assert TimingCache(path).get(timing_key("fp16", SHAPES)) == 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "timings.json", "timings.json.1.tmp", "timings.json.tmp"]
+
+
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
     code = main(["plan", *argv])
     out = capsys.readouterr()

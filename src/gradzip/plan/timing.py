@@ -116,7 +116,9 @@ class TimingCache:
         """Record ``seconds`` under ``key`` and write the file (atomically)."""
         self.entries[key] = float(seconds)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
+        # A name of this process's own: two processes writing at once (two workers, two
+        # plans) would otherwise move each other's half-written file into place.
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"format": _FORMAT, "seconds": self.entries}, indent=1,
                                   sort_keys=True))
         tmp.replace(self.path)
