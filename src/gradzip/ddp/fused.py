@@ -22,15 +22,12 @@ they are then averaged one call each, in bucket order, as without fusing.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gradzip.engine import BucketLayout
-
-if TYPE_CHECKING:
-    from gradzip.ddp.state import GradzipHookState
 
 __all__ = ["FusedBuckets"]
 
@@ -40,7 +37,7 @@ class _Held:
 
     __slots__ = ("buffer", "future", "grads", "key", "names")
 
-    def __init__(self, state: GradzipHookState, bucket: dist.GradBucket) -> None:
+    def __init__(self, state: Any, bucket: dist.GradBucket) -> None:
         self.buffer = bucket.buffer()
         params = bucket.parameters()
         self.names = [state.name_of(p) for p in params]
@@ -65,10 +62,10 @@ class FusedBuckets:
         # buffer).
         self._apart: dict[Any, BucketLayout] = {}
 
-    def take(self, state: GradzipHookState,
-             bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def take(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Keep ``bucket``; at the step's last bucket, average every kept one and complete
-        their futures. Raises what the engine raises (the futures of the earlier buckets
+        their futures (``state``: the :class:`~gradzip.ddp.GradzipHookState`, which imports
+        this module, hence untyped here). Raises what the engine raises (the futures of the earlier buckets
         then hold the error too)."""
         held = _Held(state, bucket)
         self.held.append(held)
@@ -85,7 +82,7 @@ class FusedBuckets:
             item.future.set_result(item.buffer)
         return held.future
 
-    def _reduce(self, state: GradzipHookState, batch: list[_Held]) -> None:
+    def _reduce(self, state: Any, batch: list[_Held]) -> None:
         engine = state.engine
         state._hook_thread = threading.get_ident()
         step = state._optimizer_steps
