@@ -105,8 +105,8 @@ class OuterFields:
                               "it (< H/P), the exchange overlapped with them", group=OUTER,
                               metavar="TAU", check=int_at_least(0))
     auto_outer: bool = option(False, "with --compressor auto: leave per-step communication for "
-                              "outer-step training (DiLoCo, dense exchange, outer settings from "
-                              "H) at the first decision past the critical phase where an outer "
+                              "outer-step training (DiLoCo, the exchanges of --auto-outer-exchange, "
+                              "outer settings from H) at the first decision past the critical phase where an outer "
                               "candidate is predicted faster by auto's margin; no switch back",
                               group=OUTER, check=check_bool)
     auto_outer_steps: tuple[int, ...] = option(
