@@ -39,7 +39,7 @@ FORCED: dict[str, Any] = {**TINY, "compressor": AUTO, "auto_outer": True,
 #: FORCED with the default exchanges, dense and 8-bit.
 EIGHT: dict[str, Any] = {**FORCED, "auto_outer_exchanges": AUTO_OUTER_EXCHANGES}
 #: Fields of a switch evaluation measured by the clock (the only ones runs may differ in).
-MEASURED = {"compute_ms", "rtt_ms", "predicted_ms", "gain"}
+MEASURED = {"compute_ms", "rtt_ms", "predicted_ms", "gain", "decision_seconds"}
 
 
 def _summary(out: Path) -> dict[str, Any]:
@@ -171,6 +171,7 @@ def test_a_first_decision_before_step_0_starts_outer_steps_at_step_0(tmp_path: P
     summary = _summary(auto)
     switch = summary["auto_outer"]["switch"]
     assert switch["compute_ms"] > 0
+    assert switch["decision_seconds"] > 0  # what deciding cost before step 0
     assert (switch["step"], switch["switched_at"], switch["level"]) == (0, 0, "none")
     assert summary["auto_outer"]["evaluations"] == 1 and "accordion_counts" not in summary
     assert [r["kind"] for r in _decisions(auto)] == ["outer_switch"]

@@ -143,7 +143,12 @@ class SwitchingStepper:
         comm = None
         if self.steps == 0 and self.switch is None and self._decides_before_start():
             comm = self._collective()
+            start = self.auto.clock()
             self._decide_before_start(batches[0], carries[0], comm)
+            assert self.last is not None
+            # What the decision cost this worker before step 0 (timing compute, probing,
+            # benchmarking, simulating traffic): its own clock, recorded, never compared.
+            self.last["decision_seconds"] = self.auto.clock() - start
         if self.pending is not None:
             self._carry_out(comm)
         elif comm is not None:  # the probes of a first decision that kept per-step training
@@ -165,10 +170,10 @@ class SwitchingStepper:
 
         Compute is timed (:meth:`time_compute`) and the link probed first, and the verdict
         is weighed against the cheapest level the decision may choose, its compression
-        priced free. Compression adds to per-step prices only (the outer candidates' dense
-        exchange compresses nothing), so where outer steps win against that lower bound
-        they win against every measured price, at the same candidate (its choice reads
-        compute and link alone): the switch is taken on the bound (its record's ``priced``
+        priced free. Compression adds to per-step prices only (the outer candidates' own
+        compression, measured first, is priced alike in both), so where outer steps win
+        against that lower bound they win against every measured price, at the same
+        candidate (its choice reads compute, link and the candidates' compression alone): the switch is taken on the bound (its record's ``priced``
         is ``"bound"``, its ``gain`` a lower bound) and the compression benchmark, a third
         of what every worker spends before step 0 on the race's model, is skipped.
         Otherwise each allowed level's compression is measured and the decision is taken
