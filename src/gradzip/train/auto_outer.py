@@ -173,9 +173,10 @@ class SwitchingStepper:
         priced free. Compression adds to per-step prices only (the outer candidates' own
         compression, measured first, is priced alike in both), so where outer steps win
         against that lower bound they win against every measured price, at the same
-        candidate (its choice reads compute, link and the candidates' compression alone): the switch is taken on the bound (its record's ``priced``
-        is ``"bound"``, its ``gain`` a lower bound) and the compression benchmark, a third
-        of what every worker spends before step 0 on the race's model, is skipped.
+        candidate (its choice reads compute, link and the candidates' compression alone):
+        the switch is taken on the bound (its record's ``priced`` is ``"bound"``, its
+        ``gain`` a lower bound) and the levels' compression benchmark, a third of what every
+        worker spent before step 0 on the race's model, is skipped.
         Otherwise each allowed level's compression is measured and the decision is taken
         again on the link already probed (``priced``: ``"measured"``).
 
