@@ -256,6 +256,32 @@ def test_only_the_levels_a_first_decision_may_choose_are_benchmarked(tmp_path: P
     assert only is not None and only["powersgd-r1"] > 0 and only["topk-1%"] == 0.0
 
 
+def test_compression_times_are_measured_once_per_machine(tmp_path: Path, monkeypatch) -> None:
+    """The first stepper measures and writes the cache; a later one on the same machine reads
+    it without measuring; a cache that cannot be read is passed over (measured anyway)."""
+    from gradzip.train import auto_outer
+
+    cache = tmp_path / "timings.json"
+    monkeypatch.setenv("GRADZIP_PLAN_TIMINGS", str(cache))
+    cfg = resolve_config(RunConfig(**{**EIGHT, "auto_outer_early": True,  # type: ignore[arg-type]
+                                      "out": str(tmp_path / "x")}))
+    model = _Net()
+
+    def stepper() -> SwitchingStepper:
+        return SwitchingStepper(model, _Task(), Auto(warmup=0), cfg,
+                                torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+
+    first = stepper().compress_seconds("scatterq:bits=8")
+    assert first > 0 and cache.exists()
+    measured = auto_outer.measure_compress_seconds
+    monkeypatch.setattr(auto_outer, "measure_compress_seconds",
+                        lambda *a, **k: pytest.fail("measured again"))
+    assert stepper().compress_seconds("scatterq:bits=8") == first
+    cache.write_text("not a timing file")
+    monkeypatch.setattr(auto_outer, "measure_compress_seconds", measured)
+    assert stepper().compress_seconds("scatterq:bits=8") > 0
+
+
 class _Ticks:
     """A clock that only the task moves: ``per_loss`` seconds for every loss computed."""
 

@@ -61,7 +61,7 @@ from gradzip.plan import (
     outer_switch_bound,
 )
 from gradzip.plan.measure import max_over_ranks
-from gradzip.plan.timing import measure_compress_seconds
+from gradzip.plan.timing import TimingCache, measure_compress_seconds, timing_key
 from gradzip.spec import compressor_from_spec
 from gradzip.train.metrics import format_bytes
 from gradzip.train.outer_stepper import OuterStepper
@@ -230,8 +230,8 @@ class SwitchingStepper:
 
     def level_overheads(self) -> dict[str, float] | None:
         """Each of Auto's levels' compression seconds per step on this model's shapes
-        (:func:`~gradzip.plan.timing.measure_compress_seconds`: one engine step of one
-        worker, CPU time on one thread), for a decision before any step has run one; ``None``
+        (:meth:`compress_seconds`: one engine step of one worker, CPU time on one thread,
+        cached), for a decision before any step has run one; ``None``
         on a GPU, where that CPU micro-benchmark does not measure the device's time.
 
         Only the levels that decision may choose are measured (:meth:`Auto.allowed
@@ -241,9 +241,35 @@ class SwitchingStepper:
         if self.device.type != "cpu":
             return None
         allowed = self.auto.allowed(critical=True)
-        return {label: (measure_compress_seconds(level.spec(), self.shapes)  # type: ignore[union-attr]
+        return {label: (self.compress_seconds(level.spec())  # type: ignore[union-attr]
                         if label in allowed else 0.0)
                 for label, level in zip(self.auto.labels, self.auto.levels, strict=True)}
+
+    def compress_seconds(self, spec: str) -> float:
+        """One engine step of ``spec`` on this model's shapes, one worker, CPU time on one
+        thread (:func:`~gradzip.plan.timing.measure_compress_seconds`), read from the
+        compression-time cache that ``gradzip plan`` keeps where this machine measured it
+        before (:class:`~gradzip.plan.TimingCache`: ``$GRADZIP_PLAN_TIMINGS``, else
+        ``~/.cache/gradzip/plan-timings.json``; keyed by spec, shapes, device and torch
+        version), else measured and written there. The benchmark costs a worker a large part
+        of what it spends before step 0 (0.43 s of 1.35 s for the 8-bit exchange on the
+        race's model), so a later run on the same machine skips it. A cache that cannot be
+        read or written is passed over with a warning: the time is measured anyway."""
+        key = timing_key(spec, self.shapes)
+        try:
+            cache = TimingCache()
+            found = cache.get(key)
+        except (OSError, ValueError) as exc:
+            log.warning("compression times not cached (%s): measuring", exc)
+            return measure_compress_seconds(spec, self.shapes)
+        if found is not None:
+            return found
+        seconds = measure_compress_seconds(spec, self.shapes)
+        try:
+            cache.put(key, seconds)
+        except OSError as exc:
+            log.warning("compression time not cached (%s)", exc)
+        return seconds
 
     def _weigh_new_decisions(self) -> None:
         """Weigh each Auto decision made during the last step against outer-step training."""
@@ -284,8 +310,8 @@ class SwitchingStepper:
 
     def candidate_overheads(self, comm: Collective) -> dict[str, float]:
         """Compression seconds of one exchange for each compressed exchange among the
-        candidates (:func:`~gradzip.plan.timing.measure_compress_seconds` on this model's
-        shapes, CPU time on one thread), the maxima over the ranks (one all-reduce of a float
+        candidates (:meth:`compress_seconds`: cached, or measured on this model's shapes),
+        the maxima over the ranks (one all-reduce of a float
         per spec), so that every rank prices the candidates alike; measured once, then kept
         (and checkpointed). The dense exchange is priced without compression, as before any
         candidate was compressed; so is every exchange on a GPU, where that CPU
@@ -295,7 +321,7 @@ class SwitchingStepper:
             specs = sorted({c.spec for c in self.candidates if c.spec != "none"})
             costs: dict[str, float] = {}
             if specs and self.device.type == "cpu":
-                mine = [measure_compress_seconds(spec, self.shapes) for spec in specs]
+                mine = [self.compress_seconds(spec) for spec in specs]
                 most = max_over_ranks(comm, mine, self.device)
                 costs = dict(zip(specs, most, strict=True))
             self.exchange_costs = costs
