@@ -88,6 +88,10 @@ HOST_SYNC_OPS = frozenset({
 })
 
 ACCORDION = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,eta=0.5,interval=10)"
+#: The compressors of the many-workers target (extra ops at most 1.5x native DDP's), the
+#: threshold in its fixed-capacity form (no host read).
+MANY_WORKER_SPECS = ("topk:ratio=0.01", "randk:ratio=0.01", "qsgd:levels=16", "sign",
+                     "threshold:lam=0.001,capacity=0.05")
 #: name -> (kind, argument). kind: "local" (no DDP), "ddp" (no hook), "torch" (a PyTorch
 #: hook), "gradzip" (a gradzip spec), "gradzip1" (a gradzip spec in one bucket, the
 #: layout PyTorch's powerSGD_hook is counted in) or "gradzipf" (a gradzip spec with
@@ -111,9 +115,8 @@ SCHEMES: dict[str, tuple[str, str]] = {
     # The threshold's GPU form: a fixed capacity per tensor, no sizes read on the host.
     "gradzip:threshold:lam=0.001,capacity=0.05": ("gradzip", "threshold:lam=0.001,capacity=0.05"),
     f"gradzip:{ACCORDION}": ("gradzip", ACCORDION),
-    **{f"gradzip-fused:{spec}": ("gradzipf", spec) for spec in (
-        "none", "powersgd:rank=4", "topk:ratio=0.01", "randk:ratio=0.01", "qsgd:levels=16",
-        "sign", "threshold:lam=0.001,capacity=0.05", ACCORDION)},
+    **{f"gradzip-fused:{spec}": ("gradzipf", spec)
+       for spec in ("none", "powersgd:rank=4", *MANY_WORKER_SPECS, ACCORDION)},
 }
 #: The targets: scheme -> (reference scheme, the largest allowed ratio of extra ops).
 TARGETS: dict[str, tuple[str, float]] = {
@@ -131,9 +134,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     f"gradzip:{ACCORDION}": ("gradzip:powersgd:rank=4", 1.2),
     # The many-workers targets, with the step's buckets in one engine call (DDP's 4 buckets
     # unchanged): at most 1.5x native DDP's; PowerSGD at most PyTorch's hook's.
-    **{f"gradzip-fused:{spec}": ("ddp", 1.5) for spec in (
-        "topk:ratio=0.01", "randk:ratio=0.01", "qsgd:levels=16", "sign",
-        "threshold:lam=0.001,capacity=0.05")},
+    **{f"gradzip-fused:{spec}": ("ddp", 1.5) for spec in MANY_WORKER_SPECS},
     "gradzip-fused:powersgd:rank=4": ("torch-powersgd:rank=4", 1.0),
     f"gradzip-fused:{ACCORDION}": ("gradzip-fused:powersgd:rank=4", 1.2),
 }

@@ -65,8 +65,8 @@ class FusedBuckets:
     def take(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Keep ``bucket``; at the step's last bucket, average every kept one and complete
         their futures (``state``: the :class:`~gradzip.ddp.GradzipHookState`, which imports
-        this module, hence untyped here). Raises what the engine raises (the futures of the earlier buckets
-        then hold the error too)."""
+        this module, hence untyped here). Raises what the engine raises (the futures of the
+        earlier buckets then hold the error too)."""
         held = _Held(state, bucket)
         self.held.append(held)
         if not bucket.is_last():

@@ -13,10 +13,9 @@ __all__ = ["ENGINE_OPTIONS", "hook_metrics", "missing_framework", "split_engine_
            "with_optimizer"]
 
 # The keywords that configure the hook: the fields of the options record (so an option added
-# there is accepted here too), the record itself, and the hook's `overlap` and
-# `fuse_buckets`. `process_group`
-# stays with the framework: the hook reduces over the group the framework's DDP model was
-# built with.
+# there is accepted here too), the record itself, and the hook's `overlap` and `fuse_buckets`.
+# `process_group` stays with the framework: the hook reduces over the group the framework's
+# DDP model was built with.
 HOOK_OPTIONS = ("overlap", "fuse_buckets")
 ENGINE_OPTIONS: frozenset[str] = frozenset((*EngineOptions.names(), "options", *HOOK_OPTIONS))
 

@@ -65,7 +65,7 @@ class GradzipDDPStrategy(DDPStrategy):
         log_stats: log the counters to the trainer's loggers.
         **options: the fields of :class:`~gradzip.EngineOptions` (``error_feedback``,
             ``nonfinite``, ``grad_scaler``, ``dense_1d``, ``rules``, ``min_numel``, ...;
-            ``optimizer`` defaults to the trainer's first optimizer), an ``options`` record
+            ``optimizer`` defaults to the trainer's first optimizer), an ``options`` record,
             ``overlap`` and ``fuse_buckets`` configure the hook; every other keyword goes to
             ``DDPStrategy`` (``find_unused_parameters``, ``bucket_cap_mb``, ``timeout``, ...).
 

@@ -12,7 +12,8 @@ from gradzip.plan.auto import Auto
 from gradzip.spec import CONTROLLERS, compressor_from_spec
 from gradzip.train.fields import OPTIM, int_at_least, option, real_in
 
-__all__ = ["AUTO_OUTER_EXCHANGES", "AUTO_OUTER_STEPS", "INNER_OPTIMIZERS", "OUTER", "OuterFields", "outer_steps_list"]
+__all__ = ["AUTO_OUTER_EXCHANGES", "AUTO_OUTER_STEPS", "INNER_OPTIMIZERS", "OUTER", "OuterFields",
+           "outer_exchanges_list", "outer_steps_list"]
 
 #: The optimizer each worker steps (``adamw``: betas 0.9, 0.95, with ``--weight-decay``).
 INNER_OPTIMIZERS = ("sgd", "adamw")
@@ -71,7 +72,7 @@ def outer_exchanges_list(value: Any) -> tuple[str, ...]:
         except (TypeError, ValueError) as err:
             raise ValueError(f"`auto_outer_exchanges` must hold compressor specs, got "
                              f"{text!r}: {err}") from None
-        if isinstance(built, Auto) or type(built).spec_name in CONTROLLERS:
+        if type(built).spec_name in CONTROLLERS:  # Auto among them
             raise ValueError(f"`auto_outer_exchanges` must hold plain compressors, not "
                              f"controllers, got {text!r}")
         specs.append((text.strip(), built.spec()))
@@ -105,9 +106,10 @@ class OuterFields:
                               "it (< H/P), the exchange overlapped with them", group=OUTER,
                               metavar="TAU", check=int_at_least(0))
     auto_outer: bool = option(False, "with --compressor auto: leave per-step communication for "
-                              "outer-step training (DiLoCo, the exchanges of --auto-outer-exchange, "
-                              "outer settings from H) at the first decision past the critical phase where an outer "
-                              "candidate is predicted faster by auto's margin; no switch back",
+                              "outer-step training (DiLoCo, the exchanges of "
+                              "--auto-outer-exchange, outer settings from H) at the first "
+                              "decision past the critical phase where an outer candidate is "
+                              "predicted faster by auto's margin; no switch back",
                               group=OUTER, check=check_bool)
     auto_outer_steps: tuple[int, ...] = option(
         AUTO_OUTER_STEPS, "the H values --auto-outer weighs (default 10,30,100)", group=OUTER,
