@@ -13,6 +13,7 @@ from gradzip.plan.planner import Plan, choose, parse_count, plan, predict
 from gradzip.plan.switch import OUTER_CANDIDATES, outer_switch, outer_switch_bound
 from gradzip.plan.timing import TimingCache, measure_compress_seconds
 from gradzip.plan.traffic import Call, Traffic, count_layout, measure_traffic
+from gradzip.plan.traffic_cache import TrafficCache
 
 __all__ = [
     "DEFAULT_LEVELS",
@@ -26,6 +27,7 @@ __all__ = [
     "Setting",
     "TimingCache",
     "Traffic",
+    "TrafficCache",
     "choose",
     "comm_seconds",
     "count_layout",

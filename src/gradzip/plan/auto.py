@@ -33,6 +33,7 @@ from gradzip.plan.candidates import Candidate
 from gradzip.plan.measure import fit_probe, max_over_ranks, median, pick, probe_link
 from gradzip.plan.model import Setting, predict_candidate
 from gradzip.plan.traffic import Traffic, measure_traffic
+from gradzip.plan.traffic_cache import TrafficCache
 from gradzip.spec import (
     CONTROLLERS,
     compressor_from_spec,
@@ -267,14 +268,18 @@ class Auto(Compressor):
             ctrl["pending"] = True
 
     # -- decisions -------------------------------------------------------------------------
-    def traffic(self, shapes: Mapping[str, Sequence[int]], workers: int) -> dict[str, Traffic]:
+    def traffic(self, shapes: Mapping[str, Sequence[int]], workers: int,
+                store: TrafficCache | None = None) -> dict[str, Traffic]:
         """Each level's collective calls per step for these tensors among ``workers``,
-        simulated once (cached on this object: a function of shapes and ``W`` only)."""
+        simulated once (cached on this object: a function of shapes and ``W`` only), or
+        read from ``store``, a cache on disk that a run gives to skip the simulations
+        another run on the machine made (and written there)."""
         key = (tuple((n, tuple(s)) for n, s in sorted(shapes.items())), workers)
         cache: dict[Any, dict[str, Traffic]] = self._traffic  # type: ignore[attr-defined]
         if key not in cache:
             plain = {n: tuple(s) for n, s in shapes.items()}
-            cache[key] = {lb: measure_traffic(lv.spec(), workers, shapes=plain)
+            cache[key] = {lb: (store.traffic(lv.spec(), workers, plain) if store is not None
+                               else measure_traffic(lv.spec(), workers, shapes=plain))
                           for lb, lv in zip(self.labels, self._levels, strict=True)}
         return cache[key]
 

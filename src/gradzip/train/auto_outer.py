@@ -62,6 +62,7 @@ from gradzip.plan import (
 )
 from gradzip.plan.measure import max_over_ranks
 from gradzip.plan.timing import TimingCache, measure_compress_seconds, timing_key
+from gradzip.plan.traffic_cache import TrafficCache
 from gradzip.spec import compressor_from_spec
 from gradzip.train.metrics import format_bytes
 from gradzip.train.outer_stepper import OuterStepper
@@ -73,6 +74,16 @@ log = logging.getLogger(__name__)
 
 #: The counters the loop reads, summed across the switch.
 _COUNTERS = ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes")
+
+
+def _traffic_store() -> TrafficCache | None:
+    """The simulated-exchange cache on disk, or ``None`` (with a warning) where it cannot be
+    read: the exchanges are then simulated, as without it."""
+    try:
+        return TrafficCache()
+    except (OSError, ValueError) as exc:
+        log.warning("simulated traffic not cached (%s): simulating", exc)
+        return None
 
 
 def outer_candidates(steps: tuple[int, ...],
@@ -182,6 +193,9 @@ class SwitchingStepper:
 
         Every branch reads the records' maxima over the ranks, so all ranks take the same."""
         ranks, device = self.local_ranks, self.device
+        # Every level's and candidate's exchange, read from the cache on disk where a run on
+        # this machine simulated it before (the decision below then finds them on Auto).
+        self._known_traffic()
         self.candidate_overheads(comm)
         compute = self.time_compute(micro, carry)
         record = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
@@ -361,12 +375,15 @@ class SwitchingStepper:
         same shapes unless rules route some tensors elsewhere), the candidates' simulated
         once here (seconds for a large model, not to be paid at every decision)."""
         if self._traffic is None:
-            by_label = self.auto.traffic(self.shapes, self.world)
+            store = _traffic_store()
+            by_label = self.auto.traffic(self.shapes, self.world, store)
             known = {level.spec(): by_label[label] for label, level in  # type: ignore[union-attr]
                      zip(self.auto.labels, self.auto.levels, strict=True)}
             for c in self.candidates:
                 if c.spec not in known:
-                    known[c.spec] = measure_traffic(c.spec, self.world, shapes=self.shapes)
+                    known[c.spec] = (store.traffic(c.spec, self.world, self.shapes)
+                                     if store is not None else
+                                     measure_traffic(c.spec, self.world, shapes=self.shapes))
             self._traffic = known
         return self._traffic
 
