@@ -7,6 +7,7 @@ become one ``[L, total]`` buffer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -67,13 +68,11 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
     """Views of the 1-D ``flat`` in ``shapes``, one after another (the inverse of
     :func:`pack`; no op)."""
-    out, start = [], 0
-    for shape in shapes:
-        size = shape.numel()
-        out.append(flat[start : start + size].view(shape))
-        start += size
-    assert start == flat.numel(), (start, flat.numel())
-    return out
+    sizes = [math.prod(shape) for shape in shapes]
+    assert sum(sizes) == flat.numel(), (sum(sizes), flat.numel())
+    # One split (views, made in C++) rather than a Python slice per tensor: this runs for
+    # every call on the hot path, once per gradient.
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
 def split_flat(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
