@@ -468,9 +468,9 @@ def test_a_run_resumed_across_the_switch_equals_the_uninterrupted_run(tmp_path: 
     ({"workers": 1}, "`workers` must be >= 2 with `auto_outer`, got 1"),
     ({"auto_outer_steps": "0,3"}, "`auto_outer_steps` must be >= 1, got 0"),
     ({"auto_outer_steps": (3, 3)}, "`auto_outer_steps` must not repeat a value, got [3, 3]"),
-    ({"auto_outer": False}, "`auto_outer_steps`, `auto_outer_exchanges`, `auto_outer_early` "
-                            "and `auto_outer_bandwidth_mbit` need `auto_outer`, got "
-                            "auto_outer=False"),
+    ({"auto_outer": False}, "`auto_outer_steps`, `auto_outer_exchanges`, `auto_outer_early`, "
+                            "`auto_outer_follow` and `auto_outer_bandwidth_mbit` need "
+                            "`auto_outer`, got auto_outer=False"),
     ({"auto_outer_exchanges": ()}, "`auto_outer_exchanges` must be a non-empty list of "
                                    "compressor specs, got ()"),
     ({"auto_outer_exchanges": ("none", "scatterq", "scatterq:bits=8")},

@@ -36,6 +36,10 @@ checkpoints).
 Counters are cumulative across the switch (the per-step ones, the exchange, the outer ones),
 and a checkpoint holds the per-step state, the switch and the outer loop's state, so a run
 resumed on either side of the switch continues exactly. Training does not switch back.
+
+With ``--auto-outer-follow`` (:meth:`SwitchingStepper._follow`) the candidates are weighed
+again at each synchronisation, from the compute and exchange times measured there, and the
+outer loop is rebuilt for another candidate where two synchronisations in a row choose it.
 """
 
 from __future__ import annotations
@@ -74,6 +78,32 @@ log = logging.getLogger(__name__)
 
 #: The counters the loop reads, summed across the switch.
 _COUNTERS = ("payload_bytes", "wire_bytes", "dense_payload_bytes", "dense_wire_bytes")
+
+
+#: Synchronisations in a row that must choose the same other candidate before it is taken.
+_AGREEING = 2
+#: The bandwidth a synchronisation whose exchange took no measurable time is priced at.
+_MAX_MBIT = 1e6
+#: A candidate's outer-loop settings, as a switch record names them.
+_SETTINGS = ("candidate", "outer_steps", "outer_lr", "outer_momentum", "exchange")
+
+
+def _settings(verdict: dict[str, Any]) -> dict[str, Any]:
+    """The candidate's settings of a switch record (the dense exchange where an older record
+    names none)."""
+    return {k: verdict.get(k, "none") for k in _SETTINGS}
+
+
+def _zero_counters(workers: int) -> dict[str, Any]:
+    return {**{k: [0] * workers for k in _COUNTERS}, "steps": 0, "skipped_steps": 0}
+
+
+def _add_counters(total: dict[str, Any], stats: dict[str, Any]) -> None:
+    """Add an outer loop's counters to ``total`` (in place)."""
+    for k in _COUNTERS:
+        total[k] = [a + b for a, b in zip(total[k], stats[k], strict=True)]
+    total["steps"] += int(stats["steps"])
+    total["skipped_steps"] += int(stats["skipped_steps"])
 
 
 def _traffic_store() -> TrafficCache | None:
@@ -146,6 +176,15 @@ class SwitchingStepper:
         self.exchange_costs: dict[str, float] | None = None
         self.exchange = {"payload": [0] * len(self.local_ranks),
                          "wire": [0] * len(self.local_ranks)}
+        # --auto-outer-follow: the candidate in force (the switch's, then each change's) with
+        # the step it started at; the step times of the interval in progress; the candidate
+        # the last synchronisation chose over it, and how many in a row did; the counters of
+        # the outer loops replaced, which the run's totals keep.
+        self.active: dict[str, Any] | None = None
+        self.interval: list[float] = []
+        self.streak: tuple[str, int] | None = None
+        self.changes = 0
+        self.retired = _zero_counters(len(self.local_ranks))
 
     # -- the step ---------------------------------------------------------------------------
     def step(self, batches: list[list[Any]], carries: list[Any]) -> float:
@@ -168,7 +207,10 @@ class SwitchingStepper:
                 log.info("%s", switch_line({"switched": False, "last": self.last}))
         outer = self._outer()
         if outer is not None:
+            start = self.auto.clock()
             loss = outer.step(batches, carries)
+            if self.cfg.auto_outer_follow:
+                self._follow(outer, self.auto.clock() - start)
         else:
             loss = self.per_step.step(batches, carries)
             self._weigh_new_decisions()
@@ -460,6 +502,7 @@ class SwitchingStepper:
         state = self.loop_optimizer.state_dict()
         for inner in self.outer.inner:  # each worker continues the per-step optimizer's state
             inner.load_state_dict(copy.deepcopy(state))
+        self.active = {**_settings(verdict), "since": self.steps}
         self.switch = {**verdict, "switched_at": self.steps,
                        "exchange_payload_bytes": max(self.exchange["payload"]),
                        "exchange_wire_bytes": max(self.exchange["wire"]),
@@ -472,10 +515,107 @@ class SwitchingStepper:
         collective in a process group, so it waits for the loop, where every rank is)."""
         if self.outer is None and self._saved_outer is not None:
             assert self.switch is not None
-            outer = self._build_outer(self.switch)
+            outer = self._build_outer(self._in_force())
             outer.load_state_dict(self._saved_outer)
             self.outer, self._saved_outer = outer, None
         return self.outer
+
+    def _in_force(self) -> dict[str, Any]:
+        """The outer candidate in force: the last change's, else the switch's."""
+        if self.active is not None:
+            return self.active
+        assert self.switch is not None
+        return {**_settings(self.switch), "since": int(self.switch["switched_at"])}
+
+    # -- following the link once outer steps run (--auto-outer-follow) ----------------------
+    def _follow(self, outer: OuterStepper, took: float) -> None:
+        """Time one outer step; at a synchronisation, weigh the candidates again.
+
+        Between synchronisations a step is compute alone (the inner steps issue no
+        collective); the synchronising step adds the exchange. Their difference, with the
+        interval's median step as its compute, prices the link as it is now. Every rank
+        weighs the maxima over the ranks (one all-reduce of two floats, counted with the
+        switch's bytes), so every rank chooses alike and changes at the same step."""
+        if not outer.synced:
+            self.interval.append(took)
+            return
+        samples, self.interval = sorted(self.interval), []
+        if not samples:  # H = 1: no step of compute alone to compare with
+            return
+        compute = samples[len(samples) // 2]
+        comm = self._collective()
+        compute, exchange = max_over_ranks(comm, [compute, max(0.0, took - compute)], self.device)
+        self._count_exchange(comm)
+        verdict = self._weigh_again(compute, exchange)
+        self._fresh.append(verdict)
+        if verdict["change"]:
+            self._change(outer, verdict)
+
+    def _weigh_again(self, compute: float, exchange: float) -> dict[str, Any]:
+        """The record of one synchronisation's weighing: the candidates priced at the link the
+        exchange just measured and the compute the interval measured, by
+        :func:`~gradzip.plan.outer_switch`'s rule (the smallest H within the margin of the
+        fastest, the dense exchange first); ``change`` where two synchronisations in a row
+        chose the same candidate other than the one in force."""
+        assert self.switch is not None
+        now = self._in_force()
+        spec = str(now["exchange"])
+        traffic = self._known_traffic()[spec]
+        costs = self.exchange_costs or {}
+        rtt_ms = float(self.switch["rtt_ms"])
+        # The exchange's time less its compression and latency terms is its bytes' time.
+        link_s = exchange - costs.get(spec, 0.0) - traffic.hops * rtt_ms / 1e3
+        bandwidth = min(_MAX_MBIT, traffic.wire_bytes * 8 / 1e6 / max(link_s, 1e-9))
+        level = str(self.switch["level"])
+        record = {"critical": False, "level": level, "compute_ms": compute * 1e3,
+                  "bandwidth_mbit": bandwidth, "rtt_ms": rtt_ms,
+                  "calls": self.switch["calls"], "step": self.steps}
+        priced = outer_switch(record, self._spec(level), **self._switch_options())
+        best = str(priced["candidate"])
+        if best == now["candidate"]:
+            self.streak = None
+        else:
+            count = self.streak[1] + 1 if self.streak and self.streak[0] == best else 1
+            self.streak = (best, count)
+        change = self.streak is not None and self.streak[1] >= _AGREEING
+        ms = priced["predicted_ms"]
+        return {"kind": "outer_follow", "step": self.steps, "in_force": now["candidate"],
+                "chosen": best, "change": change, "compute_ms": compute * 1e3,
+                "exchange_ms": exchange * 1e3, "bandwidth_mbit": bandwidth, "rtt_ms": rtt_ms,
+                "predicted_ms": {c.name: ms[c.name] for c in self.candidates},
+                **({"to": _settings(priced)} if change else {})}
+
+    def _change(self, outer: OuterStepper, verdict: dict[str, Any]) -> None:
+        """Replace the outer loop by the chosen candidate's, right after a synchronisation
+        (the replicas are equal there). Each replica's buffers and inner optimizer continue;
+        the outer momentum continues (the same Nesterov state, under the new H's settings);
+        the exchange's error-feedback state continues where the exchange is the same, and is
+        dropped where it changes (another compressor's state; the new one starts empty, as
+        the switch starts its own)."""
+        settings = verdict["to"]
+        same = settings["exchange"] == str(self._in_force()["exchange"])
+        new = self._build_outer(settings)
+        for mine, before in zip(new.replicas[1:], outer.replicas[1:], strict=True):
+            mine.load_state_dict(before.state_dict())
+        for mine, before in zip(new.inner, outer.inner, strict=True):
+            mine.load_state_dict(copy.deepcopy(before.state_dict()))
+        new.outer.outer_state = {n: t.clone() for n, t in outer.outer.outer_state.items()}
+        if same:  # its counters continue with it
+            new.outer.engine.load_state_dict(outer.outer.engine.state_dict())
+        else:  # the run's totals keep the replaced engine's
+            _add_counters(self.retired, outer.stats)
+        self.outer = new
+        self.active = {**settings, "since": self.steps + 1}
+        self.streak = None
+        self.changes += 1
+        if 0 in self.local_ranks:
+            log.info("auto-outer: after step %d, %s -> %s (H=%d, exchange %s): predicted "
+                     "%.1f against %.1f ms/step at %.3g Mbit/s, compute %.1f ms",
+                     self.steps, verdict["in_force"], settings["candidate"],
+                     settings["outer_steps"], settings["exchange"],
+                     verdict["predicted_ms"][settings["candidate"]],
+                     verdict["predicted_ms"][verdict["in_force"]], verdict["bandwidth_mbit"],
+                     verdict["compute_ms"])
 
     # -- the interface the loop uses --------------------------------------------------------
     @property
@@ -510,7 +650,8 @@ class SwitchingStepper:
         outer = self._outer()
         if outer is None:
             return out
-        extra = outer.stats
+        extra = dict(outer.stats)
+        _add_counters(extra, self.retired)  # the outer loops replaced by --auto-outer-follow
         for key, _ in pairs:
             out[key] = [a + b for a, b in zip(out[key], extra[key], strict=True)]
         out["steps"] += 1 + int(extra["steps"])
@@ -519,7 +660,7 @@ class SwitchingStepper:
 
     def epoch_fields(self) -> dict[str, Any]:
         """The epoch record's ``outer_steps``: ``H`` once switched, else 0."""
-        return {"outer_steps": int(self.switch["outer_steps"]) if self.switch else 0}
+        return {"outer_steps": int(self._in_force()["outer_steps"]) if self.switch else 0}
 
     def eval_due(self, step: int, every: int) -> bool:
         """Whether the loop evaluates after ``step`` (``every``: its ``eval_every``): every
@@ -528,7 +669,8 @@ class SwitchingStepper:
         synchronised model without an exchange of parameters)."""
         if not self.switch:
             return step % every == 0
-        return (step - int(self.switch["switched_at"])) % int(self.switch["outer_steps"]) == 0
+        now = self._in_force()
+        return (step - int(now["since"])) % int(now["outer_steps"]) == 0
 
     def eval_fields(self) -> dict[str, Any]:
         """An evaluation record's ``outer_steps`` and, once switched, ``switched_at``: an
@@ -536,7 +678,7 @@ class SwitchingStepper:
         as at an epoch's end, the loop evaluates the workers' mean: :meth:`eval_model`)."""
         if not self.switch:
             return {"outer_steps": 0}
-        return {"outer_steps": int(self.switch["outer_steps"]),
+        return {"outer_steps": int(self._in_force()["outer_steps"]),
                 "switched_at": int(self.switch["switched_at"])}
 
     def summary_fields(self) -> dict[str, Any]:
@@ -545,6 +687,8 @@ class SwitchingStepper:
         and the dropped residual norm; without a switch, the latest evaluation."""
         return {"auto_outer": {"switched": self.switch is not None,
                                "evaluations": self.evaluations,
+                               "changes": self.changes,
+                               "in_force": self._in_force() if self.switch else None,
                                "switch": self.switch,
                                "last": self.last if self.switch is None else None}}
 
@@ -556,7 +700,13 @@ class SwitchingStepper:
                               "evaluations": self.evaluations, "last": self.last,
                               "pending": self.pending, "switch": self.switch,
                               "exchange": copy.deepcopy(self.exchange),
-                              "exchange_costs": copy.deepcopy(self.exchange_costs)}}
+                              "exchange_costs": copy.deepcopy(self.exchange_costs),
+                              "follow": {"active": copy.deepcopy(self.active),
+                                         "interval": list(self.interval),
+                                         "streak": (list(self.streak) if self.streak
+                                                    else None),
+                                         "changes": self.changes,
+                                         "retired": copy.deepcopy(self.retired)}}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (the outer loop is rebuilt at its first use).
@@ -581,6 +731,16 @@ class SwitchingStepper:
         costs = own.get("exchange_costs")  # absent from checkpoints before compressed exchanges
         self.exchange_costs = None if costs is None else {str(k): float(v)
                                                           for k, v in costs.items()}
+        # Absent from checkpoints made before --auto-outer-follow: nothing changed since the
+        # switch.
+        follow = own.get("follow") or {}
+        self.active = copy.deepcopy(follow.get("active"))
+        self.interval = [float(t) for t in follow.get("interval", [])]
+        streak = follow.get("streak")
+        self.streak = (str(streak[0]), int(streak[1])) if streak else None
+        self.changes = int(follow.get("changes", 0))
+        self.retired = (copy.deepcopy(follow["retired"]) if "retired" in follow
+                        else _zero_counters(len(self.local_ranks)))
         self.outer = None
         self._saved_outer = to_device(state["outer"], self.device) if state["outer"] else None
         self._fresh = []

@@ -123,6 +123,11 @@ class OuterFields:
                                     "too (outer steps from the start, as DiLoCo runs; a "
                                     "learning-rate drop or a norm change still forbids it)",
                                     group=OUTER, check=check_bool)
+    auto_outer_follow: bool = option(False, "with --auto-outer: once outer steps run, weigh "
+                                     "the candidates again at each synchronisation from the "
+                                     "compute and exchange times measured there, and change "
+                                     "H or the exchange where two in a row choose another",
+                                     group=OUTER, check=check_bool)
     auto_outer_bandwidth_mbit: float | None = option(
         None, "a link bandwidth --auto-outer prices with instead of the probed one (a known "
         "link the probe cannot see)", group=OUTER, metavar="MBIT",
@@ -174,11 +179,11 @@ class OuterFields:
         steps = outer_steps_list(self.auto_outer_steps)
         if not self.auto_outer:
             if (steps != AUTO_OUTER_STEPS or self.auto_outer_bandwidth_mbit is not None
-                    or self.auto_outer_early
+                    or self.auto_outer_early or self.auto_outer_follow
                     or outer_exchanges_list(self.auto_outer_exchanges) != AUTO_OUTER_EXCHANGES):
-                raise ValueError("`auto_outer_steps`, `auto_outer_exchanges`, `auto_outer_early` "
-                                 "and `auto_outer_bandwidth_mbit` need `auto_outer`, got "
-                                 "auto_outer=False")
+                raise ValueError("`auto_outer_steps`, `auto_outer_exchanges`, `auto_outer_early`, "
+                                 "`auto_outer_follow` and `auto_outer_bandwidth_mbit` need "
+                                 "`auto_outer`, got auto_outer=False")
             return
         compressor = getattr(self, "compressor", "none")  # RunConfig fields, as below
         if not isinstance(compressor_from_spec(compressor), Auto):

@@ -56,6 +56,8 @@ class OuterStepper:
         self.local_ranks = collective.local_ranks
         self.inner = [_like(optimizer, r) for r in self.replicas]
         self._mean_model: nn.Module | None = None  # eval_model's copy, made at first use
+        #: Whether the last :meth:`step` applied an exchange (the replicas are then equal).
+        self.synced = False
         self.outer = Outer(
             self.replicas, compressor, inner_steps=cfg.outer_steps,
             outer_optimizer=cfg.outer_optimizer, outer_lr=cfg.outer_lr,
@@ -84,7 +86,7 @@ class OuterStepper:
                 nn.utils.clip_grad_norm_(replica.parameters(), self.cfg.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        self.outer.step()
+        self.synced = self.outer.step()
         return total
 
     @torch.no_grad()
