@@ -101,6 +101,12 @@ METHODS["autoe0-outer-h30-dense"] = ("auto before step 0, outer steps allowed at
                                       "auto-outer": True, "auto-outer-early": True,
                                       "auto-outer-steps": "10,30", "auto-outer-exchange": "none"},
                                      0)
+METHODS["autoe0-outer-h30-follow"] = ("auto before step 0, outer steps allowed at once, H <= 30, "
+                                      "dense or 8-bit exchange, following the link",
+                                      {"compressor": "auto(warmup=0,every=10)",
+                                       "auto-outer": True, "auto-outer-early": True,
+                                       "auto-outer-steps": "10,30", "auto-outer-follow": True},
+                                      0)
 DEFAULT_METHODS = ["none", "topk1", "diloco30", "diloco30-8bit", "sparseloco30"]
 
 
