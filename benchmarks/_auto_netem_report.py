@@ -42,11 +42,13 @@ def is_auto(method: str) -> bool:
 def synchronised(run: dict[str, Any]) -> dict[str, Any]:
     """``run`` with only the evaluations of parameters every worker holds: under
     ``--auto-outer``, after the switch (``switched_at``, with ``H`` = ``outer_steps``) those
-    at ``switched_at + k H``; between synchronisations each worker evaluates its own."""
+    at ``switched_at + k H``, or, where ``--auto-outer-follow`` changed H, at ``outer_since +
+    k H`` (the step the H in force started at); between synchronisations each worker
+    evaluates its own."""
     if "evaluations" not in run:
         return run
     kept = [e for e in run["evaluations"] if e.get("switched_at") is None
-            or (e["step"] - e["switched_at"]) % e["outer_steps"] == 0]
+            or (e["step"] - e.get("outer_since", e["switched_at"])) % e["outer_steps"] == 0]
     return {**run, "evaluations": kept}
 
 

@@ -215,7 +215,7 @@ def run_one(lab: netlab.Lab, args: argparse.Namespace, rate: float, method: str,
             if line.strip()]
     keep = ("kind", "step", "epoch", "perplexity", "train_seconds", "seconds", "eval_seconds",
             "wire_bytes", "rounds", "train_loss", "level", "level_steps", "outer_steps",
-            "switched_at")
+            "switched_at", "outer_since")
     record["evaluations"] = [{k: r[k] for k in keep if k in r} for r in rows
                              if r.get("kind") in ("eval", "epoch")]
     lines = decision_lines(tmp / f"{tag}-rank0.log")

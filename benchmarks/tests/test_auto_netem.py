@@ -231,3 +231,13 @@ def test_after_a_switch_only_synchronised_evaluations_count():
         e["switched_at"] = 20  # synchronised at 30, 40, 50
     [row] = report.rows_of([run], 800, 2)
     assert (row["steps_to_target"], row["seconds_to_target"]) == (30, 15.0)
+
+
+def test_after_a_followed_change_of_h_its_synchronisations_count():
+    """Switched at 0 with H = 10, changed to H = 30 after step 40: synchronised at 70."""
+    run = _run("autoe0-outer-h30-follow", "40", 0, [(10, 900, 5.0), (20, 850, 10.0),
+                                                     (40, 820, 20.0), (70, 700, 35.0)])
+    for e, h, since in zip(run["evaluations"], (10, 10, 30, 30), (0, 0, 40, 40), strict=True):
+        e.update(outer_steps=h, switched_at=0, outer_since=since)
+    [row] = report.rows_of([run], 800, 2)
+    assert (row["steps_to_target"], row["seconds_to_target"]) == (70, 35.0)

@@ -79,6 +79,7 @@ def test_h_follows_the_compute_after_two_agreeing_synchronisations(tmp_path: Pat
     assert stepper.changes == 1 and stepper.active is not None
     assert (stepper.active["outer_steps"], stepper.active["since"]) == (2, 16)
     assert stepper.epoch_fields() == {"outer_steps": 2}
+    assert stepper.eval_fields() == {"outer_steps": 2, "switched_at": 0, "outer_since": 16}
     assert stepper.summary_fields()["auto_outer"]["in_force"]["candidate"] == "diloco-h2"
 
 

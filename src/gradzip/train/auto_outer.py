@@ -675,11 +675,17 @@ class SwitchingStepper:
     def eval_fields(self) -> dict[str, Any]:
         """An evaluation record's ``outer_steps`` and, once switched, ``switched_at``: an
         evaluation after the switch is at ``switched_at + k H`` (between synchronisations,
-        as at an epoch's end, the loop evaluates the workers' mean: :meth:`eval_model`)."""
+        as at an epoch's end, the loop evaluates the workers' mean: :meth:`eval_model`). With
+        ``--auto-outer-follow``, also ``outer_since``, the step the H in force started at
+        (synchronised at ``outer_since + k H``)."""
         if not self.switch:
             return {"outer_steps": 0}
-        return {"outer_steps": int(self._in_force()["outer_steps"]),
-                "switched_at": int(self.switch["switched_at"])}
+        now = self._in_force()
+        fields = {"outer_steps": int(now["outer_steps"]),
+                  "switched_at": int(self.switch["switched_at"])}
+        if self.cfg.auto_outer_follow:  # the H in force started there (synchronised at +kH)
+            fields["outer_since"] = int(now["since"])
+        return fields
 
     def summary_fields(self) -> dict[str, Any]:
         """``auto_outer`` for ``summary.json``: whether and where the run switched, the
