@@ -126,8 +126,9 @@ class OuterFields:
     auto_outer_follow: bool = option(False, "with --auto-outer: once outer steps run, weigh "
                                      "the candidates again at each synchronisation from the "
                                      "compute and exchange times measured there, and change "
-                                     "H or the exchange where two in a row choose another",
-                                     group=OUTER, check=check_bool)
+                                     "H or the exchange where two in a row choose another "
+                                     "(time per step only: the extra steps a larger H needs "
+                                     "are not weighed)", group=OUTER, check=check_bool)
     auto_outer_bandwidth_mbit: float | None = option(
         None, "a link bandwidth --auto-outer prices with instead of the probed one (a known "
         "link the probe cannot see)", group=OUTER, metavar="MBIT",
