@@ -286,9 +286,7 @@ def test_simulated_traffic_is_read_back_by_a_later_run(tmp_path: Path, monkeypat
     """The first stepper simulates every level's and candidate's exchange and writes them
     beside the timing cache; a later one reads them without simulating; a cache that cannot
     be read is passed over (simulated anyway)."""
-    from gradzip.plan import auto as auto_module
     from gradzip.plan import traffic_cache
-    from gradzip.train import auto_outer
 
     monkeypatch.setenv("GRADZIP_PLAN_TIMINGS", str(tmp_path / "timings.json"))
     cfg = resolve_config(RunConfig(**{**EIGHT, "auto_outer_early": True,  # type: ignore[arg-type]
@@ -302,13 +300,13 @@ def test_simulated_traffic_is_read_back_by_a_later_run(tmp_path: Path, monkeypat
 
     first = known()
     assert "scatterq:bits=8" in first and (tmp_path / "plan-traffic.json").exists()
-    simulations = [(m, m.measure_traffic) for m in (auto_module, traffic_cache, auto_outer)]
-    for m, _ in simulations:
-        monkeypatch.setattr(m, "measure_traffic", lambda *a, **k: pytest.fail("simulated"))
+    # Auto's levels and the candidates are both simulated there (stored_or_simulated).
+    real = traffic_cache.measure_traffic
+    monkeypatch.setattr(traffic_cache, "measure_traffic",
+                        lambda *a, **k: pytest.fail("simulated"))
     assert known() == first
     (tmp_path / "plan-traffic.json").write_text("not a traffic file")
-    for m, real in simulations:
-        monkeypatch.setattr(m, "measure_traffic", real)
+    monkeypatch.setattr(traffic_cache, "measure_traffic", real)
     assert known() == first
 
 

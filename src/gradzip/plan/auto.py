@@ -32,8 +32,8 @@ from gradzip.plan.auto_state import auto_problem, fresh_controller, level_qualit
 from gradzip.plan.candidates import Candidate
 from gradzip.plan.measure import fit_probe, max_over_ranks, median, pick, probe_link
 from gradzip.plan.model import Setting, predict_candidate
-from gradzip.plan.traffic import Traffic, measure_traffic
-from gradzip.plan.traffic_cache import TrafficCache
+from gradzip.plan.traffic import Traffic
+from gradzip.plan.traffic_cache import TrafficCache, stored_or_simulated
 from gradzip.spec import (
     CONTROLLERS,
     compressor_from_spec,
@@ -278,8 +278,7 @@ class Auto(Compressor):
         cache: dict[Any, dict[str, Traffic]] = self._traffic  # type: ignore[attr-defined]
         if key not in cache:
             plain = {n: tuple(s) for n, s in shapes.items()}
-            cache[key] = {lb: (store.traffic(lv.spec(), workers, plain) if store is not None
-                               else measure_traffic(lv.spec(), workers, shapes=plain))
+            cache[key] = {lb: stored_or_simulated(lv.spec(), workers, plain, store)
                           for lb, lv in zip(self.labels, self._levels, strict=True)}
         return cache[key]
 

@@ -28,7 +28,7 @@ from gradzip.comm.simulated import SingleWorker
 from gradzip.engine import Engine
 
 __all__ = ["ENV_VAR", "TimingCache", "default_cache_path", "measure_compress_seconds",
-           "timing_key"]
+           "timing_key", "write_json_atomically"]
 
 #: The environment variable naming the cache file.
 ENV_VAR = "GRADZIP_PLAN_TIMINGS"
@@ -115,13 +115,7 @@ class TimingCache:
     def put(self, key: str, seconds: float) -> None:
         """Record ``seconds`` under ``key`` and write the file (atomically)."""
         self.entries[key] = float(seconds)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        # A name of this process's own: two processes writing at once (two workers, two
-        # plans) would otherwise move each other's half-written file into place.
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": _FORMAT, "seconds": self.entries}, indent=1,
-                                  sort_keys=True))
-        tmp.replace(self.path)
+        write_json_atomically(self.path, {"format": _FORMAT, "seconds": self.entries}, indent=1)
 
     def seconds(self, spec: str, shapes: Mapping[str, tuple[int, ...]], *,
                 measure: bool = True) -> float | None:
@@ -133,6 +127,17 @@ class TimingCache:
             found = measure_compress_seconds(spec, shapes)
             self.put(key, found)
         return found
+
+
+def write_json_atomically(path: Path, data: Any, indent: int | None = None) -> None:
+    """Write ``data`` as JSON to ``path`` (its folder made if missing) by a rename, so that a
+    reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A name of this process's own: two processes writing at once (two workers, two plans)
+    # would otherwise move each other's half-written file into place.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=indent, sort_keys=True))
+    tmp.replace(path)
 
 
 def _read(path: Path) -> dict[str, float]:

@@ -24,10 +24,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gradzip.plan.timing import default_cache_path
+from gradzip.plan.timing import default_cache_path, write_json_atomically
 from gradzip.plan.traffic import DEFAULT_LIMIT, Call, Traffic, measure_traffic
 
-__all__ = ["TrafficCache", "code_digest", "default_traffic_path", "traffic_key"]
+__all__ = ["TrafficCache", "code_digest", "default_traffic_path", "stored_or_simulated",
+           "traffic_key"]
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +85,11 @@ class TrafficCache:
         return self.entries.get(key)
 
     def put(self, key: str, traffic: Traffic) -> None:
-        """Record ``traffic`` under ``key`` and write the file (atomically, under a name of
-        this process's own, so that two workers writing at once cannot move each other's
-        half-written file into place)."""
+        """Record ``traffic`` under ``key`` and write the file (atomically:
+        :func:`~gradzip.plan.timing.write_json_atomically`)."""
         self.entries[key] = traffic
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": _FORMAT, "traffic": {
-            k: _encode(t) for k, t in self.entries.items()}}, sort_keys=True))
-        tmp.replace(self.path)
+        write_json_atomically(self.path, {"format": _FORMAT, "traffic": {
+            k: _encode(t) for k, t in self.entries.items()}})
 
     def traffic(self, spec: str, workers: int, shapes: Mapping[str, Sequence[int]]) -> Traffic:
         """One exchange of ``spec`` among ``workers`` on tensors of ``shapes``: cached, else
@@ -101,13 +98,22 @@ class TrafficCache:
         key = traffic_key(spec, workers, shapes)
         found = self.get(key)
         if found is None:
-            plain = {n: tuple(int(d) for d in s) for n, s in shapes.items()}
-            found = measure_traffic(spec, workers, shapes=plain)
+            found = stored_or_simulated(spec, workers, shapes, None)
             try:
                 self.put(key, found)
             except OSError as exc:
                 log.warning("simulated traffic not cached (%s)", exc)
         return found
+
+
+def stored_or_simulated(spec: str, workers: int, shapes: Mapping[str, Sequence[int]],
+                        store: TrafficCache | None) -> Traffic:
+    """One exchange of ``spec``: from ``store`` (:meth:`TrafficCache.traffic`) where one is
+    given, else simulated (:func:`~gradzip.plan.traffic.measure_traffic`)."""
+    if store is not None:
+        return store.traffic(spec, workers, shapes)
+    return measure_traffic(spec, workers, shapes={n: tuple(int(d) for d in s)
+                                                  for n, s in shapes.items()})
 
 
 def _encode(traffic: Traffic) -> dict[str, Any]:

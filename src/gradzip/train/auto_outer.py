@@ -60,13 +60,12 @@ from gradzip.plan import (
     Auto,
     Candidate,
     Traffic,
-    measure_traffic,
     outer_switch,
     outer_switch_bound,
 )
-from gradzip.plan.measure import max_over_ranks
+from gradzip.plan.measure import max_over_ranks, median
 from gradzip.plan.timing import TimingCache, measure_compress_seconds, timing_key
-from gradzip.plan.traffic_cache import TrafficCache
+from gradzip.plan.traffic_cache import TrafficCache, stored_or_simulated
 from gradzip.spec import compressor_from_spec
 from gradzip.train.metrics import format_bytes
 from gradzip.train.outer_stepper import OuterStepper
@@ -423,9 +422,7 @@ class SwitchingStepper:
                      zip(self.auto.labels, self.auto.levels, strict=True)}
             for c in self.candidates:
                 if c.spec not in known:
-                    known[c.spec] = (store.traffic(c.spec, self.world, self.shapes)
-                                     if store is not None else
-                                     measure_traffic(c.spec, self.world, shapes=self.shapes))
+                    known[c.spec] = stored_or_simulated(c.spec, self.world, self.shapes, store)
             self._traffic = known
         return self._traffic
 
@@ -539,10 +536,10 @@ class SwitchingStepper:
         if not outer.synced:
             self.interval.append(took)
             return
-        samples, self.interval = sorted(self.interval), []
+        samples, self.interval = self.interval, []
         if not samples:  # H = 1: no step of compute alone to compare with
             return
-        compute = samples[len(samples) // 2]
+        compute = median(samples)
         comm = self._collective()
         compute, exchange = max_over_ranks(comm, [compute, max(0.0, took - compute)], self.device)
         self._count_exchange(comm)
