@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -119,6 +120,8 @@ def shard_layout(numel: int, world: int, kept: int, owner_keep: int = 1) -> Shar
     return ShardLayout(numel, world, part, capacity, keep, 2 if part < _INT16_LIMIT else 4)
 
 
+# Cached: compressors ask once per tensor and call, with the same few arguments every step.
+@lru_cache(maxsize=4096)
 def choose_exchange(
     exchange: str, numel: int, world: int, kept: int, message_bytes: int, owner_keep: int = 1,
     sharded_ok: bool = True,

@@ -287,14 +287,15 @@ def gather_flat(
         message[:, :count] = values
         flat.scatter_(1, positions, left)
     message[:, count:].view(torch.int32).copy_(positions)
-    starts = layout.starts()
-    for j, job in enumerate(jobs):
-        job.keep(flat[:, starts[j] : starts[j + 1]].reshape(job.tensor.shape))
+    # One split (views made in C++), not a slice per tensor: this runs for every call.
+    for job, part in zip(jobs, flat.split(layout.sizes, dim=1), strict=True):
+        job.keep(part.reshape(job.tensor.shape))
     gathered = comm.all_gather(message, payload=[count * 8] * workers)
     received_val = gathered[:, :count]
     received_pos = gathered[:, count:].view(torch.int32).contiguous()  # rows of the buffer
 
     def explain() -> str:  # the CPU's precise message: the first job whose range is bad
+        starts = layout.starts()
         for j, job in enumerate(jobs):
             a, b = sum(layout.picks[:j]), sum(layout.picks[: j + 1])
             part = received_pos[:, a:b].to(torch.int64) - starts[j]
@@ -309,8 +310,8 @@ def gather_flat(
     for row_pos, row_val in zip(received_pos, received_val, strict=True):
         total.index_add_(0, row_pos, row_val)
     total.div_(comm.world_size)
-    for j, job in enumerate(jobs):
-        job.averaged = total[starts[j] : starts[j + 1]].reshape(job.shape)
+    for job, part in zip(jobs, total.split(layout.sizes), strict=True):
+        job.averaged = part.view(job.shape)
     return received_val
 
 

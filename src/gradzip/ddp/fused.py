@@ -33,17 +33,23 @@ __all__ = ["FusedBuckets"]
 
 
 class _Held:
-    """One bucket kept until the last of the step: its buffer, names, gradient views, future."""
+    """One bucket kept until the last of the step: its buffer, key and future; its names and
+    gradient views are read only when a layout is built (:meth:`views`)."""
 
-    __slots__ = ("buffer", "future", "grads", "key", "names")
+    __slots__ = ("bucket", "buffer", "future", "key", "params", "state")
 
     def __init__(self, state: Any, bucket: dist.GradBucket) -> None:
+        self.state, self.bucket = state, bucket
         self.buffer = bucket.buffer()
-        params = bucket.parameters()
-        self.names = [state.name_of(p) for p in params]
-        self.grads = bucket.gradients()  # views into the buffer
-        self.key = (self.buffer.data_ptr(), self.buffer.numel(), tuple(id(p) for p in params))
+        self.params = bucket.parameters()
+        self.key = (self.buffer.data_ptr(), self.buffer.numel(), tuple(map(id, self.params)))
         self.future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def views(self) -> tuple[list[str], list[torch.Tensor]]:
+        """The bucket's parameter names and gradient views (into its buffer). Why not read
+        at every bucket: a step whose buckets match the cached layout needs neither, and
+        each costs a Python object per tensor."""
+        return [self.state.name_of(p) for p in self.params], self.bucket.gradients()
 
 
 class FusedBuckets:
@@ -113,7 +119,8 @@ class FusedBuckets:
         named: dict[str, torch.Tensor] = {}
         for part, item in zip(parts, batch, strict=True):
             base = item.buffer.storage_offset()
-            for name, grad in zip(item.names, item.grads, strict=True):
+            names, grads = item.views()
+            for name, grad in zip(names, grads, strict=True):
                 # The gradient's place in its bucket is its place in that bucket's part.
                 start = grad.storage_offset() - base
                 named[name] = part[start:start + grad.numel()].view(grad.shape)
@@ -124,7 +131,6 @@ class FusedBuckets:
     def _apart_layout(self, engine: Any, item: _Held) -> BucketLayout:
         layout = self._apart.get(item.key)
         if layout is None:
-            layout = engine.bucket_layout(dict(zip(item.names, item.grads, strict=True)),
-                                          item.buffer)
+            layout = engine.bucket_layout(dict(zip(*item.views(), strict=True)), item.buffer)
             self._apart[item.key] = layout
         return layout

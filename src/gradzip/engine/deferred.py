@@ -141,13 +141,17 @@ def where_many(
         The chosen tensors, in order (views of one new buffer per group).
     """
     out: list[torch.Tensor | None] = [None] * len(after)
-    groups: dict[tuple[int, torch.dtype], list[int]] = {}
-    for i, a in enumerate(after):
-        groups.setdefault((a.untyped_storage().data_ptr(), a.dtype), []).append(i)
-    for members in groups.values():
-        # In storage order: the members of a buffer made at once (a call's residuals, a
-        # compressor's flat state) then tile it, and pack views it without a copy.
-        members.sort(key=lambda i: after[i].storage_offset())
+    groups = _runs(after)
+    if groups is None:
+        by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
+        for i, a in enumerate(after):
+            by_storage.setdefault((a.untyped_storage().data_ptr(), a.dtype), []).append(i)
+        groups = list(by_storage.values())
+        for members in groups:
+            # In storage order: the members of a buffer made at once (a call's residuals, a
+            # compressor's flat state) then tile it, and pack views it without a copy.
+            members.sort(key=lambda i: after[i].storage_offset())
+    for members in groups:
         now = [after[i] for i in members]
         # The old values where the new ones are (a queued copy; only a step that moved
         # state made elsewhere pays it).
@@ -156,6 +160,28 @@ def where_many(
         for i, view in zip(members, unpack(kept, [t.shape for t in now]), strict=True):
             out[i] = view
     return [t for t in out if t is not None]
+
+
+def _runs(tensors: Sequence[torch.Tensor], most: int = 4) -> list[list[int]] | None:
+    """The positions of ``tensors`` in runs whose entries lie one after another in memory
+    (the steady state of a call's residuals: one run per buffer, in order), or ``None`` where
+    there would be more than ``most`` runs.
+
+    Why: a few address reads find the buffers without asking each tensor for its storage
+    and sorting. Any grouping gives the same values (:func:`~gradzip.ops.flat.pack` copies a
+    group that does not tile its memory after all); this one only avoids the work."""
+    runs: list[list[int]] = []
+    end, dtype = -1, None
+    for i, t in enumerate(tensors):
+        address = t.data_ptr()
+        if address != end or t.dtype != dtype:
+            if len(runs) == most:
+                return None
+            runs.append([])
+            dtype = t.dtype
+        runs[-1].append(i)
+        end = address + t.numel() * t.element_size()
+    return runs
 
 
 def where_tree(flag: torch.Tensor, before: Any, after: Any) -> Any:

@@ -106,11 +106,13 @@ class NonfinitePolicy:
         """
         zero = self.name == "zero"
         if engine.error_feedback and jobs:
-            # The call's residuals in one buffer (the compressor's own where it made them so,
-            # else one copy, see gradzip.ops.flat.pack): "zero" restores them by one ``where``
-            # now, "skip" by one at the step's end (see where_many).
+            # The call's residuals in few buffers (the compressor's own where it made them
+            # so, else one copy, see gradzip.ops.flat.pack): "zero" restores them by one
+            # ``where`` per buffer now, "skip" by one per buffer at the step's end (see
+            # where_many). Why two buffers are left as they are: a copy into one costs a
+            # launch and a view per tensor, where the second ``where`` costs one launch.
             rests = leftovers(jobs)
-            if len({r.untyped_storage().data_ptr() for r in rests}) > 1:
+            if len({r.untyped_storage().data_ptr() for r in rests}) > _BUFFERS:
                 rests = unpack(pack(rests), [r.shape for r in rests])
             if zero:
                 rests = where_many(flag, [before.residuals[j.name] for j in jobs], rests)
@@ -146,6 +148,11 @@ class NonfinitePolicy:
             engine.compressor_state = where_tree(poison, snap.states[0], engine.compressor_state)
             engine.residuals = _rolled_back(poison, snap.residuals, engine.residuals)
         return poison
+
+
+#: A call's residuals spread over more buffers than this are copied into one (see
+#: :meth:`NonfinitePolicy.on_device`).
+_BUFFERS = 2
 
 
 def _rolled_back(

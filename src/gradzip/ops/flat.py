@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flatten_workers", "pack", "reinterpret", "split_flat", "to_device", "unpack"]
+__all__ = ["consecutive", "flatten_workers", "pack", "reinterpret", "split_flat", "to_device", "unpack"]
 
 
 def flatten_workers(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -30,17 +30,21 @@ def flatten_workers(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tens
     return torch.cat([t.reshape(workers, -1) for t in tensors], dim=1)
 
 
-def _consecutive(tensors: Sequence[torch.Tensor]) -> bool:
+def consecutive(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether ``tensors`` lie one after another in one storage, each contiguous, all of one
     dtype and device."""
     first = tensors[0]
-    storage, cursor = first.untyped_storage().data_ptr(), first.storage_offset()
+    dtype, device, size = first.dtype, first.device, first.element_size()
+    address = first.data_ptr()
+    # A tensor's address is its storage's plus its offset, so tensors one after another have
+    # addresses in turn. (Addresses, not storages and offsets: one call per tensor on a path
+    # every call takes.) Separate allocations may abut, so the first and last tensors must
+    # share a storage as well: every address between them lies in that one allocation.
     for t in tensors:
-        if (not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device
-                or t.untyped_storage().data_ptr() != storage or t.storage_offset() != cursor):
+        if t.data_ptr() != address or t.dtype != dtype or t.device != device or not t.is_contiguous():
             return False
-        cursor += t.numel()
-    return True
+        address += t.numel() * size
+    return tensors[-1].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
 
 
 def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -59,7 +63,7 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         A contiguous 1-D tensor of ``sum(t.numel())`` entries (a view, or a new tensor).
     """
     assert tensors, "nothing to pack"
-    if _consecutive(tensors):
+    if consecutive(tensors):
         first = tensors[0]
         return first.as_strided((sum(t.numel() for t in tensors),), (1,), first.storage_offset())
     return torch.cat([t.reshape(-1) for t in tensors])
