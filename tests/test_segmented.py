@@ -11,6 +11,7 @@ from gradzip.ops.branches import device_forms
 from gradzip.ops.segmented import (
     MAX_ENTRIES,
     in_segments,
+    pieces,
     segment_keys,
     segment_layout,
     segmented_topk,
@@ -149,3 +150,14 @@ def test_threshold_capacity_is_validated_and_round_trips() -> None:
     assert budget.fixed_capacity and not budget.device_decisions and budget.slots_for(1000) == 100
     plain = gradzip.compressor_from_spec("threshold:lam=0.5")  # the default: exchanged sizes
     assert not plain.fixed_capacity and not plain.device_decisions
+
+
+def test_pieces_cut_in_order_under_the_bound_and_keep_an_oversized_tensor_alone() -> None:
+    assert pieces([]) == []
+    assert pieces([3, 3, 3], most=6) == [(0, 2), (2, 3)]
+    assert pieces([7, 1, 1], most=6) == [(0, 1), (1, 3)]
+    assert pieces([1, 7, 1], most=6) == [(0, 1), (1, 2), (2, 3)]
+    assert pieces([2] * 5, most=6) == [(0, 3), (3, 5)]
+    # The default bound is the layouts' (int32 flat positions).
+    assert pieces([MAX_ENTRIES, 1]) == [(0, 1), (1, 2)]
+    assert pieces([MAX_ENTRIES - 1, 1]) == [(0, 2)]

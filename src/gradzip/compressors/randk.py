@@ -12,7 +12,7 @@ from gradzip._validate import check_int, check_real
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.ops.random import stable_hash
-from gradzip.ops.segmented import MAX_ENTRIES, segment_keys, segment_layout, strided_random
+from gradzip.ops.segmented import pieces, segment_keys, segment_layout, strided_random
 
 __all__ = ["RandK"]
 
@@ -53,18 +53,14 @@ class RandK(Compressor):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        sparse = [j for j in jobs if self.k_for(j.numel) < j.numel]
-        dense_reduce([j for j in jobs if self.k_for(j.numel) >= j.numel], comm)
+        sparse, dense = [], []
+        for job in jobs:
+            (sparse if self.k_for(job.numel) < job.numel else dense).append(job)
+        dense_reduce(dense, comm)
         # Calls whose flat positions would pass int32 (the layout's bound) go in pieces; a
         # tensor's draw depends on its own key and shape only, so pieces change nothing.
-        piece: list[Job] = []
-        for job in sparse:
-            if piece and sum(j.numel for j in piece) + job.numel > MAX_ENTRIES:
-                self._reduce_call(piece, comm, ctx)
-                piece = []
-            piece.append(job)
-        if piece:
-            self._reduce_call(piece, comm, ctx)
+        for start, stop in pieces([job.numel for job in sparse]):
+            self._reduce_call(sparse[start:stop], comm, ctx)
 
     def _reduce_call(self, sparse: Sequence[Job], comm: Collective, ctx: StepContext) -> None:
         device = sparse[0].tensor.device
@@ -85,7 +81,8 @@ class RandK(Compressor):
         # Sent entries are sent unchanged: the residual is the tensor with them zeroed,
         # ``tensor - decoded`` bit for bit for finite entries.
         flat.index_fill_(1, where, 0.0)
-        starts = layout.starts()
-        for j, job in enumerate(sparse):
-            job.averaged = dense_avg[starts[j] : starts[j + 1]].reshape(job.shape)
-            job.keep(flat[:, starts[j] : starts[j + 1]].reshape(job.tensor.shape))
+        # One split each (views made in C++), not a slice per tensor.
+        for job, avg, rest in zip(sparse, dense_avg.split(layout.sizes),
+                                  flat.split(layout.sizes, dim=1), strict=True):
+            job.averaged = avg.view(job.shape)
+            job.keep(rest.reshape(job.tensor.shape))

@@ -16,7 +16,7 @@ import torch
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Job
 from gradzip.compressors.sparse import gather_flat, select_positions
-from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
+from gradzip.ops.segmented import pieces, segment_layout
 
 __all__ = ["reduce_capacity"]
 
@@ -38,14 +38,10 @@ def reduce_capacity(jobs: Sequence[Job], lam: float, slots_for: Callable[[int], 
     """
     # Calls whose flat positions would pass int32 go in pieces (nothing depends on which
     # tensors share a call).
-    pieces: list[list[Job]] = [[]]
-    for job in jobs:
-        if pieces[-1] and sum(j.numel for j in pieces[-1]) + job.numel > MAX_ENTRIES:
-            pieces.append([])
-        pieces[-1].append(job)
-    sent = _gather_call(pieces[0], lam, slots_for, padded, comm)
-    for piece in pieces[1:]:
-        sent = sent + _gather_call(piece, lam, slots_for, padded, comm)
+    ranges = pieces([job.numel for job in jobs]) or [(0, 0)]
+    sent = _gather_call(jobs[: ranges[0][1]], lam, slots_for, padded, comm)
+    for start, stop in ranges[1:]:
+        sent = sent + _gather_call(jobs[start:stop], lam, slots_for, padded, comm)
     return sent, comm.world_size * sum(j.numel for j in jobs)
 
 

@@ -28,8 +28,8 @@ from functools import lru_cache
 import torch
 
 __all__ = [
-    "SegmentLayout", "in_segments", "segment_keys", "segment_layout", "segmented_topk",
-    "strided_random",
+    "SegmentLayout", "in_segments", "pieces", "segment_keys", "segment_layout",
+    "segmented_topk", "strided_random",
 ]
 
 #: Flat positions travel as int32: a layout over more entries is refused.
@@ -136,6 +136,23 @@ def segment_layout(sizes: Sequence[int], picks: Sequence[int], device: torch.dev
     if sum(sizes) > MAX_ENTRIES:
         raise ValueError(f"`sizes` must total at most {MAX_ENTRIES} entries, got {sum(sizes)}")
     return _layout(sizes, picks, str(torch.device(device)))
+
+
+def pieces(sizes: Sequence[int], most: int = MAX_ENTRIES) -> list[tuple[int, int]]:
+    """``(start, stop)`` index ranges that split ``sizes`` in order into runs of at most
+    ``most`` entries in all (a single size above ``most`` is a run of its own): how calls
+    too large for int32 flat positions are cut. One pass (the running total is kept, not
+    summed again per tensor)."""
+    out: list[tuple[int, int]] = []
+    start, entries = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and entries + n > most:
+            out.append((start, i))
+            start, entries = i, 0
+        entries += n
+    if len(sizes) > start:
+        out.append((start, len(sizes)))
+    return out
 
 
 def segmented_topk(flat: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
