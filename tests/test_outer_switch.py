@@ -19,11 +19,16 @@ def _spec(engine: object, label: str) -> str:
     return str(auto._levels[auto.labels.index(label)].spec())
 
 
+def _timed(h: int) -> float:
+    """A step cost of 1 at every H: candidates ranked by time alone."""
+    return 1.0
+
+
 def test_slow_link_switches_only_after_the_critical_phase() -> None:
     engine = drive(LinkClock(10, 1e-3), 60)
     first, second = Auto.decisions(engine, since=0)
-    got = [outer_switch(r, _spec(engine, r["level"]), SHAPES, WORLD, margin=0.05)
-           for r in (first, second)]
+    got = [outer_switch(r, _spec(engine, r["level"]), SHAPES, WORLD, margin=0.05,
+                        step_cost=_timed) for r in (first, second)]
     # Step 5 is the first decision, critical by rule: no switch whatever the gain.
     assert (got[0]["switch"], got[0]["reason"], got[0]["step"]) == (False, "critical", 5)
     assert got[0]["gain"] > 0.05
@@ -36,6 +41,16 @@ def test_slow_link_switches_only_after_the_critical_phase() -> None:
     assert set(pred) == {"topk-1%", "diloco-h10", "diloco-h30", "diloco-h100"}
     assert got[1]["gain"] == pytest.approx(1 - pred["diloco-h100"] / pred["topk-1%"])
     assert got[1]["bandwidth_mbit"] == pytest.approx(10, rel=1e-6)
+    # With the measured step costs (H = 30: 1.15, H = 100: 1.34), H = 100's 12% less time per
+    # step is worth less than its rarer synchronisation costs: H = 30 ranks first, and it is
+    # too little faster than the per-step level (4%) to switch.
+    costed = outer_switch(second, _spec(engine, second["level"]), SHAPES, WORLD, margin=0.05)
+    assert costed["step_cost"] == {"diloco-h10": 1.0, "diloco-h30": pytest.approx(1.15),
+                                   "diloco-h100": pytest.approx(1.34)}
+    assert costed["predicted_ms"] == pred
+    assert (costed["candidate"], costed["switch"], costed["reason"]) == (
+        "diloco-h30", False, "no gain")
+    assert costed["gain"] == pytest.approx(1 - pred["diloco-h30"] / pred["topk-1%"])
 
 
 def test_early_waives_only_the_start_of_training() -> None:
@@ -43,10 +58,10 @@ def test_early_waives_only_the_start_of_training() -> None:
     first = Auto.decisions(engine, since=0)[0]
     spec = _spec(engine, first["level"])
     assert (first["critical"], first["reason"]) == (True, "first")
-    got = outer_switch(first, spec, SHAPES, WORLD, margin=0.05, early=True)
+    got = outer_switch(first, spec, SHAPES, WORLD, margin=0.05, early=True, step_cost=_timed)
     assert (got["switch"], got["reason"], got["critical"]) == (True, "first and faster", True)
     # The same prices as without it: only the verdict changes.
-    plain = outer_switch(first, spec, SHAPES, WORLD, margin=0.05)
+    plain = outer_switch(first, spec, SHAPES, WORLD, margin=0.05, step_cost=_timed)
     assert {k: v for k, v in got.items() if k not in {"switch", "reason"}} == {
         k: v for k, v in plain.items() if k not in {"switch", "reason"}}
     # A measured critical signal still forbids it: a norm change, a learning-rate drop.
@@ -122,14 +137,18 @@ def test_the_smallest_h_within_the_margin_of_the_fastest_is_taken() -> None:
     # Compute dominating a dense exchange every 10 steps: every H is within 5% of the fastest
     # (H = 100), and the most frequent synchronisation is taken.
     slow_compute = _steady(record, compute_ms=1e5)
-    got = outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=1e3)
+    got = outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=1e3,
+                       step_cost=_timed)
     pred = got["predicted_ms"]
     assert pred["diloco-h10"] <= 1.05 * pred["diloco-h100"] and pred["diloco-h100"] < pred[
         "diloco-h10"]
     assert (got["candidate"], got["outer_steps"]) == ("diloco-h10", 10)
-    # With no margin, the fastest.
+    # With no margin, the fastest by time alone; with the step costs, H = 10 (the others' few
+    # microseconds less per step do not pay for their rarer synchronisation).
+    assert outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.0, bandwidth_mbit=1e3,
+                        step_cost=_timed)["candidate"] == "diloco-h100"
     assert outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.0,
-                        bandwidth_mbit=1e3)["candidate"] == "diloco-h100"
+                        bandwidth_mbit=1e3)["candidate"] == "diloco-h10"
 
 
 def test_the_levels_measured_overhead_is_in_the_per_step_price() -> None:

@@ -9,10 +9,11 @@ from dataclasses import dataclass
 from gradzip._validate import check_real, check_shape
 from gradzip.plan.candidates import QUALITIES, Candidate, default_candidates
 from gradzip.plan.model import Prediction, Setting, predict_candidate
+from gradzip.plan.step_cost import outer_step_cost
 from gradzip.plan.timing import TimingCache
 from gradzip.plan.traffic import count_layout, measure_traffic
 
-__all__ = ["Plan", "choose", "parse_count", "plan", "predict"]
+__all__ = ["Plan", "choose", "parse_count", "plan", "predict", "priced_ms"]
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "B": 10**9}
 
@@ -142,13 +143,22 @@ def predict(setting: Setting, *, shapes: Mapping[str, Sequence[int]] | None = No
     return tuple(out)
 
 
+def priced_ms(prediction: Prediction) -> float:
+    """What :func:`choose` compares: time per step, times the step cost of an outer-step
+    candidate's ``H`` (:func:`~gradzip.plan.step_cost.outer_step_cost`: a rarer
+    synchronisation makes each step worth less)."""
+    h = prediction.candidate.outer_steps
+    return prediction.step_ms * (outer_step_cost(h) if h else 1.0)
+
+
 def choose(predictions: Sequence[Prediction], *, qualities: Sequence[str] = QUALITIES,
            margin: float = 0.05) -> tuple[Prediction, str]:
     """The choice among ``predictions`` whose quality class is in ``qualities``.
 
     The quality guard: classes are taken from the least to the most change to training
     (:data:`QUALITIES`); a class's fastest candidate replaces the choice so far only when it is
-    predicted more than ``margin`` faster, so a fast link keeps ``none``.
+    predicted more than ``margin`` faster, so a fast link keeps ``none``. Outer-step
+    candidates are compared at their time per step times their step cost (:func:`priced_ms`).
 
     Args:
         predictions: from :func:`predict`.
@@ -173,16 +183,18 @@ def choose(predictions: Sequence[Prediction], *, qualities: Sequence[str] = QUAL
         group = [p for p in allowed if p.candidate.quality == quality]
         if not group:
             continue
-        best = min(group, key=lambda p: p.step_ms)
-        if choice is None or best.step_ms < choice.step_ms * (1 - margin):
+        best = min(group, key=priced_ms)
+        if choice is None or priced_ms(best) < priced_ms(choice) * (1 - margin):
             choice = best
     assert choice is not None
     none = next((p for p in predictions if p.candidate.spec == "none"
                  and not p.candidate.outer_steps), None)
     gain = f", {none.step_ms / choice.step_ms:.2f}x none" if none is not None else ""
+    h = choice.candidate.outer_steps
+    worth = f" (x{outer_step_cost(h):.2f} step cost at H={h})" if h else ""
     reason = (f"{choice.candidate.name} ({choice.candidate.spec}"
-              f"{', ' + choice.candidate.describe_outer() if choice.candidate.outer_steps else ''}):"
-              f" {choice.step_ms:.1f} ms/step predicted{gain}; fastest of the classes "
+              f"{', ' + choice.candidate.describe_outer() if h else ''}):"
+              f" {choice.step_ms:.1f} ms/step predicted{worth}{gain}; fastest of the classes "
               f"{', '.join(q for q in QUALITIES if q in qualities)} (a more lossy class must "
               f"gain {margin:.0%})")
     return choice, reason

@@ -16,10 +16,13 @@ does (:mod:`gradzip.train.auto_outer`).
 The per-step level is priced from link and compute plus the compression overhead Auto
 measured for it (read from its own prediction in the record); the outer candidates from link
 and compute, plus, for a compressed exchange (an 8-bit one, ``scatterq:bits=8``), its
-compression time per exchange where the caller measured it (``candidate_overhead_s``). Among
-the candidates within the margin of the fastest, the one with the smallest ``H`` is taken,
-and at the same ``H`` the dense exchange before a compressed one: the model prices time, not
-the quality a rarer synchronisation or a lossy exchange costs.
+compression time per exchange where the caller measured it (``candidate_overhead_s``). The
+candidates are ranked by time per step times their step cost (:mod:`gradzip.plan.step_cost`:
+what a step at their ``H`` is worth against ``H = 10``, measured on two tasks). Among the
+candidates within the margin of the cheapest, the one with the smallest ``H`` is taken, and
+at the same ``H`` the dense exchange before a compressed one: the step cost is an average, and
+the quality a lossy exchange costs is not priced. The switch itself is weighed in time: the
+chosen candidate must be predicted faster per step than the per-step level by the margin.
 
 :func:`outer_switch_bound` weighs the candidates against the cheapest of several levels: given
 a record that prices the levels without their compression, a lower bound on the gain, enough
@@ -29,12 +32,13 @@ to decide a switch before any compression was measured.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gradzip._validate import check_int, check_real
 from gradzip.plan.candidates import Candidate
 from gradzip.plan.model import Setting, predict_candidate
+from gradzip.plan.step_cost import outer_step_cost
 from gradzip.plan.traffic import Traffic, measure_traffic
 
 __all__ = ["OUTER_CANDIDATES", "outer_switch", "outer_switch_bound"]
@@ -51,7 +55,8 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
                  bandwidth_mbit: float | None = None,
                  traffic: Mapping[str, Traffic] | None = None,
                  early: bool = False,
-                 candidate_overhead_s: Mapping[str, float] | None = None) -> dict[str, Any]:
+                 candidate_overhead_s: Mapping[str, float] | None = None,
+                 step_cost: Callable[[int], float] = outer_step_cost) -> dict[str, Any]:
     """Weigh outer-step training against the per-step level of one Auto decision.
 
     Args:
@@ -79,14 +84,17 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
             every rank, such as maxima over the ranks), added to a candidate's exchange; a
             spec not found there (``None``: any) is priced without compression, as the dense
             exchange (``none``) is.
+        step_cost: ``H ->`` what a step at that ``H`` costs in progress against ``H = 10``
+            (:func:`~gradzip.plan.step_cost.outer_step_cost`, measured); candidates are
+            ranked by time per step times it. ``lambda h: 1.0`` ranks by time alone.
 
     Returns:
         The switch record: ``switch`` (bool), ``step``, ``reason``, the inputs
         (``compute_ms``, ``bandwidth_mbit``, ``rtt_ms``, ``calls``, ``critical``), the
-        per-step ``level``, ``predicted_ms`` of it and of every candidate, the best
-        ``candidate`` with its ``outer_steps``, ``outer_lr``, ``outer_momentum`` and
-        ``exchange`` (its compressor spec), and the predicted ``gain`` of the best candidate
-        over staying.
+        per-step ``level``, ``predicted_ms`` of it and of every candidate (time per step),
+        each candidate's ``step_cost``, the best ``candidate`` with its ``outer_steps``,
+        ``outer_lr``, ``outer_momentum`` and ``exchange`` (its compressor spec), and the
+        predicted ``gain`` in time per step of the best candidate over staying.
 
     Raises:
         TypeError, ValueError: an invalid parameter, naming it.
@@ -139,13 +147,19 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
         stay_ms += max(0.0, overhead)
     outer = {c.name: predict_candidate(c, traffic_of(c.spec), setting, costs.get(c.spec))
              for c in candidates}
-    fastest = min(p.step_ms for p in outer.values())
-    # A larger H synchronises less often, which costs quality per step (BENCHMARKS section 5:
-    # H = 100 ends worse than H = 30); the model prices time only, so the candidate taken is
-    # the one with the smallest H among those within the margin of the fastest, and at the
-    # same H the exact (dense) exchange before a lossy one.
-    best = min((c for c in candidates if outer[c.name].step_ms <= fastest * (1 + margin)),
-               key=lambda c: (c.outer_steps, c.spec != "none", outer[c.name].step_ms))
+    # A larger H synchronises less often, so each of its steps is worth less: the candidates
+    # are ranked by time per step times their step cost against H = 10
+    # (gradzip.plan.step_cost, measured). ``gain`` stays a gain in time: no step cost of
+    # per-step training against H = 10 was measured (it is at most 1), so switching is
+    # weighed as before, for the candidate so chosen.
+    cost = {c.name: step_cost(c.outer_steps) for c in candidates}
+    priced = {n: outer[n].step_ms * cost[n] for n in outer}
+    fastest = min(priced.values())
+    # The step cost is an average over two small tasks, so among the candidates within the
+    # margin of the cheapest the smallest H is taken, and at the same H the exact (dense)
+    # exchange before a lossy one.
+    best = min((c for c in candidates if priced[c.name] <= fastest * (1 + margin)),
+               key=lambda c: (c.outer_steps, c.spec != "none", priced[c.name]))
     gain = 1 - outer[best.name].step_ms / stay_ms
     waived = early and record.get("reason") == "first"
     if record["critical"] and not waived:
@@ -160,6 +174,7 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
             "level": level,
             "predicted_ms": {level: stay_ms,
                              **{n: p.step_ms for n, p in outer.items()}},
+            "step_cost": cost,
             "candidate": best.name, "outer_steps": best.outer_steps,
             "outer_lr": best.outer_lr, "outer_momentum": best.outer_momentum,
             "exchange": best.spec, "gain": gain}
