@@ -130,25 +130,52 @@ def _steady(record: dict, **changes: object) -> dict:
     return {**record, "critical": False, **changes}
 
 
-def test_the_smallest_h_within_the_margin_of_the_fastest_is_taken() -> None:
+def test_the_cheapest_is_taken_and_the_candidate_in_force_kept_within_the_margin() -> None:
     engine = drive(LinkClock(10, 1e-3), 60)
     record = Auto.decisions(engine)[-1]
     spec = _spec(engine, record["level"])
-    # Compute dominating a dense exchange every 10 steps: every H is within 5% of the fastest
-    # (H = 100), and the most frequent synchronisation is taken.
+    # Compute dominating a dense exchange every 10 steps: every H within 5% of the fastest
+    # (H = 100) by time.
     slow_compute = _steady(record, compute_ms=1e5)
     got = outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=1e3,
                        step_cost=_timed)
     pred = got["predicted_ms"]
     assert pred["diloco-h10"] <= 1.05 * pred["diloco-h100"] and pred["diloco-h100"] < pred[
         "diloco-h10"]
-    assert (got["candidate"], got["outer_steps"]) == ("diloco-h10", 10)
-    # With no margin, the fastest by time alone; with the step costs, H = 10 (the others' few
-    # microseconds less per step do not pay for their rarer synchronisation).
-    assert outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.0, bandwidth_mbit=1e3,
-                        step_cost=_timed)["candidate"] == "diloco-h100"
-    assert outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.0,
+    # By time alone the fastest; with the step costs H = 10 (the others' few microseconds
+    # less per step do not pay for their rarer synchronisation).
+    assert (got["candidate"], got["outer_steps"]) == ("diloco-h100", 100)
+    assert outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.05,
                         bandwidth_mbit=1e3)["candidate"] == "diloco-h10"
+    # The candidate in force stays while within the margin of the cheapest ...
+    for keep in ("diloco-h10", "diloco-h30"):
+        assert outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=1e3,
+                            step_cost=_timed, keep=keep)["candidate"] == keep
+    # ... and not beyond it: on the slow link H = 10 costs far more than H = 100.
+    slow_link = _steady(record)
+    far = outer_switch(slow_link, spec, SHAPES, WORLD, margin=0.05, step_cost=_timed,
+                       keep="diloco-h10")
+    assert far["predicted_ms"]["diloco-h10"] > 1.05 * far["predicted_ms"]["diloco-h100"]
+    assert far["candidate"] == "diloco-h100"
+    # A name that is not a candidate keeps nothing.
+    assert outer_switch(slow_compute, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=1e3,
+                        step_cost=_timed, keep="diloco-h7")["candidate"] == "diloco-h100"
+
+
+def test_a_compressed_exchange_of_near_price_is_taken_when_cheapest() -> None:
+    engine = drive(LinkClock(10, 1e-3), 60)
+    record = _steady(Auto.decisions(engine)[-1], compute_ms=1e5)
+    spec = _spec(engine, record["level"])
+    pair = [Candidate("h30-dense", "none", "outer", 30),
+            Candidate("h30-8bit", "scatterq:bits=8", "outer", 30)]
+    got = outer_switch(record, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=1e3,
+                       candidates=pair)
+    pred = got["predicted_ms"]
+    assert pred["h30-8bit"] < pred["h30-dense"] < 1.05 * pred["h30-8bit"]
+    assert got["candidate"] == "h30-8bit"
+    # In force, the dense one stays (within the margin).
+    assert outer_switch(record, spec, SHAPES, WORLD, margin=0.05, bandwidth_mbit=1e3,
+                        candidates=pair, keep="h30-dense")["candidate"] == "h30-dense"
 
 
 def test_the_levels_measured_overhead_is_in_the_per_step_price() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from gradzip.plan.candidates import QUALITIES, Candidate, default_candidates
 from gradzip.plan.model import Setting
 from gradzip.plan.planner import Plan, parse_count, plan
+from gradzip.plan.step_cost import outer_step_cost
 from gradzip.plan.timing import ENV_VAR, TimingCache, timing_key
 from gradzip.plan.traffic import count_layout
 
@@ -124,7 +125,7 @@ def table(result: Plan) -> str:
     s = result.setting
     none = next((p for p in result.predictions if p.candidate.name == "none"), None)
     head = ("candidate", "quality", "spec", "H (outer lr, momentum)", "kB/step", "calls/step", "link ms/exch",
-            "exposed ms", "compress ms", "step ms", "vs none")
+            "exposed ms", "compress ms", "step ms", "step cost", "vs none")
     rows = []
     for p in result.predictions:
         c = p.candidate
@@ -134,7 +135,8 @@ def table(result: Plan) -> str:
                      f"{p.wire_bytes_per_step / 1e3:,.1f}", f"{p.calls_per_step:.3g}",
                      f"{p.comm_ms:.1f}", f"{p.exposed_comm_ms:.1f}",
                      "-" if p.compress_ms is None else f"{p.compress_ms:.1f}",
-                     f"{p.step_ms:.1f}", speed))
+                     f"{p.step_ms:.1f}",
+                     f"x{outer_step_cost(c.outer_steps):.2f}" if c.outer_steps else "-", speed))
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = [f"{result.params:,} parameters, {s.workers} workers, {s.bandwidth_mbit:g} Mbit/s, "
              f"rtt {s.rtt_ms:g} ms, compute {s.step_ms:g} ms/step, {s.buckets} bucket(s), "
@@ -142,6 +144,9 @@ def table(result: Plan) -> str:
     for r in [head, *rows]:
         lines.append("  ".join(v.ljust(w) if i < 3 else v.rjust(w)
                                for i, (v, w) in enumerate(zip(r, widths, strict=True))))
+    if any(p.candidate.outer_steps for p in result.predictions):
+        lines.append("step cost: inner steps an outer candidate needs for what H=10 does in one "
+                     "(measured); outer candidates are compared at step ms times it")
     if any(p.compress_ms is None for p in result.predictions):
         lines.append("compress ms '-': not measured, counted as 0")
     lines.append(f"considered: {', '.join(result.considered)}")

@@ -74,7 +74,9 @@ class Plan:
                             "overlap": s.overlap, "backward_fraction": s.backward_fraction},
                 "params": self.params, "considered": list(self.considered),
                 "choice": self.choice.candidate.name, "reason": self.reason,
-                "predictions": [p.as_dict() for p in self.predictions]}
+                "predictions": [p.as_dict() for p in self.predictions],
+                "step_costs": {p.candidate.name: outer_step_cost(p.candidate.outer_steps)
+                               for p in self.predictions if p.candidate.outer_steps}}
 
 
 def _shapes(shapes: Mapping[str, Sequence[int]] | None,

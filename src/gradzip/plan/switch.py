@@ -18,10 +18,11 @@ measured for it (read from its own prediction in the record); the outer candidat
 and compute, plus, for a compressed exchange (an 8-bit one, ``scatterq:bits=8``), its
 compression time per exchange where the caller measured it (``candidate_overhead_s``). The
 candidates are ranked by time per step times their step cost (:mod:`gradzip.plan.step_cost`:
-what a step at their ``H`` is worth against ``H = 10``, measured on two tasks). Among the
-candidates within the margin of the cheapest, the one with the smallest ``H`` is taken, and
-at the same ``H`` the dense exchange before a compressed one: the step cost is an average, and
-the quality a lossy exchange costs is not priced. The switch itself is weighed in time: the
+what a step at their ``H`` is worth against ``H = 10``, measured on two tasks), and the
+cheapest is taken, or the candidate in force (``keep``) while it lies within the margin of the
+cheapest. (A dense exchange is not preferred to a compressed one of near price: the quality
+an 8-bit exchange with error feedback costs is not priced, and preferring the dense one could
+leave per-step training where the compressed one gains the margin.) The switch itself is weighed in time: the
 chosen candidate must be predicted faster per step than the per-step level by the margin.
 
 :func:`outer_switch_bound` weighs the candidates against the cheapest of several levels: given
@@ -56,7 +57,8 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
                  traffic: Mapping[str, Traffic] | None = None,
                  early: bool = False,
                  candidate_overhead_s: Mapping[str, float] | None = None,
-                 step_cost: Callable[[int], float] = outer_step_cost) -> dict[str, Any]:
+                 step_cost: Callable[[int], float] = outer_step_cost,
+                 keep: str | None = None) -> dict[str, Any]:
     """Weigh outer-step training against the per-step level of one Auto decision.
 
     Args:
@@ -87,6 +89,8 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
         step_cost: ``H ->`` what a step at that ``H`` costs in progress against ``H = 10``
             (:func:`~gradzip.plan.step_cost.outer_step_cost`, measured); candidates are
             ranked by time per step times it. ``lambda h: 1.0`` ranks by time alone.
+        keep: the name of the candidate in force, if any (``--auto-outer-follow``): it is
+            chosen while its price lies within ``margin`` of the cheapest.
 
     Returns:
         The switch record: ``switch`` (bool), ``step``, ``reason``, the inputs
@@ -154,12 +158,13 @@ def outer_switch(record: Mapping[str, Any], level_spec: str, shapes: Mapping[str
     # weighed as before, for the candidate so chosen.
     cost = {c.name: step_cost(c.outer_steps) for c in candidates}
     priced = {n: outer[n].step_ms * cost[n] for n in outer}
-    fastest = min(priced.values())
-    # The step cost is an average over two small tasks, so among the candidates within the
-    # margin of the cheapest the smallest H is taken, and at the same H the exact (dense)
-    # exchange before a lossy one.
-    best = min((c for c in candidates if priced[c.name] <= fastest * (1 + margin)),
-               key=lambda c: (c.outer_steps, c.spec != "none", priced[c.name]))
+    # The cheapest (the first listed on a tie). Hysteresis: the candidate in force stays while
+    # within the margin of the cheapest, so prices that wobble between near-equal candidates
+    # do not move H back and forth.
+    best = min(candidates, key=lambda c: priced[c.name])
+    kept = [c for c in candidates if c.name == keep]
+    if kept and priced[kept[0].name] <= priced[best.name] * (1 + margin):
+        best = kept[0]
     gain = 1 - outer[best.name].step_ms / stay_ms
     waived = early and record.get("reason") == "first"
     if record["critical"] and not waived:

@@ -551,9 +551,10 @@ class SwitchingStepper:
     def _weigh_again(self, compute: float, exchange: float) -> dict[str, Any]:
         """The record of one synchronisation's weighing: the candidates priced at the link the
         exchange just measured and the compute the interval measured, by
-        :func:`~gradzip.plan.outer_switch`'s rule (the smallest H within the margin of the
-        fastest, the dense exchange first); ``change`` where two synchronisations in a row
-        chose the same candidate other than the one in force."""
+        :func:`~gradzip.plan.outer_switch`'s rule (time per step times the step cost of each
+        H; the candidate in force kept while within the margin of the cheapest); ``change``
+        where two synchronisations in a row chose the same candidate other than the one in
+        force."""
         assert self.switch is not None
         now = self._in_force()
         spec = str(now["exchange"])
@@ -567,7 +568,8 @@ class SwitchingStepper:
         record = {"critical": False, "level": level, "compute_ms": compute * 1e3,
                   "bandwidth_mbit": bandwidth, "rtt_ms": rtt_ms,
                   "calls": self.switch["calls"], "step": self.steps}
-        priced = outer_switch(record, self._spec(level), **self._switch_options())
+        priced = outer_switch(record, self._spec(level), **self._switch_options(),
+                              keep=str(now["candidate"]))
         best = str(priced["candidate"])
         if best == now["candidate"]:
             self.streak = None

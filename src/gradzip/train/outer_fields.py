@@ -127,8 +127,8 @@ class OuterFields:
                                      "the candidates again at each synchronisation from the "
                                      "compute and exchange times measured there, and change "
                                      "H or the exchange where two in a row choose another "
-                                     "(time per step only: the extra steps a larger H needs "
-                                     "are not weighed)", group=OUTER, check=check_bool)
+                                     "(candidates ranked by time per step times the measured "
+                                     "step cost of their H)", group=OUTER, check=check_bool)
     auto_outer_bandwidth_mbit: float | None = option(
         None, "a link bandwidth --auto-outer prices with instead of the probed one (a known "
         "link the probe cannot see)", group=OUTER, metavar="MBIT",
