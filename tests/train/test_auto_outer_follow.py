@@ -4,9 +4,10 @@ synchronisation, and H changes where two in a row choose another candidate.
 A scripted clock stands for the machine: the task moves it by ``per_loss`` seconds for every
 loss (two simulated workers: two losses a step), and nothing else does, so a synchronising
 step takes as long as any other (the measured link is free) and the link is priced where the
-configuration pins it, at one second per dense exchange. With 0.1 s per loss, H = 4 is the
-fastest and the only candidate within the margin (0.45 s a step against 0.7 s at H = 2); at
-50 s per loss both are within it and the smaller H is taken, as the switch's rule says.
+configuration pins it, at one second per dense exchange. Candidates are priced at time per
+step times the step cost of their H (1 at H = 10, 1.15 at H = 30). With 0.1 s per loss, H = 30
+is the cheapest (0.233 s a step, 0.268 priced, against 0.3 s at H = 10); at 50 s per loss the
+link no longer matters and H = 10 is (100.1 s against 115.0 priced).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def _stepper(tmp_path: Path, clock: _Ticks, follow: bool = True) -> SwitchingSte
     dense = 4 * sum(p.numel() for p in model.parameters())
     cfg = resolve_config(RunConfig(**{  # type: ignore[arg-type]
         **FORCED, "auto_outer_early": True, "auto_outer_follow": follow,
-        "auto_outer_steps": (2, 4), "out": str(tmp_path / "x"),
+        "auto_outer_steps": (10, 30), "out": str(tmp_path / "x"),
         "auto_outer_bandwidth_mbit": dense * 8 / 1e6}))
     auto = Auto(levels="none", warmup=0, every=3, eta=100, clock=clock)
     return SwitchingStepper(model, _TimedTask(clock), auto, cfg,
@@ -54,7 +55,7 @@ def _steps(stepper: SwitchingStepper, clock: _Ticks, per_loss: list[float]) -> l
     return evals
 
 
-SCRIPT = [0.1] * 8 + [50.0] * 8 + [50.0] * 4
+SCRIPT = [0.1] * 60 + [50.0] * 60 + [50.0] * 20
 
 
 def test_h_follows_the_compute_after_two_agreeing_synchronisations(tmp_path: Path) -> None:
@@ -62,29 +63,32 @@ def test_h_follows_the_compute_after_two_agreeing_synchronisations(tmp_path: Pat
     stepper = _stepper(tmp_path, clock)
     evals = _steps(stepper, clock, SCRIPT)
     (switch, *follows) = stepper.take_records()
-    assert (switch["switch"], switch["candidate"]) == (True, "diloco-h4")
+    assert (switch["switch"], switch["candidate"]) == (True, "diloco-h30")
     assert [(r["kind"], r["step"], r["in_force"], r["chosen"], r["change"]) for r in follows] == [
-        ("outer_follow", 3, "diloco-h4", "diloco-h4", False),
-        ("outer_follow", 7, "diloco-h4", "diloco-h4", False),
-        ("outer_follow", 11, "diloco-h4", "diloco-h2", False),
-        ("outer_follow", 15, "diloco-h4", "diloco-h2", True),
-        ("outer_follow", 17, "diloco-h2", "diloco-h2", False),
-        ("outer_follow", 19, "diloco-h2", "diloco-h2", False)]
-    assert follows[3]["to"] == {"candidate": "diloco-h2", "outer_steps": 2, "outer_lr": 0.7,
+        ("outer_follow", 29, "diloco-h30", "diloco-h30", False),
+        ("outer_follow", 59, "diloco-h30", "diloco-h30", False),
+        ("outer_follow", 89, "diloco-h30", "diloco-h10", False),
+        ("outer_follow", 119, "diloco-h30", "diloco-h10", True),
+        ("outer_follow", 129, "diloco-h10", "diloco-h10", False),
+        ("outer_follow", 139, "diloco-h10", "diloco-h10", False)]
+    assert follows[3]["to"] == {"candidate": "diloco-h10", "outer_steps": 10, "outer_lr": 0.7,
                                 "outer_momentum": 0.5, "exchange": "none"}
     assert follows[0]["compute_ms"] == pytest.approx(200.0)  # two losses a step
     assert follows[2]["compute_ms"] == pytest.approx(100_000.0)
-    # Evaluations at every synchronisation: every 4 steps, then every 2 after the change.
-    assert evals == [4, 8, 12, 16, 18, 20]
+    # H = 30 is a hair faster per step at 50 s a loss, but its step cost makes H = 10 cheaper.
+    ms = follows[2]["predicted_ms"]
+    assert ms["diloco-h30"] < ms["diloco-h10"] < 1.05 * ms["diloco-h30"]
+    # Evaluations at every synchronisation: every 30 steps, then every 10 after the change.
+    assert evals == [30, 60, 90, 120, 130, 140]
     assert stepper.changes == 1 and stepper.active is not None
-    assert (stepper.active["outer_steps"], stepper.active["since"]) == (2, 16)
-    assert stepper.epoch_fields() == {"outer_steps": 2}
-    assert stepper.eval_fields() == {"outer_steps": 2, "switched_at": 0, "outer_since": 16}
-    assert stepper.summary_fields()["auto_outer"]["in_force"]["candidate"] == "diloco-h2"
+    assert (stepper.active["outer_steps"], stepper.active["since"]) == (10, 120)
+    assert stepper.epoch_fields() == {"outer_steps": 10}
+    assert stepper.eval_fields() == {"outer_steps": 10, "switched_at": 0, "outer_since": 120}
+    assert stepper.summary_fields()["auto_outer"]["in_force"]["candidate"] == "diloco-h10"
 
 
 def test_the_totals_count_every_exchange_and_weighing(tmp_path: Path) -> None:
-    """Bytes: the switch's, six exchanges (four at H = 4, two at H = 2, one engine carried
+    """Bytes: the switch's, six exchanges (four at H = 30, two at H = 10, one engine carried
     across the change: the same exchange), and six weighings of two floats per worker
     (float64, one row per rank, one all-reduce each); a run without following is the
     reference for the switch's and one exchange's bytes."""
@@ -93,7 +97,7 @@ def test_the_totals_count_every_exchange_and_weighing(tmp_path: Path) -> None:
     plain_clock = _Ticks(0.1)
     plain = _stepper(tmp_path, plain_clock, follow=False)
     _steps(stepper, clock, SCRIPT)
-    _steps(plain, plain_clock, SCRIPT[:8])  # the switch and two exchanges
+    _steps(plain, plain_clock, SCRIPT[:60])  # the switch and two exchanges
     mine, theirs = stepper.stats, plain.stats
     one = (theirs["wire_bytes"][0] - plain.exchange["wire"][0]) // 2
     weighing = allreduce_wire_bytes(2 * 2 * 8, 2)
@@ -107,15 +111,15 @@ def test_a_changed_exchange_keeps_the_replaced_loop_in_the_totals(tmp_path: Path
     counters stay in the run's totals."""
     clock = _Ticks(0.1)
     stepper = _stepper(tmp_path, clock)
-    _steps(stepper, clock, SCRIPT[:8])
+    _steps(stepper, clock, SCRIPT[:60])
     before = stepper.stats
     assert stepper.outer is not None
     outer = stepper.outer
-    stepper._change(outer, {"to": {"candidate": "diloco-h2-8bit", "outer_steps": 2,
+    stepper._change(outer, {"to": {"candidate": "diloco-h10-8bit", "outer_steps": 10,
                                    "outer_lr": 0.7, "outer_momentum": 0.5,
                                    "exchange": "scatterq:bits=8"},
-                            "in_force": "diloco-h4", "predicted_ms": {"diloco-h2-8bit": 1.0,
-                                                                     "diloco-h4": 1.0},
+                            "in_force": "diloco-h30", "predicted_ms": {"diloco-h10-8bit": 1.0,
+                                                                      "diloco-h30": 1.0},
                             "bandwidth_mbit": 1.0, "compute_ms": 1.0})
     assert stepper.outer is not outer and stepper.stats == before
     assert stepper.outer.outer.engine.stats["wire_bytes"] == [0, 0]
@@ -127,8 +131,8 @@ def test_a_resume_in_the_middle_of_a_streak_continues_exactly(tmp_path: Path) ->
     _steps(whole, clock, SCRIPT)
     first_clock = _Ticks(0.1)
     first = _stepper(tmp_path, first_clock)
-    _steps(first, first_clock, SCRIPT[:14])  # one synchronisation has chosen H = 2
-    assert first.streak == ("diloco-h2", 1)
+    _steps(first, first_clock, SCRIPT[:100])  # one synchronisation has chosen H = 10
+    assert first.streak == ("diloco-h10", 1)
     state = copy.deepcopy(first.state_dict())
     model_state = copy.deepcopy(first.model.state_dict())
     later_clock = _Ticks(0.1)
@@ -136,7 +140,7 @@ def test_a_resume_in_the_middle_of_a_streak_continues_exactly(tmp_path: Path) ->
     later = _stepper(tmp_path, later_clock)
     later.model.load_state_dict(model_state)
     later.load_state_dict(state)
-    _steps(later, later_clock, SCRIPT[14:])
+    _steps(later, later_clock, SCRIPT[100:])
     assert later.changes == 1 and later.active == whole.active
     assert later.stats == whole.stats
     for a, b in zip(later.model.state_dict().values(), whole.model.state_dict().values(),
@@ -152,7 +156,7 @@ def test_without_follow_h_stays(tmp_path: Path) -> None:
     clock = _Ticks(0.1)
     stepper = _stepper(tmp_path, clock, follow=False)
     evals = _steps(stepper, clock, SCRIPT)
-    assert evals == [4, 8, 12, 16, 20] and stepper.changes == 0
+    assert evals == [30, 60, 90, 120] and stepper.changes == 0
     assert [r.get("kind") for r in stepper.take_records()] == ["outer_switch"]
 
 
