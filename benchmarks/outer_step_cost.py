@@ -33,7 +33,7 @@ from torch import nn
 
 from gradzip import Outer, SimulatedGroup
 
-from .outer_sweep import CORPUS, CNNTask, Grid, LMTask, _same_args
+from .outer_sweep import CORPUS, CNNTask, Grid, LMTask, replicas
 
 HERE = Path(__file__).resolve().parent
 #: The reference H (every other H's cost is relative to it) and the H measured against it.
@@ -44,16 +44,10 @@ OTHERS = (30, 100)
 def curve(task: Any, grid: Grid, h: int, seed: int, *, every_sync: bool) -> list[tuple[int, float]]:
     """``(inner step, metric)`` after every synchronisation (``every_sync``) or at the end only:
     the training of ``outer_sweep.train_one`` with the default outer settings."""
-    torch.manual_seed(seed)
-    first = task.model()
-    workers = grid.workers_of("lm" if isinstance(task, LMTask) else "cnn")
-    models = [first] + [type(first)(**_same_args(task)) for _ in range(workers - 1)]
-    for m in models[1:]:
-        m.load_state_dict(first.state_dict())
-    inner = [task.optimizer(m) for m in models]
-    outer = Outer(models, "none", inner_steps=h, collective=SimulatedGroup(workers),
+    models, inner, gens = replicas(task, grid, seed)
+    first = models[0]
+    outer = Outer(models, "none", inner_steps=h, collective=SimulatedGroup(len(models)),
                   inner_optimizers=inner)
-    gens = [torch.Generator().manual_seed(1000 * seed + w) for w in range(workers)]
     points = []
     for step in range(1, grid.steps + 1):
         for model, opt, gen in zip(models, inner, gens, strict=True):

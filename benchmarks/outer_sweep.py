@@ -160,6 +160,21 @@ class CNNTask:
         return {"loss": loss, "metric": loss, "accuracy": acc}
 
 
+def replicas(task: Any, grid: Grid, seed: int) -> tuple[list[nn.Module], list[Any],
+                                                        list[torch.Generator]]:
+    """The workers' equal models (seeded by ``seed``), their inner optimizers and their data
+    generators."""
+    torch.manual_seed(seed)
+    first = task.model()
+    workers = grid.workers_of("lm" if isinstance(task, LMTask) else "cnn")
+    models = [first] + [type(first)(**_same_args(task)) for _ in range(workers - 1)]
+    for m in models[1:]:
+        m.load_state_dict(first.state_dict())
+    inner = [task.optimizer(m) for m in models]
+    gens = [torch.Generator().manual_seed(1000 * seed + w) for w in range(workers)]
+    return models, inner, gens
+
+
 def train_one(task: Any, grid: Grid, h: int, lr: float | None, momentum: float | None,
               seed: int) -> dict[str, Any]:
     """One run: ``grid.steps`` inner steps of every worker under :class:`~gradzip.Outer`.
@@ -174,16 +189,10 @@ def train_one(task: Any, grid: Grid, h: int, lr: float | None, momentum: float |
     Returns:
         The run's record: resolved outer settings, final evaluation, wall seconds.
     """
-    torch.manual_seed(seed)
-    first = task.model()
-    workers = grid.workers_of("lm" if isinstance(task, LMTask) else "cnn")
-    models = [first] + [type(first)(**_same_args(task)) for _ in range(workers - 1)]
-    for m in models[1:]:
-        m.load_state_dict(first.state_dict())
-    inner = [task.optimizer(m) for m in models]
+    models, inner, gens = replicas(task, grid, seed)
+    first, workers = models[0], len(models)
     outer = Outer(models, "none", inner_steps=h, outer_lr=lr, outer_momentum=momentum,
                   collective=SimulatedGroup(workers), inner_optimizers=inner)
-    gens = [torch.Generator().manual_seed(1000 * seed + w) for w in range(workers)]
     start = time.perf_counter()
     losses = []
     for _ in range(grid.steps):
