@@ -90,6 +90,10 @@ class BucketLayout:
     message: torch.Tensor | None = None
     parts: list[torch.Tensor] = field(default_factory=list)
     bits: int = 0
+    #: :meth:`pairs`, made once per message (the slices are views: the message and the
+    #: runs' memory persist, so one set serves every call).
+    _pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _pairs_of: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
@@ -103,7 +107,13 @@ class BucketLayout:
     def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(source, message slice)`` per run (the message must exist)."""
         assert self.message is not None
-        return [(src, self.message[start : start + src.numel()]) for src, start in self.runs]
+        if self._pairs_of is not self.message:
+            # Why cached: a bucket's call runs this twice (in and out), every step, with a
+            # slice per run; the views stay valid as long as the message does.
+            self._pairs = [(src, self.message[start : start + src.numel()])
+                           for src, start in self.runs]
+            self._pairs_of = self.message
+        return self._pairs
 
 
 def _runs(views: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
