@@ -92,25 +92,39 @@ def test_device_path_equals_host_path(spec: str, policy: str, workers: int,
     assert Accordion.counts(dev_engine)["reasons"]["lr_drop"] > 0
 
 
-def _reads_per_step(engine: gradzip.Engine, steps: range) -> list[int]:
+def _reads_per_step(engine: gradzip.Engine, steps: range,
+                    monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Per step: (host reads the profiler sees, ``tolist`` calls: a read it does not see)."""
+    lists = [0]
+    tolist = torch.Tensor.tolist
+
+    def counted(self: torch.Tensor) -> Any:
+        lists[0] += 1
+        return tolist(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
     reads = []
     for step in steps:
         grads = make_grads(2, step)
+        lists[0] = 0
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.reduce({n: grads[n] for n in NAMES[:2]}, finish_step=False)
             engine.reduce({n: grads[n] for n in NAMES[2:]})
-        reads.append(len(_host_reads(prof.events())))
+        reads.append((len(_host_reads(prof.events())), lists[0]))
     return reads
 
 
-def test_steady_steps_read_nothing_on_the_host() -> None:
+def test_steady_steps_read_nothing_and_decision_steps_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     engine = gradzip.Engine(SHAPES, f"accordion({LEVELS},interval=5)",
                             collective=SimulatedGroup(2), decide_on="device")
-    reads = _reads_per_step(engine, range(14))
-    # Decisions fall due after steps 1, 6 and 11 (window 1) and are taken at the next
-    # step's first call; the first step has no residual yet. Every other step reads nothing.
-    decided = {0, 1, 6, 11}
-    assert [r for i, r in enumerate(reads) if i not in decided] == [0] * (14 - len(decided))
+    reads = _reads_per_step(engine, range(14), monkeypatch)
+    # The first step has no window sums yet (made on the host). Decisions fall due after
+    # steps 1, 6 and 11 (window 1) and are taken as the next step begins, before its first
+    # call: one read (the norms), and the step's calls stay on the device.
+    assert reads[0][0] > 0
+    assert [reads[i] for i in (1, 6, 11)] == [(0, 1)] * 3
+    assert [r for i, r in enumerate(reads) if i not in (0, 1, 6, 11)] == [(0, 0)] * 10
     assert Accordion.counts(engine)["decisions"] == 4
 
 

@@ -131,6 +131,7 @@ def test_residual_contract(spec: str) -> None:
     for step in range(4):
         ctx = StepContext(step=step, ranks=(0, 1, 2, 3), world_size=4, lr=0.1)
         jobs = [Job(n, g.clone()) for n, g in make_grads(4, step).items()]
+        compressor.begin_step(state, comm, ctx)
         compressor.reduce(jobs, state, comm, ctx)
         for job in jobs:
             recorded = job.residual
@@ -159,8 +160,10 @@ def test_error_feedback_identity_in_engine(spec: str) -> None:
         # Replay the same step on the compressor alone from the state it started with.
         jobs = [Job(n, grads[n] + old[n]) for n in SHAPES]
         replay_state = state_before
-        compressor.reduce(jobs, replay_state, gradzip.SimulatedGroup(4),
-                          StepContext(step=step, ranks=(0, 1, 2, 3), world_size=4))
+        replay_comm = gradzip.SimulatedGroup(4)
+        replay_ctx = StepContext(step=step, ranks=(0, 1, 2, 3), world_size=4)
+        compressor.begin_step(replay_state, replay_comm, replay_ctx)
+        compressor.reduce(jobs, replay_state, replay_comm, replay_ctx)
         for job in jobs:
             assert torch.equal(engine.residuals[job.name], job.leftover())
     if spec.startswith(("topk", "randk", "threshold")):

@@ -112,6 +112,7 @@ def test_compressor_reduce_issues_no_host_sync(spec: str, workers: int | None) -
         grads = _on(_grads(step, lead), "cuda")
         ctx = StepContext(step=step, ranks=tuple(comm.local_ranks), world_size=comm.world_size)
         jobs = [Job(n, g) for n, g in grads.items()]
+        compressor.begin_step(state, comm, ctx)
         if step >= 2:
             with _SyncsAreErrors():
                 compressor.reduce(jobs, state, comm, ctx)

@@ -235,15 +235,27 @@ def test_non_finite_gradient_rolls_back_every_rules_state() -> None:
     engine = sim("topk:ratio=0.2", rules=[("enc.*", ACCORDION)])
     engine.reduce(grads(2, 0))
     before = clone_tree(engine.state_dict())
+    # What the step's beginning leaves (Accordion's decision due at step 1, from step 0's
+    # window): it stands when the step is skipped, everything the step's calls did does not.
+    began = sim("topk:ratio=0.2", rules=[("enc.*", ACCORDION)])
+    began.reduce(grads(2, 0))
+    began._begin_compressors_step()
+    decided = began.state_dict()["rule_states"]
+    assert decided[0]["controller"]["counts"]["decisions"] == 2  # the decision was due
     bad = grads(2, 1)
     bad["enc.weight"][1, 0, 0] = float("nan")
     out = engine.reduce(bad)
     assert torch.isnan(out["head.weight"]).all()
     after = engine.state_dict()
     assert after["skipped_steps"] == 1
-    for key in ("residuals", "compressor_state", "rule_states"):
-        assert json.dumps(after[key], default=lambda t: t.tolist()) == json.dumps(
-            before[key], default=lambda t: t.tolist()), key
+
+    def text(tree: object) -> str:
+        return json.dumps(tree, default=lambda t: t.tolist())
+
+    for key in ("residuals", "compressor_state"):
+        assert text(after[key]) == text(before[key]), key
+    assert text(after["rule_states"]) == text(decided)
+    assert text(decided) != text(before["rule_states"])
 
 
 # -- real processes -----------------------------------------------------------------------------

@@ -327,6 +327,7 @@ def test_threshold_auto_prices_the_all_gather_at_the_steps_counts(workers: int) 
         jobs = [Job(n, torch.randn(workers, *s, generator=gen) + residuals[n])
                 for n, s in shapes.items()]
         lam, before = state["lam"], comm.meter.wire[0]
+        compressor.begin_step(state, comm, _ctx(workers, step))
         compressor.reduce(jobs, state, comm, _ctx(workers, step))
         compressor.end_step(state, _ctx(workers, step))
         residuals = {j.name: j.leftover() for j in jobs}

@@ -10,7 +10,10 @@ since, when the engine's call header started riding in the first payload message
 (accuracy and losses unchanged), and QSGD's losses once, when its rounding noise moved to a
 keyed hash drawn on the device (a different noise stream by design; its bytes unchanged), and
 the threshold's once, when its budget's ``exchange="auto"`` began choosing each call's forms from
-the call's all-reduced counts (some of its tensor-steps now travel sharded: every value moved).
+the call's all-reduced counts (some of its tensor-steps now travel sharded: every value moved),
+and Accordion's once, when its decision moved to the step's beginning, before the step's first
+call (4 bytes more: the call header, which rode in the decision's float64 all-reduce of norms,
+now rides in the call's first float32 message; decisions, accuracy and losses unchanged).
 Densities recorded then are compared too; runs that reported none then (Accordion, schedules,
 QSGD) may report one now.
 """
@@ -66,8 +69,8 @@ RECORDED = {
         [None]),
     "powersgd_accordion": (dict(compressor="powersgd:rank=1", accordion="powersgd:rank=4", epochs=2, interval_epochs=1.0),
         dict(final_accuracy=0.14484679665738162, final_test_loss=2.2958453930188023,
-             final_train_loss=2.283812483151754, bytes_sent_per_worker=97996,
-             payload_bytes_per_worker=97996, steps=12),
+             final_train_loss=2.283812483151754, bytes_sent_per_worker=98000,
+             payload_bytes_per_worker=98000, steps=12),
         [None, None]),
     "topk_schedule": (dict(compressor="topk:ratio=0.02", warmup_steps=3),
         dict(final_accuracy=0.08635097493036212, final_test_loss=2.314267894351715,

@@ -265,6 +265,18 @@ class Compressor(ABC):
         """
         return False
 
+    def begin_step(self, state: dict[str, Any], comm: Collective, ctx: StepContext) -> None:
+        """Called once per optimizer step, before its first call and before the engine notes
+        where the step began: what it changes is not undone when the step is rolled back (a
+        skipped step leaves it standing, as it leaves the optimizer's learning rate).
+
+        A controller takes its decisions here so that the step's calls change tensors only
+        and may keep their non-finite decisions on the device. It may issue collectives
+        (every rank calls it at the same point of the same step) and read on the host; it
+        must raise before changing ``state``, if at all. Nothing by default.
+        """
+        return None
+
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
         """Called once per optimizer step, after every tensor of the step was reduced.
 

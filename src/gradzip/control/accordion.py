@@ -243,10 +243,10 @@ class Accordion(TwoLevel):
             # A call of this step changed plain values already: the rest of the step stays on
             # the host, so that a rollback of the step undoes them with everything else.
             return True
+        # A decision and a learning-rate drop are taken in begin_step, before the step's
+        # restore point: they leave the step's calls changing tensors only.
         guess = ctx.step - ctrl["offset"]  # >= the counted step (see control.accordion_state)
-        if self.signal == "raw" and guess >= ctrl["next"]:
-            return True
-        if self._drop_due(ctrl, ctx) or any(t is None for t in ctrl["acc"].values()):
+        if any(t is None for t in ctrl["acc"].values()):
             return True
         if finish_step:
             if ctx.lr is not None and ctrl["last_lr"] != float(ctx.lr):
@@ -256,15 +256,18 @@ class Accordion(TwoLevel):
         return self._levels_host_call(state, ctx, finish_step)
 
     # -- the step --------------------------------------------------------------------------
-    def reduce(
-        self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
-    ) -> None:
+    def begin_step(self, state: dict[str, Any], comm: Collective, ctx: StepContext) -> None:
+        """The decision that falls due at this step (``signal="raw"``: from the window sums
+        of the steps before it) and a learning-rate drop seen in ``ctx.lr``.
+
+        Why here, before the engine notes where the step began: a decision changes plain
+        values (levels, records), which a rollback on the device cannot undo, so a decision
+        taken inside the step would send every call of it to the host path (a host read per
+        call). Taken here, it stands even if this step is skipped, as the learning-rate
+        schedule does; the window it judged ended before this step, so it is the decision
+        the step would have taken. A decision step reads the host once (the norms).
+        """
         ctrl = state["controller"]
-        if self.host_call(state, ctx, finish_step=False):
-            ctrl["host_step"] = ctx.step  # the same in every path: the state's bits agree
-        device = jobs[0].tensor.device if jobs else torch.device("cpu")
-        if ctrl["step"].device != device:
-            ctrl["step"] = ctrl["step"].to(device)
         # Why a guess is enough: it is never below the counted step, so a decision due now
         # is always looked at; the read then says whether it is (steps skipped since the
         # last read make the guess run ahead). The guess is the same on every worker, so
@@ -275,6 +278,16 @@ class Accordion(TwoLevel):
             if counted >= ctrl["next"]:
                 self._decide(ctrl, norms, counted, ctx.step, ctx)
         self._check_drop(ctrl, ctx)
+
+    def reduce(
+        self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
+    ) -> None:
+        ctrl = state["controller"]
+        if self.host_call(state, ctx, finish_step=False):
+            ctrl["host_step"] = ctx.step  # the same in every path: the state's bits agree
+        device = jobs[0].tensor.device if jobs else torch.device("cpu")
+        if ctrl["step"].device != device:
+            ctrl["step"] = ctrl["step"].to(device)
         self._run_levels(jobs, state, comm, ctx)
         if ctx.step - ctrl["offset"] >= ctrl["next"] - self.window:
             self._accumulate(ctrl, jobs, device)

@@ -172,6 +172,10 @@ class Engine(EngineBase):
             self._verify_agreement()
         if not self._step.begun:
             self._follow_loss_scale()
+            # Before the step's restore point: a controller's decision (Accordion's) stands
+            # even if the step is rolled back, so the step's calls change tensors only and
+            # keep their non-finite decisions on the device (no host read per call).
+            self._begin_compressors_step()
             self._step.begin(self._save())
 
     def _reduce_call(self, call: Call) -> dict[str, torch.Tensor]:

@@ -129,6 +129,12 @@ class Router:
             if mine:
                 self.compressor_of(where).reduce(mine, states[where], comm, ctx)
 
+    def begin_step(self, states: list[Any], comm: Collective, ctx: StepContext) -> None:
+        """Every compressor's beginning of step, in :meth:`in_use` order (collectives in one
+        sequence on every rank)."""
+        for where in self.in_use():
+            self.compressor_of(where).begin_step(states[where], comm, ctx)
+
     def end_step(self, states: list[Any], ctx: StepContext) -> None:
         """Every compressor's end of step (also those that received no tensor this step)."""
         for where in self.in_use():
