@@ -365,3 +365,38 @@ def test_threshold_state_saved_before_forms_were_counted_still_loads() -> None:
     with pytest.raises(ValueError, match="exchange"):
         gradzip.Engine(SHAPES, "threshold:budget=0.05",
                        collective=gradzip.SimulatedGroup(workers)).load_state_dict(bad)
+
+
+@pytest.mark.parametrize(("world", "numel", "k", "owner_keep"),
+                         [(4, 333, 40, 1), (3, 24 * 40, 200, 2), (8, 50, 30, 4), (2, 7, 7, 1)])
+def test_picked_positions_make_the_masks_messages(world: int, numel: int, k: int,
+                                                  owner_keep: int) -> None:
+    """Top-k hands the exchange its k positions, not a mask of the tensor: each part's message
+    holds the same entries (the largest selected of the part, own part left out, zeros as
+    padding), in another order of the slots."""
+    from gradzip.compressors.sharded_sparse import _scatter_from_mask, _scatter_from_picks
+
+    gen = torch.Generator().manual_seed(numel + k)
+    lay = shard_layout(numel, world, k, owner_keep)
+    x = torch.randn(world, numel, generator=gen)
+    x[:, ::5] = 0.0  # zeros among the picks travel as padding
+    # Crowded into the first parts, so that capacities bind.
+    crowd = max(k, lay.part + lay.part // 2)
+    picks = torch.stack([torch.randperm(crowd, generator=gen)[:k] for _ in range(world)])
+    mask = torch.zeros(world, numel, dtype=torch.bool).scatter_(1, picks, True)
+    wide = torch.nn.functional.pad(x, (0, lay.part * world - numel)).reshape(world, world, -1)
+    ranks = torch.arange(world)
+    by_mask = _scatter_from_mask(wide, mask, lay, ranks, ranks)
+    by_picks = _scatter_from_picks(wide, picks, lay, ranks)
+    (val_a, idx_a), (val_b, idx_b) = by_mask, by_picks
+    assert val_a.shape == val_b.shape == (world, world, lay.capacity)
+    for w in range(world):
+        for j in range(world):
+            a = sorted(zip(idx_a[w, j].tolist(), val_a[w, j].tolist(), strict=True))
+            b = sorted(zip(idx_b[w, j].tolist(), val_b[w, j].tolist(), strict=True))
+            assert a == b, (w, j)
+    # A capacity binds somewhere (where a part can hold less than all its entries): the
+    # choice among a part's picks is tested, not only the split.
+    counts = [int(mask[w, j * lay.part:(j + 1) * lay.part].sum()) for w in range(world)
+              for j in range(world) if j != w]
+    assert max(counts) > lay.capacity or lay.capacity == lay.part

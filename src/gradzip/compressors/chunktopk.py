@@ -137,13 +137,12 @@ class ChunkTopK(Compressor):
         # Last: an all-to-all cannot carry the engine's call header, so a call whose first
         # collective is the sharded exchange's sends the header apart.
         if sharded:
-            masks = []
-            for job in sharded:
-                flat = outside_own_part(job.tensor.reshape(comm.local_workers, -1), comm)
-                picked = chunk_topk(flat, self.chunk, self.k)[1]
-                masks.append(torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
-                             .scatter_(1, picked, True))
-            sharded_reduce(sharded, masks, [self.kept(j.numel) for j in sharded], comm,
+            # The positions alone (distinct, a fixed count): the exchange splits them among
+            # the owners.
+            picks = [chunk_topk(outside_own_part(job.tensor.reshape(comm.local_workers, -1),
+                                                 comm), self.chunk, self.k)[1]
+                     for job in sharded]
+            sharded_reduce(sharded, picks, [self.kept(j.numel) for j in sharded], comm,
                            self.owner_keep)
 
     def _reduce_gathered(self, sparse: Sequence[Job], comm: Collective) -> None:

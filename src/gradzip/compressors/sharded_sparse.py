@@ -222,13 +222,63 @@ def _zero_at(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return wide[..., :-1]
 
 
+def _scatter_from_mask(x: torch.Tensor, mask: torch.Tensor, lay: ShardLayout,
+                       rows: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 from a mask: ``x`` ``[L, W, part]`` (padded), ``mask`` ``[L, numel]`` bool;
+    returns each part's ``(values, indices)``, ``[L, W, capacity]`` each (padding marked)."""
+    workers, world = x.shape[0], lay.world
+    pad = lay.part * world - lay.numel
+    chosen = torch.nn.functional.pad(mask.reshape(workers, -1), (0, pad)).reshape(x.shape)
+    # A worker's own part is not sent: the owner adds it whole (it never travels).
+    chosen[rows, ranks] = False
+    picked = torch.where(chosen, x, 0.0).reshape(workers * world, lay.part)
+    top = torch.topk(picked.abs(), lay.capacity, dim=1, sorted=False).indices
+    values, indices = _mark_unsent(torch.gather(picked, 1, top), top, lay.part)
+    return (values.reshape(workers, world, lay.capacity),
+            indices.reshape(workers, world, lay.capacity))
+
+
+def _scatter_from_picks(x: torch.Tensor, picks: torch.Tensor, lay: ShardLayout,
+                        ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 from positions: ``picks`` ``[L, k]`` int64, each worker's selected positions
+    in the tensor (distinct); the same parts' messages as :func:`_scatter_from_mask` of the
+    mask they set, up to the order of the slots and ties at a part's capacity.
+
+    Why: a worker selects ``k`` entries of ``n``; splitting them among the owners by sorting
+    the ``k`` positions costs ``O(k log k)``, where masking the tensor and selecting each part's
+    largest again passes over all ``n`` entries twice more."""
+    workers, world, part, cap = x.shape[0], lay.world, lay.part, lay.capacity
+    flat = x.reshape(workers, world * part)
+    values = torch.gather(flat, 1, picks)
+    owner = torch.div(picks, part, rounding_mode="floor")
+    # By part, then by magnitude (descending) within a part: two stable sorts.
+    by_size = values.abs().argsort(dim=1, descending=True, stable=True)
+    by_part = owner.gather(1, by_size).argsort(dim=1, stable=True)
+    order = by_size.gather(1, by_part)
+    owner, values, picks = owner.gather(1, order), values.gather(1, order), picks.gather(1, order)
+    # An entry's rank within its part: its position less where its part's run begins.
+    starts = torch.searchsorted(owner, torch.arange(world, device=x.device).expand(workers, -1).contiguous())
+    rank = torch.arange(picks.shape[1], device=x.device) - starts.gather(1, owner)
+    # A worker's own part is not sent (the owner adds it whole); beyond capacity stays behind.
+    sent = (rank < cap) & (owner != ranks[:, None])
+    slot = torch.where(sent, owner * cap + rank, world * cap)  # one spare slot past the end
+    out_val = torch.zeros(workers, world * cap + 1, dtype=torch.float32, device=x.device)
+    out_idx = torch.full_like(out_val, part, dtype=torch.int64)
+    out_val.scatter_(1, slot, torch.where(sent, values, 0.0))
+    out_idx.scatter_(1, slot, torch.where(sent, picks - owner * part, part))
+    got_val, got_idx = _mark_unsent(out_val[:, :-1], out_idx[:, :-1], part)
+    return got_val.reshape(workers, world, cap), got_idx.reshape(workers, world, cap)
+
+
 def sharded_reduce(jobs: Sequence[Job], masks: Sequence[torch.Tensor], kept: Sequence[int],
                    comm: Collective, owner_keep: int = 1) -> None:
     """Average every job through the sharded exchange and record every residual.
 
     Args:
         jobs: the tensors, in an order identical on every worker.
-        masks: per job, ``[L, numel]`` bool: the entries each local worker selected.
+        masks: per job, the entries each local worker selected: ``[L, numel]`` bool, or
+            ``[L, k]`` int64 distinct positions (a fixed count: Top-k's; the same exchange,
+            from the ``k`` positions alone).
         kept: per job, the entries a worker sends on average (sizes the layout; identical on
             every worker).
         comm: the collective, with at least two workers.
@@ -251,14 +301,10 @@ def sharded_reduce(jobs: Sequence[Job], masks: Sequence[torch.Tensor], kept: Seq
         pad = lay.part * world - lay.numel
         x = torch.nn.functional.pad(job.tensor.reshape(workers, -1).to(torch.float32), (0, pad))
         x = x.reshape(workers, world, lay.part)
-        chosen = torch.nn.functional.pad(mask.reshape(workers, -1), (0, pad)).reshape(x.shape)
-        # A worker's own part is not sent: the owner adds it whole (it never travels).
-        chosen[rows, ranks] = False
-        picked = torch.where(chosen, x, 0.0).reshape(workers * world, lay.part)
-        top = torch.topk(picked.abs(), lay.capacity, dim=1, sorted=False).indices
-        values, indices = _mark_unsent(torch.gather(picked, 1, top), top, lay.part)
-        values = values.reshape(workers, world, lay.capacity)
-        indices = indices.reshape(workers, world, lay.capacity)
+        if mask.dtype == torch.bool:
+            values, indices = _scatter_from_mask(x, mask, lay, rows, ranks)
+        else:
+            values, indices = _scatter_from_picks(x, mask, lay, ranks)
         rests.append(_zero_at(x, indices))
         own_parts.append(x[rows, ranks])  # [L, part]
         outgoing += [_as_bytes(values), _as_bytes(indices.to(_index_dtype(lay)))]

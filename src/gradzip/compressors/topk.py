@@ -136,10 +136,9 @@ class TopK(Compressor):
     def _reduce_sharded(self, jobs: Sequence[Job], comm: Collective) -> None:
         if not jobs:
             return
-        workers, masks = comm.local_workers, []
+        workers, picks = comm.local_workers, []
         for job in jobs:
             flat = outside_own_part(job.tensor.reshape(workers, -1), comm)
-            _, idx = topk_abs(flat, self.k_for(job.numel))
-            masks.append(torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
-                         .scatter_(1, idx, True))
-        sharded_reduce(jobs, masks, [self.k_for(job.numel) for job in jobs], comm, self.owner_keep)
+            # The positions alone: the exchange splits the k picks among the owners.
+            picks.append(topk_abs(flat, self.k_for(job.numel))[1])
+        sharded_reduce(jobs, picks, [self.k_for(job.numel) for job in jobs], comm, self.owner_keep)
