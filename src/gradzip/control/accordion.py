@@ -83,8 +83,9 @@ class Accordion(TwoLevel):
     each worker computes the per-tensor norms of its window sum and one all-reduce of those
     few floats per decision gives every worker the mean over workers, so all take the same
     decision without a broadcast. Since that all-reduce needs the collective, a decision due
-    at the end of a step is taken at the start of the next ``reduce`` (before any tensor of
-    that step is sent); :meth:`levels` shows it from then on. ``signal="sent"`` judges the
+    at the end of a step is taken as the next step begins (:meth:`begin_step`, before any
+    tensor of that step is sent, and standing if that step is skipped); :meth:`levels` shows
+    it from then on. ``signal="sent"`` judges the
     worker average of what was sent (after error feedback) instead, needs no collective, and
     decides at the end of the step.
 
