@@ -1,6 +1,7 @@
 """Host reads per step of an adaptive compressor behind the DDP hook, decision steps included.
 
-    python -m benchmarks.decision_syncs [--out DIR] [--steps N] [--buckets B] [--only SCHEME ...]
+    python -m benchmarks.decision_syncs [--out DIR] [--steps N] [--buckets B] [--lr-decay F]
+                                        [--only SCHEME ...]
 
 ``op_counts.py`` counts the ops and host syncs of a few steady steps; a controller's decision
 steps fall between them. This script takes every step of a short run: the ResNet-18 of
@@ -12,7 +13,9 @@ counts, per step, the host reads a CUDA run would make:
 * calls of ``Tensor.tolist()``, which sync on CUDA but show no op on the CPU (the controller's
   norms are read so).
 
-The target (host syncs per step): at most one per decision step for Accordion, none in its
+With ``--lr-decay F`` the hook is given the optimizer, whose learning rate is multiplied by
+``F`` before every step: a smooth schedule, which Accordion records every step (and tests for
+a drop). The target (host syncs per step): at most one per decision step for Accordion, none in its
 other steps; the first step (whose residuals and window sums are made on the host) is shown
 but not judged. Results: ``decision_syncs.json`` and ``decision_syncs.md`` in ``--out``
 (default ``benchmarks/results/``).
@@ -60,9 +63,11 @@ def counting_tolist() -> Iterator[list[int]]:
         torch.Tensor.tolist = original  # type: ignore[method-assign]
 
 
-def count_steps(scheme: str, steps: int, buckets: int) -> list[dict[str, Any]]:
+def count_steps(scheme: str, steps: int, buckets: int,
+                lr_decay: float | None = None) -> list[dict[str, Any]]:
     """Per step of ``scheme``: host syncs seen by the profiler, ``tolist`` reads, and whether
-    a decision was taken in it."""
+    a decision was taken in it; with ``lr_decay``, the optimizer (given to the hook) has its
+    learning rate multiplied by it before every step (a smooth schedule, no drop)."""
     model_fn, input_fn = op_counts.MODELS["resnet18"]
     torch.manual_seed(0)
     inputs = input_fn()
@@ -72,15 +77,18 @@ def count_steps(scheme: str, steps: int, buckets: int) -> list[dict[str, Any]]:
     model = model_fn()
     trained = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
     # As op_counts._build sets it up, keeping the hook's state to read its decisions.
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     hook_state = gradzip.ddp.register(trained, spec, overlap=False,
-                                      fuse_buckets=kind == "gradzipf")
+                                      fuse_buckets=kind == "gradzipf",
+                                      optimizer=opt if lr_decay is not None else None)
     op_counts.force_device_path(hook_state)
     engine = hook_state.engine
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     rows = []
     with device_forms(), counting_tolist() as lists:
         for step in range(steps):
             decided = Accordion.counts(engine)["decisions"]
+            if lr_decay is not None:
+                opt.param_groups[0]["lr"] *= lr_decay
             lists[0] = 0
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 opt.zero_grad(set_to_none=False)
@@ -128,25 +136,33 @@ def main(argv: list[str] | None = None, log: Callable[[str], None] = print) -> i
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--buckets", type=int, default=4)
+    parser.add_argument("--lr-decay", type=float, default=None, metavar="FACTOR",
+                        help="give the hook the optimizer and multiply its learning rate by "
+                             "FACTOR (0.9 < FACTOR < 1: no drop) before every step")
     parser.add_argument("--only", action="append", default=None, metavar="SCHEME",
                         help=f"count only these schemes (repeatable): {', '.join(SCHEMES)}")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.buckets < 1:
         parser.error(f"--steps must be >= 2 and --buckets >= 1, got {args.steps} and "
                      f"{args.buckets}")
+    if args.lr_decay is not None and not 0.9 < args.lr_decay < 1:
+        parser.error(f"--lr-decay must be in (0.9, 1), got {args.lr_decay}")
     for name in args.only or []:
         if name not in SCHEMES:
             parser.error(f"--only must be one of {SCHEMES}, got {name!r}")
     op_counts._init_group()
-    per_scheme = {s: count_steps(s, args.steps, args.buckets) for s in args.only or SCHEMES}
+    per_scheme = {s: count_steps(s, args.steps, args.buckets, args.lr_decay)
+                  for s in args.only or SCHEMES}
     found = verdicts(per_scheme)
     meta = {"torch": torch.__version__, "gradzip": gradzip.__version__, "steps": args.steps,
+            "lr_decay": args.lr_decay,
             "buckets": args.buckets, "model": "resnet18 (CIFAR)", "command": " ".join(sys.argv)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decision_syncs.json").write_text(json.dumps(
+    name = "decision_syncs" if args.lr_decay is None else "decision_syncs_lr"
+    (args.out / f"{name}.json").write_text(json.dumps(
         {"meta": meta, "steps": per_scheme, "verdicts": found}, indent=1) + "\n")
     text = table(per_scheme) + "\n\n" + op_counts.verdict_table(found) + "\n"
-    (args.out / "decision_syncs.md").write_text(text)
+    (args.out / f"{name}.md").write_text(text)
     log(text)
     return 0
 

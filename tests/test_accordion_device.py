@@ -92,9 +92,10 @@ def test_device_path_equals_host_path(spec: str, policy: str, workers: int,
     assert Accordion.counts(dev_engine)["reasons"]["lr_drop"] > 0
 
 
-def _reads_per_step(engine: gradzip.Engine, steps: range,
-                    monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Per step: (host reads the profiler sees, ``tolist`` calls: a read it does not see)."""
+def _reads_per_step(engine: gradzip.Engine, steps: range, monkeypatch: pytest.MonkeyPatch,
+                    opt: torch.optim.Optimizer | None = None) -> list[tuple[int, int]]:
+    """Per step: (host reads the profiler sees, ``tolist`` calls: a read it does not see);
+    with ``opt``, its learning rate lowered by 1% before every step (a smooth schedule)."""
     lists = [0]
     tolist = torch.Tensor.tolist
 
@@ -106,6 +107,8 @@ def _reads_per_step(engine: gradzip.Engine, steps: range,
     reads = []
     for step in steps:
         grads = make_grads(2, step)
+        if opt is not None:
+            opt.param_groups[0]["lr"] *= 0.99
         lists[0] = 0
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.reduce({n: grads[n] for n in NAMES[:2]}, finish_step=False)
@@ -114,11 +117,15 @@ def _reads_per_step(engine: gradzip.Engine, steps: range,
     return reads
 
 
+@pytest.mark.parametrize("schedule", [False, True])
 def test_steady_steps_read_nothing_and_decision_steps_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, schedule: bool) -> None:
+    # With a learning rate that changes every step (no drop), the rate is kept as the step
+    # begins, so the step's calls still decide on the device.
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1) if schedule else None
     engine = gradzip.Engine(SHAPES, f"accordion({LEVELS},interval=5)",
-                            collective=SimulatedGroup(2), decide_on="device")
-    reads = _reads_per_step(engine, range(14), monkeypatch)
+                            collective=SimulatedGroup(2), decide_on="device", optimizer=opt)
+    reads = _reads_per_step(engine, range(14), monkeypatch, opt)
     # The first step has no window sums yet (made on the host). Decisions fall due after
     # steps 1, 6 and 11 (window 1) and are taken as the next step begins, before its first
     # call: one read (the norms), and the step's calls stay on the device.
@@ -126,6 +133,7 @@ def test_steady_steps_read_nothing_and_decision_steps_once(
     assert [reads[i] for i in (1, 6, 11)] == [(0, 1)] * 3
     assert [r for i, r in enumerate(reads) if i not in (0, 1, 6, 11)] == [(0, 0)] * 10
     assert Accordion.counts(engine)["decisions"] == 4
+    assert Accordion.counts(engine)["reasons"]["lr_drop"] == 0
 
 
 def test_old_layout_checkpoints_load_and_resume_exactly() -> None:

@@ -40,3 +40,5 @@ def test_arguments_are_checked() -> None:
         decision_syncs.main(["--steps", "1"])
     with pytest.raises(SystemExit):
         decision_syncs.main(["--only", "gradzip:topk"])
+    with pytest.raises(SystemExit):
+        decision_syncs.main(["--lr-decay", "0.5"])

@@ -53,7 +53,7 @@ from gradzip.control.records import (
 )
 from gradzip.control.rule import CRITICAL, LR_HOLDS, decide, is_lr_drop
 from gradzip.control.state_values import accordion_problem
-from gradzip.control.switch import TwoLevel, build_levels
+from gradzip.control.switch import TwoLevel, _track_lr, build_levels
 from gradzip.spec import format_call, register_controller
 
 __all__ = ["LOG_POINTS", "MODEL", "SIGNALS", "LR_HOLDS", "Accordion"]
@@ -236,37 +236,37 @@ class Accordion(TwoLevel):
         return bool(steady.device_decisions and critical.device_decisions)
 
     def host_call(self, state: Mapping[str, Any], ctx: StepContext, *, finish_step: bool) -> bool:
-        """The calls that change plain values: a decision that may be due (the read that
-        tells), a learning-rate drop, a new learning rate recorded at the step's end, and
-        window sums not made yet."""
+        """The calls that change plain values: window sums not made yet, and with
+        ``signal="sent"`` the step's last call when a decision may be due (the rest is done
+        in :meth:`begin_step`)."""
         ctrl = state["controller"]
         if ctrl["host_step"] == ctx.step:
             # A call of this step changed plain values already: the rest of the step stays on
             # the host, so that a rollback of the step undoes them with everything else.
             return True
-        # A decision and a learning-rate drop are taken in begin_step, before the step's
-        # restore point: they leave the step's calls changing tensors only.
-        guess = ctx.step - ctrl["offset"]  # >= the counted step (see control.accordion_state)
+        # A raw-signal decision, a learning-rate drop and a new learning rate are taken in
+        # begin_step, before the step's restore point: they leave the calls changing tensors.
         if any(t is None for t in ctrl["acc"].values()):
             return True
-        if finish_step:
-            if ctx.lr is not None and ctrl["last_lr"] != float(ctx.lr):
-                return True
-            if self.signal == "sent" and guess + 1 >= ctrl["next"]:
-                return True
+        # signal="sent" decides at the step's end, from the step's averages.
+        guess = ctx.step - ctrl["offset"]  # >= the counted step (see control.accordion_state)
+        if finish_step and self.signal == "sent" and guess + 1 >= ctrl["next"]:
+            return True
         return self._levels_host_call(state, ctx, finish_step)
 
     # -- the step --------------------------------------------------------------------------
     def begin_step(self, state: dict[str, Any], comm: Collective, ctx: StepContext) -> None:
         """The decision that falls due at this step (``signal="raw"``: from the window sums
-        of the steps before it) and a learning-rate drop seen in ``ctx.lr``.
+        of the steps before it), a learning-rate drop seen in ``ctx.lr``, and ``ctx.lr`` kept
+        as the last learning rate.
 
-        Why here, before the engine notes where the step began: a decision changes plain
-        values (levels, records), which a rollback on the device cannot undo, so a decision
-        taken inside the step would send every call of it to the host path (a host read per
-        call). Taken here, it stands even if this step is skipped, as the learning-rate
-        schedule does; the window it judged ended before this step, so it is the decision
-        the step would have taken. A decision step reads the host once (the norms).
+        Why here, before the engine notes where the step began: these change plain values
+        (levels, records, the last learning rate), which a rollback on the device cannot
+        undo, so taken inside the step they would send its calls to the host path (a host
+        read per call; with a learning-rate schedule, in every step). Taken here they stand
+        even if this step is skipped, as the learning-rate schedule does; the window a
+        decision judges ended before this step, so it is the decision the step would have
+        taken. A decision step reads the host once (the norms).
         """
         ctrl = state["controller"]
         # Why a guess is enough: it is never below the counted step, so a decision due now
@@ -279,6 +279,7 @@ class Accordion(TwoLevel):
             if counted >= ctrl["next"]:
                 self._decide(ctrl, norms, counted, ctx.step, ctx)
         self._check_drop(ctrl, ctx)
+        _track_lr(ctrl, ctx)  # after the drop test, which compares it with ctx.lr
 
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
@@ -333,15 +334,16 @@ class Accordion(TwoLevel):
 
     def _check_drop(self, ctrl: dict[str, Any], ctx: StepContext) -> None:
         """Hold every tensor critical after a learning-rate drop seen in ``ctx.lr``."""
-        # last_lr changes only in end_step, so every call of a step (one per DDP bucket)
-        # sees the same drop; _hold acts once per step.
+        # Called once per step, in begin_step, before last_lr takes this step's rate;
+        # _hold acts once per counted step.
         if self._drop_due(ctrl, ctx):
             counted = counted_step(ctrl)
             ctrl["offset"] = ctx.step - counted
             _hold(ctrl, ctx.step, counted)
 
     def end_step(self, state: dict[str, Any], ctx: StepContext) -> None:
-        self._end_levels(state, ctx)
+        # The last learning rate is kept in begin_step.
+        self._end_levels(state, ctx, track_lr=False)
         ctrl = state["controller"]
         if self.signal == "sent" and ctx.step + 1 - ctrl["offset"] >= ctrl["next"]:
             norms, counted = self._sent_norms(ctrl)

@@ -208,14 +208,16 @@ class TwoLevel(Compressor):
         """Count one optimizer step (a plain count here)."""
         ctrl["step"] += 1
 
-    def _end_levels(self, state: dict[str, Any], ctx: StepContext) -> None:
-        """Both levels' ``end_step``; the step count and the last learning rate."""
+    def _end_levels(self, state: dict[str, Any], ctx: StepContext, *,
+                    track_lr: bool = True) -> None:
+        """Both levels' ``end_step``; the step count and (``track_lr``) the last learning
+        rate."""
         steady, critical = self.level_compressors
         steady.end_step(state[STEADY], ctx)
         critical.end_step(state[CRITICAL], ctx)
         ctrl = state["controller"]
-        if ctx.lr is not None and ctrl["last_lr"] != float(ctx.lr):
-            ctrl["last_lr"] = float(ctx.lr)  # set only when it changes (a plain value)
+        if track_lr:
+            _track_lr(ctrl, ctx)
         self._count_step(ctrl)
 
     def _levels_host_call(self, state: Mapping[str, Any], ctx: StepContext,
@@ -292,3 +294,9 @@ class TwoLevel(Compressor):
         # host read each, here only.
         tally = {k: int(v) for k, v in ctrl.get("tally", {}).items()}
         return {**counts, **tally, "reasons": dict(counts["reasons"])}
+
+
+def _track_lr(ctrl: dict[str, Any], ctx: StepContext) -> None:
+    """Record ``ctx.lr`` as the last learning rate, only when it changed (a plain value)."""
+    if ctx.lr is not None and ctrl["last_lr"] != float(ctx.lr):
+        ctrl["last_lr"] = float(ctx.lr)
