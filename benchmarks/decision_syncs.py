@@ -36,7 +36,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import gradzip
-import gradzip.ddp
 from benchmarks import op_counts
 from gradzip.control import Accordion
 from gradzip.ops.branches import device_forms
@@ -76,13 +75,9 @@ def count_steps(scheme: str, steps: int, buckets: int,
     torch.manual_seed(0)
     model = model_fn()
     trained = DistributedDataParallel(model, bucket_cap_mb=cap_mb)
-    # As op_counts._build sets it up, keeping the hook's state to read its decisions.
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    hook_state = gradzip.ddp.register(trained, spec, overlap=False,
-                                      fuse_buckets=kind == "gradzipf",
-                                      optimizer=opt if lr_decay is not None else None)
-    op_counts.force_device_path(hook_state)
-    engine = hook_state.engine
+    engine = op_counts.register_hook(trained, kind, spec,
+                                     optimizer=opt if lr_decay is not None else None).engine
     rows = []
     with device_forms(), counting_tolist() as lists:
         for step in range(steps):

@@ -258,11 +258,20 @@ def _build(scheme: str, model: nn.Module, cap_mb: float,
                                        start_powerSGD_iter=2, random_seed=0)
         ddp.register_comm_hook(state, inner)
     else:
-        hook_state = gradzip.ddp.register(ddp, arg, overlap=False,
-                                          fuse_buckets=kind == "gradzipf")
-        if force_device:
-            force_device_path(hook_state)
+        register_hook(ddp, kind, arg, force_device)
     return ddp, lambda: _bucket_count(ddp)
+
+
+def register_hook(ddp: DistributedDataParallel, kind: str, spec: str, force_device: bool = True,
+                  **engine_options: Any) -> Any:
+    """gradzip's hook on ``ddp`` as the schemes of ``kind`` (``gradzip``, ``gradzip1``,
+    ``gradzipf``) set it up: inline (``overlap=False``), fused for ``gradzipf``, on the
+    device decision path with ``force_device``; returns the hook's state."""
+    hook_state = gradzip.ddp.register(ddp, spec, overlap=False, fuse_buckets=kind == "gradzipf",
+                                      **engine_options)
+    if force_device:
+        force_device_path(hook_state)
+    return hook_state
 
 
 def _bucket_count(ddp: DistributedDataParallel) -> int:

@@ -270,13 +270,13 @@ def _scatter_from_picks(x: torch.Tensor, picks: torch.Tensor, lay: ShardLayout,
     return got_val.reshape(workers, world, cap), got_idx.reshape(workers, world, cap)
 
 
-def sharded_reduce(jobs: Sequence[Job], masks: Sequence[torch.Tensor], kept: Sequence[int],
+def sharded_reduce(jobs: Sequence[Job], selected: Sequence[torch.Tensor], kept: Sequence[int],
                    comm: Collective, owner_keep: int = 1) -> None:
     """Average every job through the sharded exchange and record every residual.
 
     Args:
         jobs: the tensors, in an order identical on every worker.
-        masks: per job, the entries each local worker selected: ``[L, numel]`` bool, or
+        selected: per job, the entries each local worker selected: ``[L, numel]`` bool, or
             ``[L, k]`` int64 distinct positions (a fixed count: Top-k's; the same exchange,
             from the ``k`` positions alone).
         kept: per job, the entries a worker sends on average (sizes the layout; identical on
@@ -297,14 +297,14 @@ def sharded_reduce(jobs: Sequence[Job], masks: Sequence[torch.Tensor], kept: Seq
     ranks = torch.tensor(comm.local_ranks, dtype=torch.int64, device=device)
     rows = torch.arange(workers, device=device)
     rests, own_parts, outgoing = [], [], []
-    for job, mask, lay in zip(jobs, masks, layouts, strict=True):
+    for job, chosen, lay in zip(jobs, selected, layouts, strict=True):
         pad = lay.part * world - lay.numel
         x = torch.nn.functional.pad(job.tensor.reshape(workers, -1).to(torch.float32), (0, pad))
         x = x.reshape(workers, world, lay.part)
-        if mask.dtype == torch.bool:
-            values, indices = _scatter_from_mask(x, mask, lay, rows, ranks)
+        if chosen.dtype == torch.bool:
+            values, indices = _scatter_from_mask(x, chosen, lay, rows, ranks)
         else:
-            values, indices = _scatter_from_picks(x, mask, lay, ranks)
+            values, indices = _scatter_from_picks(x, chosen, lay, ranks)
         rests.append(_zero_at(x, indices))
         own_parts.append(x[rows, ranks])  # [L, part]
         outgoing += [_as_bytes(values), _as_bytes(indices.to(_index_dtype(lay)))]

@@ -53,7 +53,7 @@ from gradzip.control.records import (
 )
 from gradzip.control.rule import CRITICAL, LR_HOLDS, decide, is_lr_drop
 from gradzip.control.state_values import accordion_problem
-from gradzip.control.switch import TwoLevel, _track_lr, build_levels
+from gradzip.control.switch import TwoLevel, build_levels
 from gradzip.spec import format_call, register_controller
 
 __all__ = ["LOG_POINTS", "MODEL", "SIGNALS", "LR_HOLDS", "Accordion"]
@@ -279,7 +279,7 @@ class Accordion(TwoLevel):
             if counted >= ctrl["next"]:
                 self._decide(ctrl, norms, counted, ctx.step, ctx)
         self._check_drop(ctrl, ctx)
-        _track_lr(ctrl, ctx)  # after the drop test, which compares it with ctx.lr
+        self._track_lr(ctrl, ctx)  # after the drop test, which compares it with ctx.lr
 
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext

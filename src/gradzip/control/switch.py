@@ -208,6 +208,12 @@ class TwoLevel(Compressor):
         """Count one optimizer step (a plain count here)."""
         ctrl["step"] += 1
 
+    @staticmethod
+    def _track_lr(ctrl: dict[str, Any], ctx: StepContext) -> None:
+        """Record ``ctx.lr`` as the last learning rate, only when it changed (a plain value)."""
+        if ctx.lr is not None and ctrl["last_lr"] != float(ctx.lr):
+            ctrl["last_lr"] = float(ctx.lr)
+
     def _end_levels(self, state: dict[str, Any], ctx: StepContext, *,
                     track_lr: bool = True) -> None:
         """Both levels' ``end_step``; the step count and (``track_lr``) the last learning
@@ -217,7 +223,7 @@ class TwoLevel(Compressor):
         critical.end_step(state[CRITICAL], ctx)
         ctrl = state["controller"]
         if track_lr:
-            _track_lr(ctrl, ctx)
+            self._track_lr(ctrl, ctx)
         self._count_step(ctrl)
 
     def _levels_host_call(self, state: Mapping[str, Any], ctx: StepContext,
@@ -294,9 +300,3 @@ class TwoLevel(Compressor):
         # host read each, here only.
         tally = {k: int(v) for k, v in ctrl.get("tally", {}).items()}
         return {**counts, **tally, "reasons": dict(counts["reasons"])}
-
-
-def _track_lr(ctrl: dict[str, Any], ctx: StepContext) -> None:
-    """Record ``ctx.lr`` as the last learning rate, only when it changed (a plain value)."""
-    if ctx.lr is not None and ctrl["last_lr"] != float(ctx.lr):
-        ctrl["last_lr"] = float(ctx.lr)

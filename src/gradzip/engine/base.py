@@ -121,9 +121,6 @@ class EngineBase:
         """Every compressor's beginning of step (see
         :meth:`~gradzip.compressors.base.Compressor.begin_step`), on the plain collective:
         before the step's first call, so no call header rides on what it sends."""
-        if not self.rule_compressors:
-            self.compressor.begin_step(self.compressor_state, self.comm, self._context())
-            return
         self._router.begin_step(self._states(), self.comm, self._context())
 
     def _end_compressors_step(self) -> None:
