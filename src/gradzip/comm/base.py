@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gradzip.ops.flat import cat_rows
+
 __all__ = ["ByteMeter", "Collective", "allreduce_wire_bytes", "allgather_wire_bytes",
            "ordered_wire_bytes"]
 
@@ -146,7 +148,7 @@ class Collective(ABC):
         """:meth:`all_reduce` of the concatenation of ``parts`` (each ``[L, ...]``, one dtype)
         along their flattened entries; returns ``[total]``. A subclass that appends its own
         elements to the message does it in the same copy (no second concatenation)."""
-        flat = torch.cat([p.reshape(self.local_workers, -1) for p in parts], dim=1)
+        flat = cat_rows(parts, self.local_workers)
         return self.all_reduce(flat)
 
     def all_reduce_(self, flat: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from gradzip.comm.base import Collective, allgather_wire_bytes
-from gradzip.ops.flat import to_device
+from gradzip.ops.flat import cat_rows, to_device
 from gradzip.ops.random import stable_hash
 
 __all__ = [
@@ -280,7 +280,7 @@ class HeaderRider(Collective):
             return super().all_reduce_cat(parts)
         values = _summed_values(self.code, bits)
         rows = self._row_parts(values, parts[0])
-        riding = torch.cat([*(p.reshape(self.local_workers, -1) for p in parts), *rows], dim=1)
+        riding = cat_rows([*parts, *rows], self.local_workers)
         return self._sum_riding(riding, riding.shape[1] - (len(values) + 1), bits)
 
     def all_to_all(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,10 @@ import torch
 
 from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.feedback import residual_after
-from gradzip.ops.flat import pack, split_flat, unpack
+from gradzip.ops.flat import pack, split_flat, unpack, unpack_like
 
-__all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "leftovers", "sparse_pays"]
+__all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "give_averages", "job_rows", "leftovers",
+           "sparse_pays"]
 
 
 @dataclass
@@ -85,15 +86,16 @@ class Job:
         assert self.decoded is not None, f"reduce left neither decoded nor residual: {self.name}"
         return self.keep(residual_after(self.tensor, self.decoded))
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.tensor.shape[1:]
+    #: ``[*shape]`` and its entry count, set once from ``tensor`` (which is never replaced).
+    #: Why stored: compressors and the engine ask for them many times per tensor and step,
+    #: and each computation is a slice of the shape and a product in Python; not from
+    #: ``tensor[0]``, whose indexing makes a view (a few microseconds).
+    shape: torch.Size = dataclasses.field(init=False, repr=False, compare=False)
+    numel: int = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def numel(self) -> int:
-        # From the shape, not ``tensor[0].numel()``: indexing makes a view (a few
-        # microseconds), and compressors ask for this many times per tensor and step.
-        return math.prod(self.tensor.shape[1:])
+    def __post_init__(self) -> None:
+        self.shape = self.tensor.shape[1:]
+        self.numel = math.prod(self.shape)
 
 
 def leftovers(jobs: Sequence[Job]) -> list[torch.Tensor]:
@@ -107,7 +109,7 @@ def leftovers(jobs: Sequence[Job]) -> list[torch.Tensor]:
     todo = [(j, j.decoded) for j in jobs if j.residual is None and j.decoded is not None]
     if len(todo) > 1 and all(j.tensor.dtype == d.dtype == torch.float32 for j, d in todo):
         whole = residual_after(pack([j.tensor for j, _ in todo]), pack([d for _, d in todo]))
-        for (job, _), rest in zip(todo, unpack(whole, [j.tensor.shape for j, _ in todo]),
+        for (job, _), rest in zip(todo, unpack_like(whole, [j.tensor for j, _ in todo]),
                                   strict=True):
             job.keep(rest)
     return [j.leftover() for j in jobs]
@@ -340,9 +342,34 @@ def dense_reduce(jobs: Sequence[Job], comm: Collective) -> None:
     if not jobs:
         return
     total = comm.all_reduce_cat([j.tensor for j in jobs]) / comm.world_size
-    for job, part in zip(jobs, split_flat(total, [j.numel for j in jobs]), strict=True):
-        job.averaged = part.reshape(job.shape)
+    give_averages(jobs, total)
+    for job in jobs:
         job.decoded = job.tensor
+
+
+def give_averages(jobs: Sequence[Job], total: torch.Tensor) -> None:
+    """Set every job's ``averaged`` to its part of ``total`` ``[N]`` (the jobs' averages
+    end to end), in the job's shape: views made in one call where ``total`` is contiguous
+    (see :func:`~gradzip.ops.flat.unpack`: no Python call per tensor on the hot path), else
+    what a ``reshape`` of each part gives."""
+    if total.is_contiguous():
+        parts = unpack(total, [job.shape for job in jobs])
+    else:
+        parts = [part.reshape(job.shape)
+                 for job, part in zip(jobs, split_flat(total, [j.numel for j in jobs]), strict=True)]
+    for job, part in zip(jobs, parts, strict=True):
+        job.averaged = part
+
+
+def job_rows(jobs: Sequence[Job], rows: torch.Tensor) -> list[torch.Tensor]:
+    """Each job's part of ``rows`` ``[L, N]`` (the jobs' entries end to end in every row),
+    in the job's ``[L, *shape]``: views made in one call where ``rows`` is one contiguous
+    row (a real process group; see :func:`~gradzip.ops.flat.unpack_like`), else what a
+    ``reshape`` of each column block gives (a copy where ``L > 1``)."""
+    if rows.shape[0] == 1 and rows.is_contiguous():
+        return unpack_like(rows.view(-1), [job.tensor for job in jobs])
+    return [part.reshape(job.tensor.shape)
+            for job, part in zip(jobs, split_flat(rows, [j.numel for j in jobs]), strict=True)]
 
 
 def sparse_pays(numel: int, sent: int, entry_bytes: int, comm: Collective) -> bool:

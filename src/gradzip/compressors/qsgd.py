@@ -12,7 +12,14 @@ import torch
 
 from gradzip._validate import check_choice, check_int
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.base import (
+    Compressor,
+    Job,
+    StepContext,
+    dense_reduce,
+    give_averages,
+    job_rows,
+)
 from gradzip.compressors.sharded_codes import (
     EXCHANGES,
     ExchangeStateCheck,
@@ -250,8 +257,8 @@ class QSGD(ExchangeStateCheck, Compressor):
         x = join_rows([job.tensor for job in jobs], workers)  # [L, total]
         draws = keyed_draws(self._keys(jobs, ctx), layout, device)
         norms, level, decoded = self._quantise(x, draws, layout)
-        for job, part in zip(jobs, torch.split(decoded, list(numels), dim=1), strict=True):
-            job.decoded = part.reshape(job.tensor.shape)
+        for job, part in zip(jobs, job_rows(jobs, decoded), strict=True):
+            job.decoded = part
         # One message per call: every tensor's norms, then all codes as one packed stream.
         total = layout.total
         # Codes are clamped to [0, 2 * levels] by _quantise: no range test (a host sync).
@@ -275,9 +282,7 @@ class QSGD(ExchangeStateCheck, Compressor):
                 job.averaged = averaged.reshape(job.shape)
                 start += job.numel
             return
-        averaged = self._decode_sum_whole(all_norms, codes, layout, comm.world_size)
-        for job, part in zip(jobs, torch.split(averaged, list(numels)), strict=True):
-            job.averaged = part.reshape(job.shape)
+        give_averages(jobs, self._decode_sum_whole(all_norms, codes, layout, comm.world_size))
 
     def _decode_sum_whole(
         self, norms: torch.Tensor, codes: torch.Tensor, layout: SegmentLayout, divisor: int

@@ -10,7 +10,15 @@ import torch
 
 from gradzip._validate import check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.base import (
+    Compressor,
+    Job,
+    StepContext,
+    dense_reduce,
+    give_averages,
+    job_rows,
+)
+from gradzip.ops.flat import cat_rows
 from gradzip.ops.random import stable_hash
 from gradzip.ops.segmented import pieces, segment_keys, segment_layout, strided_random
 
@@ -73,7 +81,7 @@ class RandK(Compressor):
         keys = segment_keys([stable_hash(self.seed, ctx.step, j.name) for j in sparse], device)
         where = strided_random(keys, layout)
         # A fresh buffer, which becomes the residuals (the sent entries zeroed).
-        flat = torch.cat([j.tensor.reshape(comm.local_workers, -1) for j in sparse], dim=1)
+        flat = cat_rows([j.tensor for j in sparse], comm.local_workers)
         message = flat.index_select(1, where)
         total = comm.all_reduce(message) / comm.world_size
         dense_avg = torch.zeros(layout.total, dtype=torch.float32, device=device)
@@ -82,7 +90,6 @@ class RandK(Compressor):
         # ``tensor - decoded`` bit for bit for finite entries.
         flat.index_fill_(1, where, 0.0)
         # One split each (views made in C++), not a slice per tensor.
-        for job, avg, rest in zip(sparse, dense_avg.split(layout.sizes),
-                                  flat.split(layout.sizes, dim=1), strict=True):
-            job.averaged = avg.view(job.shape)
-            job.keep(rest.reshape(job.tensor.shape))
+        give_averages(sparse, dense_avg)
+        for job, rest in zip(sparse, job_rows(sparse, flat), strict=True):
+            job.keep(rest)

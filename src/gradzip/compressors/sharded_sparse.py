@@ -39,7 +39,7 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -51,8 +51,8 @@ from gradzip.ops.checks import check_on_device
 from gradzip.ops.flat import reinterpret
 
 __all__ = [
-    "EXCHANGES", "SLACK", "ShardLayout", "choose_exchange", "exchange_forms", "outside_own_part",
-    "shard_layout", "sharded_reduce",
+    "EXCHANGES", "SLACK", "ShardLayout", "by_form", "choose_exchange", "exchange_forms",
+    "outside_own_part", "shard_layout", "sharded_reduce",
 ]
 
 #: ``exchange`` settings of the sparsifiers: the cheapest form by the byte formulas
@@ -163,6 +163,24 @@ def choose_exchange(
     if shard_layout(numel, world, kept, owner_keep).wire_bytes < cost:
         return "sharded"
     return best
+
+
+def by_form(jobs: Sequence[Job], form_of: Callable[[int], str]) -> dict[str, list[Job]]:
+    """The jobs grouped by exchange form (``"allgather"``, ``"dense"``, ``"sharded"``, in call
+    order within each), ``form_of(numel)`` asked once per distinct size.
+
+    Why: the form depends on a tensor's size and the configuration only, and a call's
+    tensors share a few sizes (a network repeats its layers); pricing every tensor anew
+    costs a few Python calls per tensor on every call.
+    """
+    groups: dict[str, list[Job]] = {"allgather": [], "dense": [], "sharded": []}
+    known: dict[int, str] = {}
+    for job in jobs:
+        form = known.get(job.numel)
+        if form is None:
+            form = known[job.numel] = form_of(job.numel)
+        groups[form].append(job)
+    return groups
 
 
 def exchange_forms(compressor: object, shapes: Mapping[str, torch.Size], world: int) -> dict[str, str]:

@@ -12,7 +12,14 @@ import torch
 
 from gradzip._validate import check_choice
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.base import (
+    Compressor,
+    Job,
+    StepContext,
+    dense_reduce,
+    give_averages,
+    job_rows,
+)
 from gradzip.compressors.sharded_codes import (
     EXCHANGES,
     ExchangeStateCheck,
@@ -158,10 +165,10 @@ class Sign(ExchangeStateCheck, Compressor):
         # What error feedback keeps, for the whole call in one subtraction (the contract's
         # ``tensor - decoded``, recorded here where the call's buffer is at hand).
         residual = residual_after(flat, decoded)
-        for job, part, rest in zip(jobs, torch.split(decoded, list(numels), dim=1),
-                                   torch.split(residual, list(numels), dim=1), strict=True):
-            job.decoded = part.reshape(job.tensor.shape)
-            job.keep(rest.reshape(job.tensor.shape))
+        for job, part, rest in zip(jobs, job_rows(jobs, decoded), job_rows(jobs, residual),
+                                   strict=True):
+            job.decoded = part
+            job.keep(rest)
         # One message per call: every tensor's scale, then all sign bits as one packed stream.
         total = sum(job.numel for job in jobs)
         head = scale.contiguous().view(torch.uint8)  # [L, 4 T]
@@ -218,8 +225,7 @@ def _average_together(
     acc = _sign_sum(bits, per_entry)
     offsets = _scale_total(scales)  # [T], each as _finish sums one tensor's
     averaged = acc.sub_(offsets.index_select(0, owner)).div_(world_size)
-    for job, part in zip(jobs, torch.split(averaged, [job.numel for job in jobs]), strict=True):
-        job.averaged = part.reshape(job.shape)
+    give_averages(jobs, averaged)
 
 
 def _average_by_table(

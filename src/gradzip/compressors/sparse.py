@@ -8,11 +8,11 @@ import numpy as np
 import torch
 
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Job
+from gradzip.compressors.base import Job, give_averages, job_rows
 from gradzip.feedback import residual_unsent
 from gradzip.ops.branches import cpu_form
 from gradzip.ops.checks import check_on_device
-from gradzip.ops.flat import reinterpret, to_device
+from gradzip.ops.flat import cat_rows, reinterpret, to_device
 from gradzip.ops.segmented import SegmentLayout, in_segments, segmented_topk
 from gradzip.ops.select import index_dtype, topk_abs
 
@@ -221,7 +221,7 @@ def gather_full(
         # Every job's tensor with its sent entries zeroed (what residual_unsent gives), in
         # one scatter over the call's tensors laid end to end.
         offsets = _offsets(numels)
-        rest = torch.cat([job.tensor.reshape(workers, -1) for job in jobs], dim=1)
+        rest = cat_rows([job.tensor for job in jobs], workers)
         rest.scatter_(1, indices + _per_entry(offsets[:-1], widths, device), 0.0)
         for j, job in enumerate(jobs):
             if job.residual is None:
@@ -287,9 +287,8 @@ def gather_flat(
         message[:, :count] = values
         flat.scatter_(1, positions, left)
     message[:, count:].view(torch.int32).copy_(positions)
-    # One split (views made in C++), not a slice per tensor: this runs for every call.
-    for job, part in zip(jobs, flat.split(layout.sizes, dim=1), strict=True):
-        job.keep(part.reshape(job.tensor.shape))
+    for job, part in zip(jobs, job_rows(jobs, flat), strict=True):
+        job.keep(part)
     gathered = comm.all_gather(message, payload=[count * 8] * workers)
     received_val = gathered[:, :count]
     received_pos = gathered[:, count:].view(torch.int32).contiguous()  # rows of the buffer
@@ -309,9 +308,7 @@ def gather_flat(
     # atomic GPU scatters add in a fixed order and every rank computes the same bits.
     for row_pos, row_val in zip(received_pos, received_val, strict=True):
         total.index_add_(0, row_pos, row_val)
-    total.div_(comm.world_size)
-    for job, part in zip(jobs, total.split(layout.sizes), strict=True):
-        job.averaged = part.view(job.shape)
+    give_averages(jobs, total.div_(comm.world_size))
     return received_val
 
 

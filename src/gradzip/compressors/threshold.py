@@ -13,6 +13,7 @@ from gradzip.comm.base import Collective, allreduce_wire_bytes
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
+    by_form,
     choose_exchange,
     outside_own_part,
     shard_layout,
@@ -22,6 +23,7 @@ from gradzip.compressors.sparse import index_bytes
 from gradzip.compressors.threshold_capacity import reduce_capacity
 from gradzip.compressors.threshold_law import next_lambda
 from gradzip.compressors.threshold_sized import reduce_sized
+from gradzip.ops.flat import cat_rows
 from gradzip.ops.select import topk_abs
 
 __all__ = ["HardThreshold"]
@@ -225,7 +227,7 @@ class HardThreshold(Compressor):
 
     def _calibrate(self, jobs: Sequence[Job], comm: Collective) -> float:
         assert self.budget is not None
-        flat = torch.cat([j.tensor.reshape(comm.local_workers, -1) for j in jobs], dim=1)
+        flat = cat_rows([j.tensor for j in jobs], comm.local_workers)
         keep = max(1, min(flat.shape[1], int(self.budget * flat.shape[1])))
         # The keep-th largest magnitude of each worker (exact; topk_abs avoids a full sort).
         local = topk_abs(flat, keep)[0].abs().min(dim=1).values
@@ -264,14 +266,14 @@ class HardThreshold(Compressor):
             state["exchange"] = {f: state["exchange"][f] + taken[f] for f in _FORMS}
 
     def _choose_by_shape(self, jobs: Sequence[Job], world: int) -> dict[str, list[Job]]:
-        forms: dict[str, list[Job]] = {form: [] for form in _FORMS}
-        for job in jobs:
-            # Per tensor, from sizes and configuration only: the same form on every worker.
-            form = self.exchange_for(job.numel, world)
+        def form_of(numel: int) -> str:
+            # From sizes and configuration only: the same form on every worker.
+            form = self.exchange_for(numel, world)
             if form == "dense" and not self.fixed_capacity:
-                form = "allgather"  # the sized form chooses dense from the counts it learns
-            forms[form].append(job)
-        return forms
+                return "allgather"  # the sized form chooses dense from the counts it learns
+            return form
+
+        return by_form(jobs, form_of)
 
     def _choose_by_count(self, jobs: Sequence[Job], lam: float, comm: Collective
                          ) -> tuple[dict[str, list[Job]], dict[str, int]]:

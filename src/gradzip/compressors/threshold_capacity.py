@@ -16,6 +16,7 @@ import torch
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Job
 from gradzip.compressors.sparse import gather_flat, select_positions
+from gradzip.ops.flat import cat_rows
 from gradzip.ops.segmented import pieces, segment_layout
 
 __all__ = ["reduce_capacity"]
@@ -51,7 +52,7 @@ def _gather_call(jobs: Sequence[Job], lam: float, slots_for: Callable[[int], int
     numels = [j.numel for j in jobs]
     layout = segment_layout(numels, [slots_for(n) for n in numels], jobs[0].tensor.device)
     # A fresh buffer (it becomes the residuals): the call's tensors laid end to end.
-    flat = torch.cat([j.tensor.reshape(workers, -1) for j in jobs], dim=1)
+    flat = cat_rows([j.tensor for j in jobs], workers)
     # Each tensor's ``slots`` largest entries: every entry at or above lambda when there are
     # no more of them than slots, else the largest of them. Sizes come from shapes only, so
     # no worker reads a count on the host.

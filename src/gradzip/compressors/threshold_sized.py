@@ -19,7 +19,7 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Job, dense_reduce, sparse_pays
 from gradzip.compressors.sparse import gather_sparse, index_bytes
 from gradzip.ops.branches import cpu_form
-from gradzip.ops.flat import to_device
+from gradzip.ops.flat import cat_rows, to_device
 from gradzip.ops.select import threshold_split
 
 __all__ = ["reduce_sized"]
@@ -103,7 +103,7 @@ def _select_call(
     workers = comm.local_workers
     device = jobs[0].tensor.device
     numels = [job.numel for job in jobs]
-    flat = torch.cat([job.tensor.reshape(workers, -1) for job in jobs], dim=1)  # [L, total]
+    flat = cat_rows([job.tensor for job in jobs], workers)  # [L, total]
     total = flat.shape[1]
     mask = flat.abs() >= lam  # NaN never reaches lambda, as in threshold_split
     bounds = [0]

@@ -13,11 +13,13 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
+    by_form,
     choose_exchange,
     outside_own_part,
     sharded_reduce,
 )
 from gradzip.compressors.sparse import gather_flat, gather_full, index_bytes, select_positions
+from gradzip.ops.flat import cat_rows
 from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
 from gradzip.ops.select import topk_abs
 
@@ -85,17 +87,14 @@ class TopK(Compressor):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        sparse, dense, sharded = [], [], []
-        for job in jobs:
-            # Per tensor, from sizes only: the same form on every worker, and a tensor's
-            # form does not depend on which tensors share the call.
-            form = self.exchange_for(job.numel, comm.world_size)
-            {"allgather": sparse, "dense": dense, "sharded": sharded}[form].append(job)
-        dense_reduce(dense, comm)
-        self._reduce_gathered(sparse, comm)
+        # Per tensor, from sizes only: the same form on every worker, and a tensor's form
+        # does not depend on which tensors share the call.
+        forms = by_form(jobs, lambda numel: self.exchange_for(numel, comm.world_size))
+        dense_reduce(forms["dense"], comm)
+        self._reduce_gathered(forms["allgather"], comm)
         # Last: an all-to-all cannot carry the engine's call header, so a call whose first
         # collective is the sharded exchange's sends the header apart.
-        self._reduce_sharded(sharded, comm)
+        self._reduce_sharded(forms["sharded"], comm)
 
     def _reduce_gathered(self, sparse: Sequence[Job], comm: Collective) -> None:
         if not sparse:
@@ -108,7 +107,7 @@ class TopK(Compressor):
             return
         layout = segment_layout(numels, ks, sparse[0].tensor.device)
         # A fresh buffer (it becomes the residuals): the call's tensors laid end to end.
-        flat = torch.cat([job.tensor.reshape(workers, -1) for job in sparse], dim=1)
+        flat = cat_rows([job.tensor for job in sparse], workers)
         # One selection for the whole call off the CPU, a fixed number of ops (a GPU launches
         # a few kernels per call instead of a few per distinct tensor size). Each tensor's
         # entries are ranked among its own only: the same choice whatever the grouping.

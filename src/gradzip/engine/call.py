@@ -22,7 +22,7 @@ from gradzip.compressors.base import Job
 from gradzip.engine.base import EngineBase
 from gradzip.engine.step import Step
 from gradzip.feedback import as_fp32, compensate
-from gradzip.ops.flat import pack, unpack
+from gradzip.ops.flat import pack, unpack_like
 from gradzip.statecheck import first_nonfinite
 
 __all__ = [
@@ -172,7 +172,7 @@ def masked(
                                for t in tensors):
         return {n: torch.where(mask, fill, t) for n, t in values.items()}
     kept = torch.where(mask, fill, pack(tensors))
-    return dict(zip(values, unpack(kept, [t.shape for t in tensors]), strict=True))
+    return dict(zip(values, unpack_like(kept, tensors), strict=True))
 
 
 def filled(engine: EngineBase, call: Call, value: float) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gradzip.ops.finite import extremes_test, finite_rows
-from gradzip.ops.flat import pack, to_device, unpack
+from gradzip.ops.flat import cat_flat, cat_rows, pack, to_device, unpack_like
 
 __all__ = ["any_nonfinite", "changed_tensors", "finite_rows_at_once", "nonfinite_flag",
            "nonfinite_rows_at_once", "where_many", "where_tree"]
@@ -37,7 +37,7 @@ def finite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> torch.
     filled = [t for t in tensors if t.numel()]
     if len(filled) <= 1:
         return finite_rows(tensors, workers)
-    return finite_rows([torch.cat([t.reshape(workers, -1) for t in filled], dim=1)], workers)
+    return finite_rows([cat_rows(filled, workers)], workers)
 
 
 def nonfinite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -64,13 +64,13 @@ def _nonfinite_by_dtype(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         groups.setdefault(t.dtype, []).append(t)
     if len(groups) == 1:
-        whole = tensors[0] if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+        whole = tensors[0] if len(tensors) == 1 else cat_flat(tensors)
         return nonfinite_flag(whole)
     total: torch.Tensor | None = None
     for dtype, group in groups.items():
         if not (dtype.is_floating_point or dtype.is_complex):
             continue  # integers and bools are finite (the promoted test passed them too)
-        whole = group[0] if len(group) == 1 else torch.cat([t.reshape(-1) for t in group])
+        whole = group[0] if len(group) == 1 else cat_flat(group)
         test = extremes_test(whole)
         total = test if total is None else total + test
     if total is None:
@@ -157,7 +157,7 @@ def where_many(
         # state made elsewhere pays it).
         kept = torch.where(flag, to_device(pack([before[i] for i in members]), now[0].device),
                            pack(now))
-        for i, view in zip(members, unpack(kept, [t.shape for t in now]), strict=True):
+        for i, view in zip(members, unpack_like(kept, now), strict=True):
             out[i] = view
     return [t for t in out if t is not None]
 

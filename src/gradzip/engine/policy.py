@@ -28,7 +28,7 @@ from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, end_compressors_step, filled
 from gradzip.engine.deferred import where_many, where_tree
 from gradzip.engine.step import Saved, Step, or_flag
-from gradzip.ops.flat import pack, unpack
+from gradzip.ops.flat import pack, unpack_like
 
 __all__ = ["NonfinitePolicy"]
 
@@ -113,7 +113,7 @@ class NonfinitePolicy:
             # launch and a view per tensor, where the second ``where`` costs one launch.
             rests = leftovers(jobs)
             if len({r.untyped_storage().data_ptr() for r in rests}) > _BUFFERS:
-                rests = unpack(pack(rests), [r.shape for r in rests])
+                rests = unpack_like(pack(rests), rests)
             if zero:
                 rests = where_many(flag, [before.residuals[j.name] for j in jobs], rests)
             for job, rest in zip(jobs, rests, strict=True):

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from gradzip.ops.branches import cpu_form
+from gradzip.ops.flat import cat_flat
 
 __all__ = ["all_finite", "bad_workers", "extremes_test", "finite_rows"]
 
@@ -87,7 +88,7 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
         if t.numel():
             by_device.setdefault(t.device, []).append(t)
     for group in by_device.values():  # one device but where state was moved off it
-        whole = group[0] if len(group) == 1 else torch.cat([t.reshape(-1) for t in group])
+        whole = group[0] if len(group) == 1 else cat_flat(group)
         if not bool(extremes_test(whole).eq(0)):
             return False
     return True

@@ -7,12 +7,12 @@ become one ``[L, total]`` buffer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["consecutive", "flatten_workers", "pack", "reinterpret", "split_flat", "to_device", "unpack"]
+__all__ = ["cat_flat", "cat_rows", "consecutive", "flatten_workers", "pack", "reinterpret",
+           "split_flat", "to_device", "unpack", "unpack_like"]
 
 
 def flatten_workers(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -27,6 +27,29 @@ def flatten_workers(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tens
     """
     if not tensors:
         return torch.zeros(workers, 0)
+    return cat_rows(tensors, workers)
+
+
+def cat_flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat([t.reshape(-1) for t in tensors])``: a new 1-D tensor of every entry, one
+    tensor after another (promoted to one dtype as ``torch.cat`` promotes).
+
+    Why not that line: each ``reshape`` is a Python call into PyTorch (about a microsecond
+    and a half), made for every tensor of every call on the hot path; PyTorch's own
+    flattening (``torch._utils._flatten_dense_tensors``, what DDP and Apex use) makes the
+    flat views and the concatenation in one call, with the same values.
+    """
+    if len(tensors) < 2:  # it returns a view of a single tensor; the contract is a copy
+        return torch.cat([t.reshape(-1) for t in tensors])
+    return torch._utils._flatten_dense_tensors(tensors)
+
+
+def cat_rows(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
+    """``torch.cat([t.reshape(workers, -1) for t in tensors], dim=1)``: the ``[L, ...]``
+    tensors side by side as one new ``[L, total]`` tensor (in one call where there is one
+    row, as :func:`cat_flat`)."""
+    if workers == 1 and len(tensors) > 1:
+        return cat_flat(tensors).view(1, -1)
     return torch.cat([t.reshape(workers, -1) for t in tensors], dim=1)
 
 
@@ -66,17 +89,48 @@ def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if consecutive(tensors):
         first = tensors[0]
         return first.as_strided((sum(t.numel() for t in tensors),), (1,), first.storage_offset())
-    return torch.cat([t.reshape(-1) for t in tensors])
+    return cat_flat(tensors)
 
 
 def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
-    """Views of the 1-D ``flat`` in ``shapes``, one after another (the inverse of
-    :func:`pack`; no op)."""
-    sizes = [math.prod(shape) for shape in shapes]
+    """Views of the 1-D contiguous ``flat`` in ``shapes``, one after another (the inverse of
+    :func:`pack`; no op).
+
+    Why not a split and a ``view`` per part: this runs for every call on the hot path, once
+    per gradient, and each ``view`` is a Python call into PyTorch (about three
+    microseconds); :func:`unpack_like` makes them all in one call, given an empty tensor of
+    each shape on the ``meta`` device (no memory; made once per shape).
+    """
+    likes = [_like(shape) for shape in shapes]
+    return unpack_like(flat, likes)
+
+
+#: Shape -> an empty tensor of that shape on the ``meta`` device (:func:`unpack`'s models).
+_LIKES: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _like(shape: Sequence[int]) -> torch.Tensor:
+    key = shape if isinstance(shape, tuple) else tuple(shape)
+    like = _LIKES.get(key)
+    if like is None:
+        if len(_LIKES) >= 4096:  # a bound for programs that see ever new shapes
+            _LIKES.clear()
+        like = _LIKES[key] = torch.empty(key, device="meta")
+    return like
+
+
+def unpack_like(flat: torch.Tensor, likes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`unpack` in the shapes of ``likes`` (tensors; only their shapes are read).
+
+    PyTorch's unflattening (``torch._utils._unflatten_dense_tensors``, what DDP uses) makes
+    the views in one call. It gives an empty tensor a fresh 1-D one instead of a view of the
+    shape asked for, so ``likes`` with an empty tensor take a split and a ``view`` each.
+    """
+    sizes = [t.numel() for t in likes]
     assert sum(sizes) == flat.numel(), (sum(sizes), flat.numel())
-    # One split (views, made in C++) rather than a Python slice per tensor: this runs for
-    # every call on the hot path, once per gradient.
-    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
+    if len(likes) < 2 or not all(sizes):
+        return [part.view(t.shape) for part, t in zip(flat.split(sizes), likes, strict=True)]
+    return list(torch._utils._unflatten_dense_tensors(flat, likes))
 
 
 def split_flat(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:

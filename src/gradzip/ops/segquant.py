@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from gradzip.ops.branches import cpu_form
-from gradzip.ops.flat import pack, to_device
+from gradzip.ops.flat import cat_rows, pack, to_device
 from gradzip.ops.random import stable_hash
 
 __all__ = [
@@ -197,7 +197,7 @@ def join_rows(tensors: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
         flat = [t.reshape(-1) for t in tensors]
         if all(f.data_ptr() == t.data_ptr() for f, t in zip(flat, tensors, strict=True)):
             return pack(flat)[None]
-    return torch.cat([t.reshape(rows, -1) for t in tensors], dim=1)
+    return cat_rows(tensors, rows)
 
 
 def key32(*keys: object) -> int:
