@@ -11,7 +11,7 @@ import torch
 
 from gradzip._validate import check_bool, check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.base import Compressor, Job, StepContext, give_averages, job_rows
 from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import (
@@ -239,15 +239,14 @@ class PowerSGD(Compressor):
                 # NaN where not finite), for all of them in one op, before the all-reduce
                 # (which may sum in place).
                 lead = flat[:, : sum(j.numel for j in riders)]
-                kept = _group_views(torch.sub(lead, lead), [tuple(j.shape) for j in riders])
-                for job, rest in zip(riders, kept, strict=True):
+                for job, rest in zip(riders, job_rows(riders, torch.sub(lead, lead)), strict=True):
                     job.keep(rest)
             total = _mean(comm.all_reduce(flat), world)
             sizes = [j.numel for j in riders] + [p[0].numel() for p in pt_parts]
-            pieces = split_flat(total, sizes)
-            for job, piece in zip(riders, pieces[: len(riders)], strict=True):
-                job.averaged = piece.reshape(job.shape)
-                job.decoded = job.tensor
+            if riders:
+                give_averages(riders, total[: sum(sizes[: len(riders)])])
+                for job in riders:
+                    job.decoded = job.tensor
             # P^T travels as [B, r, rows]; orthogonalised matrix by matrix into [B, rows, r],
             # all groups' rescaling exponents computed together (bit for bit what each
             # matrix alone would use).
@@ -285,9 +284,10 @@ class PowerSGD(Compressor):
         for k, shift, block in zip(keys, shifts, blocks, strict=True):
             approx = _each_worker(ps[k], qts[k].unsqueeze(0))[0]  # [B, rows, cols]
             tamed = torch.mul(qts[k].transpose(-1, -2), shift.reshape(-1, 1, 1), out=block)
-            for b, job in enumerate(groups[k]):
-                job.averaged = approx[b].reshape(job.shape)
-                new_q[job.name] = tamed[b]
+            # One unbind per group (views made in one call), not an index per matrix.
+            for job, mine, q in zip(groups[k], approx.unbind(0), tamed.unbind(0), strict=True):
+                job.averaged = mine.reshape(job.shape)
+                new_q[job.name] = q
         state["q"] = new_q
 
     @staticmethod

@@ -21,8 +21,8 @@ import torch
 from gradzip.ops.finite import extremes_test, finite_rows
 from gradzip.ops.flat import cat_flat, cat_rows, pack, to_device, unpack_like
 
-__all__ = ["any_nonfinite", "changed_tensors", "finite_rows_at_once", "nonfinite_flag",
-           "nonfinite_rows_at_once", "where_many", "where_tree"]
+__all__ = ["any_nonfinite", "changed_tensors", "finite_rows_at_once", "memory_runs",
+           "nonfinite_flag", "nonfinite_rows_at_once", "where_many", "where_tree"]
 
 
 def finite_rows_at_once(tensors: Sequence[torch.Tensor], workers: int) -> torch.Tensor:
@@ -141,7 +141,7 @@ def where_many(
         The chosen tensors, in order (views of one new buffer per group).
     """
     out: list[torch.Tensor | None] = [None] * len(after)
-    groups = _runs(after)
+    groups = memory_runs(after)
     if groups is None:
         by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
         for i, a in enumerate(after):
@@ -162,7 +162,7 @@ def where_many(
     return [t for t in out if t is not None]
 
 
-def _runs(tensors: Sequence[torch.Tensor], most: int = 4) -> list[list[int]] | None:
+def memory_runs(tensors: Sequence[torch.Tensor], most: int = 4) -> list[list[int]] | None:
     """The positions of ``tensors`` in runs whose entries lie one after another in memory
     (the steady state of a call's residuals: one run per buffer, in order), or ``None`` where
     there would be more than ``most`` runs.

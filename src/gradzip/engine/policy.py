@@ -26,7 +26,7 @@ import torch
 from gradzip.compressors.base import Job, leftovers
 from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, end_compressors_step, filled
-from gradzip.engine.deferred import where_many, where_tree
+from gradzip.engine.deferred import memory_runs, where_many, where_tree
 from gradzip.engine.step import Saved, Step, or_flag
 from gradzip.ops.flat import pack, unpack_like
 
@@ -112,7 +112,9 @@ class NonfinitePolicy:
             # where_many). Why two buffers are left as they are: a copy into one costs a
             # launch and a view per tensor, where the second ``where`` costs one launch.
             rests = leftovers(jobs)
-            if len({r.untyped_storage().data_ptr() for r in rests}) > _BUFFERS:
+            # (Runs of adjacent memory, found by addresses: asking each tensor for its
+            # storage costs a Python object per tensor.)
+            if memory_runs(rests, _BUFFERS) is None:
                 rests = unpack_like(pack(rests), rests)
             if zero:
                 rests = where_many(flag, [before.residuals[j.name] for j in jobs], rests)
