@@ -116,11 +116,12 @@ def build_jobs(engine: EngineBase, call: Call) -> tuple[list[Job], list[Job]]:
     # ``compensate``'s ``grad32 + residual``).
     at: list[tuple[int, str, torch.Tensor]] = []
     grads32, residuals = [], []
+    dense_names, feedback, kept = engine.dense_names, engine._feedback, engine.residuals
     for name, g in zip(call.names, call.grads, strict=True):
-        if name in engine.dense_names:
+        if name in dense_names:
             dense.append(Job(name, as_fp32(g)))
-        elif name in engine._feedback:
-            residual = engine.residuals.get(name)
+        elif name in feedback:
+            residual = kept.get(name)
             if residual is None:
                 jobs.append(Job(name, compensate(g, None), raw=g))
             else:

@@ -99,13 +99,19 @@ class ErrorMeter:
             return
         norms = torch._foreach_norm([j.leftover() for j in jobs] + [j.tensor for j in jobs])
         count = len(jobs)
-        members: list[list[int]] = [list(range(count)), [], []]
         found = levels()
-        if found is not None:
-            for at, j in enumerate(jobs):
-                where = _GROUPS.get(found.get(j.name, ""))
-                if where is not None:
-                    members[where].append(at)
+        if found is None:  # one group, every job (no index per job)
+            group = pending[0]
+            if group is None:
+                group = pending[0] = ([], [])
+            group[0].extend(norms[:count])
+            group[1].extend(norms[count:])
+            return
+        members: list[list[int]] = [list(range(count)), [], []]
+        for at, j in enumerate(jobs):
+            where = _GROUPS.get(found.get(j.name, ""))
+            if where is not None:
+                members[where].append(at)
         for i, chosen in enumerate(members):
             if chosen:
                 group = pending[i]
