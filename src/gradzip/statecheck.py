@@ -23,9 +23,11 @@ def copy_tree(tree: Any) -> Any:
     """Copy the dict and list structure of a state tree, sharing its tensors (state is
     replaced, never mutated in place, so a shared tensor never changes under a copy)."""
     if isinstance(tree, dict):
-        return {k: copy_tree(v) for k, v in tree.items()}
+        # Leaves are shared without a call each: a controller's state holds a few values per
+        # tensor, and the engine copies the tree at the start of every step.
+        return {k: copy_tree(v) if isinstance(v, (dict, list)) else v for k, v in tree.items()}
     if isinstance(tree, list):
-        return [copy_tree(v) for v in tree]
+        return [copy_tree(v) if isinstance(v, (dict, list)) else v for v in tree]
     return tree
 
 
