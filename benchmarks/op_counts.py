@@ -80,6 +80,9 @@ NOT_COMPUTE = frozenset({
     "aten::movedim", "aten::swapaxes", "aten::unfold", "aten::chalf", "aten::real",
     # A conjugation or negation "resolved" on a real tensor is a no-op (matmul records them).
     "aten::resolve_conj", "aten::resolve_neg",
+    # Views of a flat buffer made in one call (``torch._utils._unflatten_dense_tensors``:
+    # a narrow and a view per tensor, nothing launched).
+    "aten::unflatten_dense_tensors",
 })
 #: Leaf ops that make the host wait for the device when the tensor lives on CUDA.
 HOST_SYNC_OPS = frozenset({
