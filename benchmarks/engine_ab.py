@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import io
 import json
 import re
@@ -76,6 +77,22 @@ def extract(rev: str, into: Path, repo: Path = ROOT) -> Path:
     for path in package.rglob("*.py"):
         path.write_text(_SELF.sub(BEFORE, path.read_text()))
     return into
+
+
+def load(root: Path) -> Any:
+    """Import the package :data:`BEFORE` that :func:`extract` wrote under ``root``, without
+    touching ``sys.path`` (its submodules are found through the package's own path)."""
+    for name in [m for m in sys.modules if m == BEFORE or m.startswith(BEFORE + ".")]:
+        del sys.modules[name]  # a revision loaded before in this process
+    package = root / BEFORE
+    spec = importlib.util.spec_from_file_location(
+        BEFORE, package / "__init__.py", submodule_search_locations=[str(package)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[BEFORE] = module
+    spec.loader.exec_module(module)
+    importlib.import_module(BEFORE + ".ddp")
+    return module
 
 
 class Side:
@@ -208,22 +225,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--only must name gradzip:SPEC or gradzip-fused:SPEC, got {scheme!r}")
     with tempfile.TemporaryDirectory(prefix="gradzip-before-") as tmp:
         try:
-            where = str(extract(args.before, Path(tmp)))
+            before = load(extract(args.before, Path(tmp)))
         except ValueError as exc:
             parser.error(str(exc))
-        # A revision compared before in this process would be found in the module cache.
-        for name in [m for m in sys.modules if m == BEFORE or m.startswith(BEFORE + ".")]:
-            del sys.modules[name]
-        sys.path.insert(0, where)
-        try:
-            before = importlib.import_module(BEFORE)
-            importlib.import_module(BEFORE + ".ddp")
-            now = importlib.import_module("gradzip")
-            importlib.import_module("gradzip.ddp")
-            rows = measure(before, now, schemes, width=args.width, buckets=args.buckets,
-                           rounds=args.rounds, steps=args.steps, warmup=args.warmup)
-        finally:
-            sys.path.remove(where)
+        now = importlib.import_module("gradzip")
+        importlib.import_module("gradzip.ddp")
+        rows = measure(before, now, schemes, width=args.width, buckets=args.buckets,
+                       rounds=args.rounds, steps=args.steps, warmup=args.warmup)
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
     meta = {"before": args.before, "now": head or "working tree", "torch": torch.__version__,

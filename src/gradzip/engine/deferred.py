@@ -126,7 +126,8 @@ def changed_tensors(tree: Any, before: Any) -> list[torch.Tensor] | None:
 
 
 def where_many(
-    flag: torch.Tensor, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor]
+    flag: torch.Tensor, before: Sequence[torch.Tensor], after: Sequence[torch.Tensor],
+    *, in_place: bool = False,
 ) -> list[torch.Tensor]:
     """``torch.where(flag, b, a)`` for each pair, elementwise the same, in one ``where`` per
     buffer: the ``after`` tensors are grouped by the storage they live in (a call's flat
@@ -136,9 +137,17 @@ def where_many(
     Args:
         flag: 0-d bool.
         before, after: pairs of tensors of equal shapes and dtypes.
+        in_place: write the choice into the ``after`` tensors where a group tiles one buffer
+            (they are returned themselves), for callers that own them and replace them by
+            the result anyway. Why: the new buffer's views cost a Python object per tensor
+            (a microsecond or more each), the write costs nothing more than the ``where``.
+            The caller must hold the only references that matter: the engine's rollback of
+            the residuals a step made (fresh tensors; a compressor replaces its residuals,
+            never writes into older ones) is the one such caller.
 
     Returns:
-        The chosen tensors, in order (views of one new buffer per group).
+        The chosen tensors, in order (views of one new buffer per group; with ``in_place``,
+        the ``after`` tensors of each group that tiles a buffer).
     """
     out: list[torch.Tensor | None] = [None] * len(after)
     groups = memory_runs(after)
@@ -155,8 +164,17 @@ def where_many(
         now = [after[i] for i in members]
         # The old values where the new ones are (a queued copy; only a step that moved
         # state made elsewhere pays it).
-        kept = torch.where(flag, to_device(pack([before[i] for i in members]), now[0].device),
-                           pack(now))
+        old = to_device(pack([before[i] for i in members]), now[0].device)
+        whole = pack(now)
+        # A view (they tile a buffer) of memory apart from the old values' (a write into
+        # memory the old values share would change them).
+        if (in_place and whole.data_ptr() == now[0].data_ptr()
+                and whole.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()):
+            torch.where(flag, old, whole, out=whole)
+            for i in members:
+                out[i] = after[i]
+            continue
+        kept = torch.where(flag, old, whole)
         for i, view in zip(members, unpack_like(kept, now), strict=True):
             out[i] = view
     return [t for t in out if t is not None]

@@ -165,7 +165,9 @@ def _rolled_back(
     changed = [n for n, rest in after.items() if rest is not before[n]]
     if not changed:
         return dict(after)
-    kept = where_many(flag, [before[n] for n in changed], [after[n] for n in changed])
+    # In place: the residuals the step made are the engine's own, replaced by the result.
+    kept = where_many(flag, [before[n] for n in changed], [after[n] for n in changed],
+                      in_place=True)
     return {**after, **dict(zip(changed, kept, strict=True))}
 
 
