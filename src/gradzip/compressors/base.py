@@ -352,7 +352,7 @@ def give_averages(jobs: Sequence[Job], total: torch.Tensor) -> None:
     end to end), in the job's shape: views made in one call where ``total`` is contiguous
     (see :func:`~gradzip.ops.flat.unpack`: no Python call per tensor on the hot path), else
     what a ``reshape`` of each part gives."""
-    if total.is_contiguous():
+    if total.dim() == 1 and total.is_contiguous():
         parts = unpack(total, [job.shape for job in jobs])
     else:
         parts = [part.reshape(job.shape)

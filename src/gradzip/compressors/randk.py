@@ -89,7 +89,7 @@ class RandK(Compressor):
         # Sent entries are sent unchanged: the residual is the tensor with them zeroed,
         # ``tensor - decoded`` bit for bit for finite entries.
         flat.index_fill_(1, where, 0.0)
-        # One split each (views made in C++), not a slice per tensor.
+        # Views made in one call each, not a slice per tensor.
         give_averages(sparse, dense_avg)
         for job, rest in zip(sparse, job_rows(sparse, flat), strict=True):
             job.keep(rest)
