@@ -193,7 +193,10 @@ class Compressor(ABC):
         ``job.residual``. Error feedback reads :meth:`Job.leftover`, which records
         ``tensor - decoded`` through :meth:`Job.keep` when no residual was recorded, so every
         residual passes through that one method and ``tensor == own_decoded + leftover`` per
-        worker (the conformance suite checks this for every registered compressor).
+        worker (the conformance suite checks this for every registered compressor). A
+        residual is memory made in this call (a new tensor, ``job.tensor``, or a view of
+        either), never a view of an older residual or of the state: the device path rolls a
+        skipped step back by writing into the residuals the step made.
 
         Every worker must issue the same collectives with the same sizes, so any decision
         that shapes the exchange is taken from quantities identical on all workers.
