@@ -59,7 +59,7 @@ _SELF = re.compile(r"\bgradzip(?=[.\s,;:)\"']|$)", re.MULTILINE)
 
 def extract(rev: str, into: Path, repo: Path = ROOT) -> Path:
     """``src/gradzip`` of ``rev`` written under ``into`` as the package :data:`BEFORE`, its
-    references to itself renamed; returns the directory to put on ``sys.path``.
+    references to itself renamed; returns the directory that holds it (for :func:`load`).
 
     Raises:
         ValueError: ``rev`` is not a revision of ``repo`` holding ``src/gradzip``.

@@ -9,8 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext
-from gradzip.ops.flat import split_flat
+from gradzip.compressors.base import Compressor, Job, StepContext, give_averages
 
 __all__ = ["BF16", "FP16"]
 
@@ -29,9 +28,8 @@ class _LowPrecision(Compressor):
         # would not. Per tensor, then concatenated once by the collective.
         pieces = [(j.tensor / comm.world_size).to(self.dtype) for j in jobs]
         total = comm.all_reduce_cat(pieces).to(torch.float32)
-        sizes = [j.numel for j in jobs]
-        for job, avg, piece in zip(jobs, split_flat(total, sizes), pieces, strict=True):
-            job.averaged = avg.reshape(job.shape)
+        give_averages(jobs, total)
+        for job, piece in zip(jobs, pieces, strict=True):
             job.decoded = piece.to(torch.float32) * comm.world_size
 
 

@@ -10,8 +10,9 @@ import torch
 
 from gradzip._validate import check_int, check_real
 from gradzip.comm.base import Collective, ordered_wire_bytes
-from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.base import Compressor, Job, StepContext, give_averages, job_rows
 from gradzip.ops.blocks import block_layout, block_positions, block_scores, top_blocks
+from gradzip.ops.flat import cat_rows
 
 __all__ = ["SharedTopK"]
 
@@ -113,8 +114,8 @@ class SharedTopK(Compressor):
         layout = block_layout([j.numel for j in sparse], self.block,
                               [self.blocks_for(j.numel)[1] for j in sparse], sparse[0].tensor.device)
         # A fresh buffer with one padding slot at the end (it becomes the residuals).
-        flat = torch.cat([j.tensor.reshape(workers, -1) for j in sparse]
-                         + [sparse[0].tensor.new_zeros(workers, 1)], dim=1)
+        flat = cat_rows([*(j.tensor for j in sparse), sparse[0].tensor.new_zeros(workers, 1)],
+                        workers)
         # The blocks must be the same on every worker (their entries are summed position by
         # position), so they are chosen from the scores summed over the group: identical
         # everywhere, and ties broken by block order, never by a worker's own values.
@@ -132,11 +133,9 @@ class SharedTopK(Compressor):
         averaged.index_add_(0, where, total[: where.numel()])
         # Sent entries are sent unchanged: the residual is the tensor with them zeroed.
         flat.index_fill_(1, where, 0.0)
-        start = 0
-        for job in sparse:
-            job.averaged = averaged[start : start + job.numel].reshape(job.shape)
-            job.keep(flat[:, start : start + job.numel].reshape(job.tensor.shape))
-            start += job.numel
+        give_averages(sparse, averaged[:-1])
+        for job, rest in zip(sparse, job_rows(sparse, flat[:, :-1]), strict=True):
+            job.keep(rest)
 
 
 def _rows(jobs: Sequence[Job], workers: int) -> torch.Tensor:
@@ -146,8 +145,6 @@ def _rows(jobs: Sequence[Job], workers: int) -> torch.Tensor:
 
 def _finish_dense(jobs: Sequence[Job], averaged: torch.Tensor) -> None:
     """Give the jobs sent dense their slices of ``averaged``; each sent its tensor whole."""
-    start = 0
+    give_averages(jobs, averaged)
     for job in jobs:
-        job.averaged = averaged[start : start + job.numel].reshape(job.shape)
         job.decoded = job.tensor
-        start += job.numel

@@ -181,9 +181,7 @@ def _average(
     # bit-identical averages (a decision taken from them must agree across ranks).
     for row_idx, row_val in zip(flat_idx, flat_val, strict=True):
         total.index_add_(0, row_idx, row_val)
-    total.div_(comm.world_size)
-    for j, job in enumerate(jobs):
-        job.averaged = total[offsets[j] : offsets[j + 1]].reshape(job.shape)
+    give_averages(jobs, total.div_(comm.world_size))
 
 
 def gather_full(

@@ -56,6 +56,14 @@ def relative_error(error_sq: float, input_sq: float) -> float:
 Pending = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 
+def _group(pending: list[Pending | None], i: int) -> Pending:
+    """The step's norms of group ``i`` (made empty on first use)."""
+    group = pending[i]
+    if group is None:
+        group = pending[i] = ([], [])
+    return group
+
+
 def _sums(pending: Pending) -> torch.Tensor:
     """``[2]`` float64: ``sum ||residual||^2`` and ``sum ||input||^2`` of a step's norms."""
     left, whole = pending
@@ -99,26 +107,21 @@ class ErrorMeter:
             return
         norms = torch._foreach_norm([j.leftover() for j in jobs] + [j.tensor for j in jobs])
         count = len(jobs)
+        everything = _group(pending, 0)  # every job, in order: no index per job
+        everything[0].extend(norms[:count])
+        everything[1].extend(norms[count:])
         found = levels()
-        if found is None:  # one group, every job (no index per job)
-            group = pending[0]
-            if group is None:
-                group = pending[0] = ([], [])
-            group[0].extend(norms[:count])
-            group[1].extend(norms[count:])
+        if found is None:
             return
-        members: list[list[int]] = [list(range(count)), [], []]
+        members: dict[int, list[int]] = {}
         for at, j in enumerate(jobs):
             where = _GROUPS.get(found.get(j.name, ""))
             if where is not None:
-                members[where].append(at)
-        for i, chosen in enumerate(members):
-            if chosen:
-                group = pending[i]
-                if group is None:
-                    group = pending[i] = ([], [])
-                group[0].extend(norms[at] for at in chosen)
-                group[1].extend(norms[count + at] for at in chosen)
+                members.setdefault(where, []).append(at)
+        for i, chosen in members.items():
+            group = _group(pending, i)
+            group[0].extend(norms[at] for at in chosen)
+            group[1].extend(norms[count + at] for at in chosen)
 
     def commit(self, pending: list[Pending | None], dropped: torch.Tensor | None = None) -> None:
         """Add a step's norms to the totals (``dropped``: a 0-d bool tensor deciding on the

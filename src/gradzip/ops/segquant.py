@@ -193,10 +193,8 @@ def join_rows(tensors: Sequence[torch.Tensor], rows: int) -> torch.Tensor:
         one storage (a bucket's views), a view of it (no op; never written to here);
         otherwise one concatenation (a new tensor).
     """
-    if rows == 1:
-        flat = [t.reshape(-1) for t in tensors]
-        if all(f.data_ptr() == t.data_ptr() for f, t in zip(flat, tensors, strict=True)):
-            return pack(flat)[None]
+    if rows == 1:  # pack views them where they tile one buffer, else concatenates them
+        return pack(tensors)[None]
     return cat_rows(tensors, rows)
 
 
