@@ -122,3 +122,19 @@ def test_where_many_in_place_leaves_non_tiling_tensors_and_shared_memory_alone()
     assert all(c.data_ptr() != whole.data_ptr() for c in chosen[:1])
     assert torch.equal(whole, snapshot)
     assert all(torch.equal(c, o) for c, o in zip(chosen, old, strict=True))
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_where_many_finds_a_buffer_whose_views_come_in_another_order(flag: bool) -> None:
+    # Views of one row listed in another order than their memory's (the segment path's
+    # residuals, listed in the engine's order): still one buffer, written in place.
+    order = [2, 0, 3, 1]
+    tensors = _tensors(seed=2)
+    in_memory = unpack(cat_flat([tensors[i] for i in order]), [SHAPES[i] for i in order])
+    after = [in_memory[order.index(i)] for i in range(len(SHAPES))]
+    before_row = unpack(cat_flat([_tensors(seed=1)[i] for i in order]), [SHAPES[i] for i in order])
+    before = [before_row[order.index(i)] for i in range(len(SHAPES))]
+    expected = [t.clone() for t in (before if flag else after)]
+    chosen = where_many(torch.tensor(flag), before, after, in_place=True)
+    assert all(c is a for c, a in zip(chosen, after, strict=True))
+    assert all(torch.equal(c, e) for c, e in zip(chosen, expected, strict=True))

@@ -21,7 +21,7 @@ from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_b
 from gradzip.feedback import residual_after
 from gradzip.ops.flat import pack, split_flat, unpack, unpack_like
 
-__all__ = ["Compressor", "Job", "StepContext", "dense_reduce", "give_averages", "job_rows", "leftovers",
+__all__ = ["Compressor", "Job", "SegmentPlan", "StepContext", "dense_reduce", "give_averages", "job_rows", "leftovers",
            "sparse_pays"]
 
 
@@ -113,6 +113,22 @@ def leftovers(jobs: Sequence[Job]) -> list[torch.Tensor]:
                                   strict=True):
             job.keep(rest)
     return [j.leftover() for j in jobs]
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """A compressor's form of a call whose tensors lie end to end in one row (see
+    :meth:`Compressor.segment_plan`).
+
+    Attributes:
+        order: the call's tensors (indices into the engine's order) in the row's order: a
+            compressor that treats some tensors apart (sent dense) puts them last, so that
+            each kind is one slice of the row.
+        data: what the compressor's :meth:`Compressor.reduce_segments` needs.
+    """
+
+    order: tuple[int, ...]
+    data: Any
 
 
 @dataclass(frozen=True)
@@ -211,6 +227,39 @@ class Compressor(ABC):
         average of every worker turns non-finite too. State must be derived from aggregated
         quantities only, so it is identical on every worker.
         """
+
+    def segment_plan(
+        self, sizes: Sequence[int], world_size: int, device: torch.device
+    ) -> SegmentPlan | None:
+        """This compressor's form of a call of tensors of ``sizes`` entries laid end to end in
+        one row (:meth:`reduce_segments`), or ``None`` where it has none for such a call (the
+        default: the engine then calls :meth:`reduce`).
+
+        The engine asks once per layout of a DDP bucket and keeps the answer, so it must
+        depend on the arguments and the configuration only (every worker gets the same).
+
+        Args:
+            sizes: the entries of each tensor, in the engine's order.
+            world_size: workers in the group.
+            device: where the tensors are.
+        """
+        return None
+
+    def reduce_segments(
+        self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        """:meth:`reduce` of a call whose compensated tensors lie end to end in one row, in
+        ``plan.order``: the same collectives, bytes and bits, without a :class:`Job` per
+        tensor.
+
+        Called by the engine only with a ``plan`` :meth:`segment_plan` gave for this call's
+        sizes. ``flat`` (``[1, N]`` float32, made in the call) is overwritten with the
+        residuals (each tensor's ``tensor - decoded``, what :meth:`Job.keep` would record);
+        the return value is the ``[N]`` average in the same order (a new tensor). Every
+        contract of :meth:`reduce` holds.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no segment form")
 
     def check_state(
         self,

@@ -16,8 +16,8 @@ from gradzip.ops.flat import cat_rows, reinterpret, to_device
 from gradzip.ops.segmented import SegmentLayout, in_segments, segmented_topk
 from gradzip.ops.select import index_dtype, topk_abs
 
-__all__ = ["gather_flat", "gather_full", "gather_sparse", "index_bytes", "scatter_decode",
-           "select_positions"]
+__all__ = ["exchange_positions", "gather_flat", "gather_full", "gather_sparse", "index_bytes",
+           "scatter_decode", "select_positions"]
 
 
 def index_bytes(numel: int) -> int:
@@ -247,7 +247,32 @@ def gather_flat(
     comm: Collective, values: torch.Tensor | None = None, left: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """All-gather one whole-message selection and decode every job's average, in a fixed
-    number of ops whatever the number of tensors.
+    number of ops whatever the number of tensors (:func:`exchange_positions`, with each
+    job's residual and average handed over as views).
+
+    Args:
+        jobs: the tensors, in an order identical on every worker, laid end to end in ``flat``.
+        flat, positions, layout, comm, values, left: as :func:`exchange_positions`.
+
+    Returns:
+        ``[W, K]``: every worker's values, in rank order.
+
+    Raises:
+        ValueError: as :func:`exchange_positions`.
+    """
+    total, received_val = exchange_positions(flat, positions, layout, comm, values, left)
+    for job, part in zip(jobs, job_rows(jobs, flat), strict=True):
+        job.keep(part)
+    give_averages(jobs, total.div_(comm.world_size))
+    return received_val
+
+
+def exchange_positions(
+    flat: torch.Tensor, positions: torch.Tensor, layout: SegmentLayout, comm: Collective,
+    values: torch.Tensor | None = None, left: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather one whole-message selection of the flat rows ``flat`` and sum what every
+    worker sent: a fixed number of ops whatever the number of segments (tensors).
 
     The message of a local worker is its ``K`` values (fp32) then their positions in the
     call's flat row (int32; :data:`~gradzip.ops.segmented.MAX_ENTRIES` bounds a layout), so
@@ -255,11 +280,10 @@ def gather_flat(
     tensor's entries with int32 indices, as :func:`gather_full` counts them.
 
     Args:
-        jobs: the tensors, in an order identical on every worker, laid end to end in ``flat``.
-        flat: ``[L, N]`` float32, the jobs' tensors laid end to end: a buffer of the
-            caller's, overwritten with the residuals (each job's residual is a view of it).
+        flat: ``[L, N]`` float32, the segments laid end to end: a buffer of the caller's,
+            overwritten with the residuals (what was not sent).
         positions: ``[L, K]`` int64, each segment's selected positions in the row (segment
-            after segment, ``layout.picks[j]`` for job ``j``).
+            after segment, ``layout.picks[j]`` for segment ``j``).
         layout: the selection's :func:`~gradzip.ops.segmented.segment_layout`.
         comm: the collective.
         values: ``[L, K]``, what to send at ``positions`` where it is not ``flat``'s entries
@@ -268,10 +292,11 @@ def gather_flat(
             entries, all sent, and zeros left.
 
     Returns:
-        ``[W, K]``: every worker's values, in rank order.
+        ``(total, received)``: ``[N]`` the sum over workers of what they sent (a new
+        tensor), and ``[W, K]`` every worker's values, in rank order.
 
     Raises:
-        ValueError: a received position lies outside its tensor (a corrupt message; checked
+        ValueError: a received position lies outside its segment (a corrupt message; checked
             on the device, see :mod:`gradzip.ops.checks`: on CUDA the device asserts instead).
     """
     workers, count = positions.shape
@@ -285,18 +310,16 @@ def gather_flat(
         message[:, :count] = values
         flat.scatter_(1, positions, left)
     message[:, count:].view(torch.int32).copy_(positions)
-    for job, part in zip(jobs, job_rows(jobs, flat), strict=True):
-        job.keep(part)
     gathered = comm.all_gather(message, payload=[count * 8] * workers)
     received_val = gathered[:, :count]
     received_pos = gathered[:, count:].view(torch.int32).contiguous()  # rows of the buffer
 
-    def explain() -> str:  # the CPU's precise message: the first job whose range is bad
+    def explain() -> str:  # the CPU's precise message: the first segment whose range is bad
         starts = layout.starts()
-        for j, job in enumerate(jobs):
+        for j, numel in enumerate(layout.sizes):
             a, b = sum(layout.picks[:j]), sum(layout.picks[: j + 1])
             part = received_pos[:, a:b].to(torch.int64) - starts[j]
-            scatter_decode(received_val[:, a:b], part, job.numel)
+            scatter_decode(received_val[:, a:b], part, numel)
         return "message indices must lie in their tensors"
 
     check_on_device(in_segments(received_pos, layout), "message indices must lie in their tensors",
@@ -306,8 +329,7 @@ def gather_flat(
     # atomic GPU scatters add in a fixed order and every rank computes the same bits.
     for row_pos, row_val in zip(received_pos, received_val, strict=True):
         total.index_add_(0, row_pos, row_val)
-    give_averages(jobs, total.div_(comm.world_size))
-    return received_val
+    return total, received_val
 
 
 def select_positions(flat: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 
 from gradzip._validate import check_choice, check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.base import Compressor, Job, SegmentPlan, StepContext, dense_reduce
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     by_form,
@@ -18,7 +18,13 @@ from gradzip.compressors.sharded_sparse import (
     outside_own_part,
     sharded_reduce,
 )
-from gradzip.compressors.sparse import gather_flat, gather_full, index_bytes, select_positions
+from gradzip.compressors.sparse import (
+    exchange_positions,
+    gather_flat,
+    gather_full,
+    index_bytes,
+    select_positions,
+)
 from gradzip.ops.flat import cat_rows
 from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
 from gradzip.ops.select import topk_abs
@@ -95,6 +101,42 @@ class TopK(Compressor):
         # Last: an all-to-all cannot carry the engine's call header, so a call whose first
         # collective is the sharded exchange's sends the header apart.
         self._reduce_sharded(forms["sharded"], comm)
+
+    def segment_plan(
+        self, sizes: Sequence[int], world_size: int, device: torch.device
+    ) -> SegmentPlan | None:
+        """The row's order (the all-gathered tensors, then those sent dense, each kind in
+        the engine's order, as :meth:`reduce` groups them) and the selection's layout, where
+        no tensor takes the sharded exchange and flat positions fit (see
+        :meth:`Compressor.segment_plan`); else ``None``."""
+        forms = [self.exchange_for(n, world_size) for n in sizes]
+        sparse = [i for i, form in enumerate(forms) if form == "allgather"]
+        dense = [i for i, form in enumerate(forms) if form == "dense"]
+        if len(sparse) + len(dense) != len(sizes) or sum(sizes) > MAX_ENTRIES or not sizes:
+            return None
+        picked = [sizes[i] for i in sparse]
+        layout = segment_layout(picked, [self.k_for(n) for n in picked], device) if sparse else None
+        return SegmentPlan(tuple(sparse + dense), (layout, sum(picked)))
+
+    def reduce_segments(
+        self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        """:meth:`reduce` on tensors already laid end to end (see
+        :meth:`Compressor.reduce_segments`): the dense tensors' all-reduce first, then the
+        one selection and all-gather of the others; the same messages and averages."""
+        layout, count = plan.data
+        world = comm.world_size
+        average = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
+        dense = flat[:, count:]
+        if dense.numel():
+            torch.div(comm.all_reduce_cat([dense]), world, out=average[count:])
+            dense.sub_(dense)  # their residual: tensor - decoded, where decoded is the tensor
+        if layout is not None:
+            sparse = flat[:, :count]
+            total, _ = exchange_positions(sparse, select_positions(sparse, layout), layout, comm)
+            torch.div(total, world, out=average[:count])
+        return average
 
     def _reduce_gathered(self, sparse: Sequence[Job], comm: Collective) -> None:
         if not sparse:

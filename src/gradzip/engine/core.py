@@ -39,6 +39,7 @@ from gradzip.engine.flat import (
 )
 from gradzip.engine.host import reduce_on_host
 from gradzip.engine.policy import NonfinitePolicy
+from gradzip.engine.segments import reduce_segments_on_device, segments_apply
 from gradzip.options import EngineOptions
 
 __all__ = ["Engine"]
@@ -249,6 +250,16 @@ class Engine(EngineBase):
             on_device = decides_on_device(self, self._step, call)
             # A host decision after device ones must first settle them: the ordinary path.
             flat = on_device or not self._step.decided_on_device
+        if not flat and segments_apply(self, self._step, layout):
+            try:
+                self._begin()  # the device decision reads where the step began
+                segmented = decides_on_device(self, self._step, call)
+            except BaseException:
+                self._roll_back()
+                raise
+            if segmented:
+                self._run_bucket(reduce_segments_on_device, call, layout, finish_step)
+                return
         if not flat:
             # The ordinary call, on the names and worker-axis views checked and ordered once;
             # the averages written back by one multi-tensor copy, and a device decision's
@@ -260,7 +271,13 @@ class Engine(EngineBase):
                 mask, fill = call.mask
                 layout.buffer.masked_fill_(mask, fill)
             return
-        path = reduce_flat_on_device if on_device else reduce_flat
+        self._run_bucket(reduce_flat_on_device if on_device else reduce_flat, call, layout,
+                         finish_step)
+
+    def _run_bucket(self, path: Callable[..., None], call: Call, layout: BucketLayout,
+                    finish_step: bool) -> None:
+        """A bucket's call by one of the paths that write into the bucket themselves, as a
+        transaction (as :meth:`_run`)."""
         try:
             self._begin()
             before = self._policy.restore_point(self, self._step)

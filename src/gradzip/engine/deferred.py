@@ -152,6 +152,14 @@ def where_many(
     out: list[torch.Tensor | None] = [None] * len(after)
     groups = memory_runs(after)
     if groups is None:
+        # Views of one buffer in another order than their memory's (a row laid out in an
+        # order of its own, see gradzip.engine.segments): the same runs, found in address
+        # order (an address is a plain integer; a storage is a Python object per tensor).
+        order = sorted(range(len(after)), key=lambda i: after[i].data_ptr())
+        runs = memory_runs([after[i] for i in order])
+        if runs is not None:
+            groups = [[order[j] for j in run] for run in runs]
+    if groups is None:
         by_storage: dict[tuple[int, torch.dtype], list[int]] = {}
         for i, a in enumerate(after):
             by_storage.setdefault((a.untyped_storage().data_ptr(), a.dtype), []).append(i)

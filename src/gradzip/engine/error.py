@@ -107,21 +107,31 @@ class ErrorMeter:
             return
         norms = torch._foreach_norm([j.leftover() for j in jobs] + [j.tensor for j in jobs])
         count = len(jobs)
-        everything = _group(pending, 0)  # every job, in order: no index per job
-        everything[0].extend(norms[:count])
-        everything[1].extend(norms[count:])
+        self.add_norms(pending, [j.name for j in jobs], norms[:count], norms[count:], levels)
+
+    def add_norms(
+        self, pending: list[Pending | None], names: Sequence[str],
+        left: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor],
+        levels: Callable[[], Mapping[str, str] | None],
+    ) -> None:
+        """:meth:`add` with the norms already taken: ``left[i]`` and ``inputs[i]`` are the
+        residual's and the compressor input's norms of tensor ``names[i]`` (each a tensor
+        that keeps a residual), in the call's order."""
+        everything = _group(pending, 0)  # every tensor, in order: no index per tensor
+        everything[0].extend(left)
+        everything[1].extend(inputs)
         found = levels()
         if found is None:
             return
         members: dict[int, list[int]] = {}
-        for at, j in enumerate(jobs):
-            where = _GROUPS.get(found.get(j.name, ""))
+        for at, name in enumerate(names):
+            where = _GROUPS.get(found.get(name, ""))
             if where is not None:
                 members.setdefault(where, []).append(at)
         for i, chosen in members.items():
             group = _group(pending, i)
-            group[0].extend(norms[at] for at in chosen)
-            group[1].extend(norms[count + at] for at in chosen)
+            group[0].extend(left[at] for at in chosen)
+            group[1].extend(inputs[at] for at in chosen)
 
     def commit(self, pending: list[Pending | None], dropped: torch.Tensor | None = None) -> None:
         """Add a step's norms to the totals (``dropped``: a 0-d bool tensor deciding on the

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy
 import torch
@@ -94,6 +95,9 @@ class BucketLayout:
     #: runs' memory persist, so one set serves every call).
     _pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     _pairs_of: torch.Tensor | None = None
+    #: The segment path's form of this bucket (:class:`~gradzip.engine.segments.Segments`),
+    #: built on its first call there.
+    segments: Any = None
 
     @property
     def numel(self) -> int:

@@ -20,6 +20,7 @@ turns device decisions into host ones when a later call of the step decides on t
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 
@@ -27,7 +28,7 @@ from gradzip.compressors.base import Job, leftovers
 from gradzip.engine.base import EngineBase
 from gradzip.engine.call import Call, end_compressors_step, filled
 from gradzip.engine.deferred import memory_runs, where_many, where_tree
-from gradzip.engine.step import Saved, Step, or_flag
+from gradzip.engine.step import ResidualRow, Saved, Step, or_flag
 from gradzip.ops.flat import pack, unpack_like
 
 __all__ = ["NonfinitePolicy"]
@@ -104,22 +105,32 @@ class NonfinitePolicy:
         at the step's end, :meth:`finish_on_device`); ``"zero"`` masks the call with zeros
         and restores its own residuals and state at once.
         """
+        kept = engine.error_feedback and jobs
+        names = [j.name for j in jobs] if kept else []
+        return self.keep_on_device(engine, step, names, leftovers(jobs) if kept else [],
+                                   before, flag)
+
+    def keep_on_device(
+        self, engine: EngineBase, step: Step, names: list[str], rests: list[torch.Tensor],
+        before: Saved, flag: torch.Tensor, *, one_buffer: bool = False,
+    ) -> tuple[torch.Tensor, float]:
+        """:meth:`on_device` given the call's residuals: ``rests[i]`` of tensor ``names[i]``
+        (none where the call keeps none); ``one_buffer``: the caller made them as views that
+        tile one buffer, in order (nothing to look up)."""
         zero = self.name == "zero"
-        if engine.error_feedback and jobs:
+        if names:
             # The call's residuals in few buffers (the compressor's own where it made them
             # so, else one copy, see gradzip.ops.flat.pack): "zero" restores them by one
             # ``where`` per buffer now, "skip" by one per buffer at the step's end (see
             # where_many). Why two buffers are left as they are: a copy into one costs a
             # launch and a view per tensor, where the second ``where`` costs one launch.
-            rests = leftovers(jobs)
             # (Runs of adjacent memory, found by addresses: asking each tensor for its
             # storage costs a Python object per tensor.)
-            if memory_runs(rests, _BUFFERS) is None:
+            if not one_buffer and memory_runs(rests, _BUFFERS) is None:
                 rests = unpack_like(pack(rests), rests)
             if zero:
-                rests = where_many(flag, [before.residuals[j.name] for j in jobs], rests)
-            for job, rest in zip(jobs, rests, strict=True):
-                engine.residuals[job.name] = rest
+                rests = where_many(flag, [before.residuals[n] for n in names], rests)
+            engine.residuals.update(zip(names, rests, strict=True))
         if zero:
             engine.compressor_state = where_tree(flag, before.states[0], engine.compressor_state)
             step.handled_dev = or_flag(step.handled_dev, flag)
@@ -148,7 +159,7 @@ class NonfinitePolicy:
                 engine._restore(snap)
         else:
             engine.compressor_state = where_tree(poison, snap.states[0], engine.compressor_state)
-            engine.residuals = _rolled_back(poison, snap.residuals, engine.residuals)
+            engine.residuals = _rolled_back(poison, snap.residuals, engine.residuals, step.rows)
         return poison
 
 
@@ -158,11 +169,22 @@ _BUFFERS = 2
 
 
 def _rolled_back(
-    flag: torch.Tensor, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]
+    flag: torch.Tensor, before: dict[str, torch.Tensor], after: dict[str, torch.Tensor],
+    rows: list[ResidualRow],
 ) -> dict[str, torch.Tensor]:
     """``before``'s residuals where ``flag`` holds, else ``after``'s (those that changed in
-    the step decided together, see :func:`~gradzip.engine.deferred.where_many`)."""
-    changed = [n for n, rest in after.items() if rest is not before[n]]
+    the step decided together, see :func:`~gradzip.engine.deferred.where_many`); the rows of
+    the segment path (``rows``) whose views are still the residuals on both sides, by one
+    ``where`` each."""
+    done: set[str] = set()
+    for row in rows:
+        names = row.names
+        if (all(map(operator.is_, [after[n] for n in names], row.after))
+                and all(map(operator.is_, [before.get(n) for n in names], row.before))):
+            # In place, as below: the row is the engine's own, made in this step.
+            torch.where(flag, row.before_row, row.after_row, out=row.after_row)
+            done.update(names)
+    changed = [n for n, rest in after.items() if rest is not before[n] and n not in done]
     if not changed:
         return dict(after)
     # In place: the residuals the step made are the engine's own, replaced by the result.

@@ -20,7 +20,7 @@ import torch
 
 from gradzip.statecheck import copy_tree
 
-__all__ = ["Saved", "SkipCount", "Step", "or_flag"]
+__all__ = ["ResidualRow", "Saved", "SkipCount", "Step", "or_flag"]
 
 
 @dataclass
@@ -54,6 +54,24 @@ def or_flag(flag: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
     return more if flag is None else flag | more
 
 
+@dataclass(frozen=True)
+class ResidualRow:
+    """The residuals one call of the segment path made: views of one row, in the order of
+    ``names``, and those they replaced (views of the previous row).
+
+    Attributes:
+        names: the tensors.
+        before, after: their residuals before and after the call, in ``names``' order.
+        before_row, after_row: the rows those views tile.
+    """
+
+    names: list[str]
+    before: list[torch.Tensor]
+    after: list[torch.Tensor]
+    before_row: torch.Tensor
+    after_row: torch.Tensor
+
+
 class Step:
     """The state of the step in progress (fresh between steps).
 
@@ -72,6 +90,9 @@ class Step:
         error_sums: the compression-error meter's pending norms of this step, per group
             (all, gentle, aggressive), summed when the step commits (see
             :mod:`gradzip.engine.error`).
+        rows: the residual rows the segment path made in this step, each with the row it
+            replaced (see :class:`ResidualRow`): the device rollback decides each with one
+            ``where``.
     """
 
     def __init__(self) -> None:
@@ -86,6 +107,7 @@ class Step:
         self.handled_dev: torch.Tensor | None = None
         self.desync_dev: torch.Tensor | None = None
         self.error_sums: list[Any] = [None, None, None]
+        self.rows: list[ResidualRow] = []
 
     @property
     def begun(self) -> bool:

@@ -1,0 +1,190 @@
+"""The engine's segment path: a DDP bucket of a whole-message compressor with error feedback.
+
+The ordinary call (:mod:`gradzip.engine.device`) makes a :class:`~gradzip.compressors.base.Job`
+per tensor, compensates and tests them as lists, and hands each tensor's average and residual
+back as objects of their own: several Python objects and calls per tensor at every stage, for
+a compressor that then works on the tensors laid end to end anyway (Top-k's one selection for
+the whole call). On a GPU with a short step that Python is what the hook costs. Here the call
+keeps one flat row from the bucket to the residuals:
+
+1. the gradients copied into a row in the engine's order (one multi-tensor copy into a buffer
+   made once per bucket layout), compensated by one add of the previous call's residual row;
+2. one finiteness test of that row, carried in the call's header as on the ordinary path;
+3. the compressor's segment form (:meth:`~gradzip.compressors.base.Compressor.reduce_segments`)
+   overwrites the row with the residuals and returns the average row;
+4. the residuals, views of that row, handed to the non-finite policy; the compression-error
+   norms of the row before and after; the average masked and copied into the bucket.
+
+It applies where the ordinary device path would run (:func:`~gradzip.engine.device.decides_on_device`)
+in a real process group of one worker per process, every tensor of the bucket keeps a residual
+and none is routed dense, no rule gives some tensors another compressor, and the compressor's
+:meth:`~gradzip.compressors.base.Compressor.segment_plan` has a form for the bucket (Top-k
+with every tensor all-gathered). Everything else takes the ordinary call. The results, state,
+counters and compression-error sums are the ordinary device path's, bit for bit (tested
+against it and against the host path).
+
+Memory: one gradient-sized row per bucket layout (the gradients in the engine's order).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from gradzip.comm.header import HeaderRider
+from gradzip.compressors.base import SegmentPlan
+from gradzip.engine.base import EngineBase
+from gradzip.engine.call import Call, code_of, count_dense, out_of_step
+from gradzip.engine.deferred import any_nonfinite, changed_tensors, nonfinite_flag
+from gradzip.engine.device import finish_on_device
+from gradzip.engine.flat import BucketLayout, _runs
+from gradzip.engine.policy import NonfinitePolicy
+from gradzip.engine.step import ResidualRow, Saved, Step, or_flag
+from gradzip.ops.flat import pack, unpack_like
+
+__all__ = ["Segments", "reduce_segments_on_device", "segments_apply"]
+
+
+@dataclass(eq=False)
+class Segments:
+    """A bucket layout's segment form, built once per layout, compressor and world size.
+
+    Attributes:
+        key: what it was built for: ``(compressor, world size)``.
+        plan: the compressor's :meth:`~gradzip.compressors.base.Compressor.segment_plan`,
+            or ``None`` where the bucket takes the ordinary call.
+        row: ``[1, N]`` fp32, the gradients in the plan's order (filled at every call).
+        pairs: ``(bucket memory, slice of row)`` per run of gradients adjacent both in the
+            bucket and in the row.
+        likes: the gradients (worker axis first) in the row's order: the shapes of the
+            row's views.
+        at: for each tensor in the engine's order, its place in the row's order.
+        residuals: the views the last call made of its residual row, in the engine's order
+            (the steady state's compensation reads that row, ``last``, without looking at
+            each view's memory).
+    """
+
+    key: tuple[object, int]
+    plan: SegmentPlan | None
+    row: torch.Tensor | None = None
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    likes: list[torch.Tensor] = field(default_factory=list)
+    at: list[int] = field(default_factory=list)
+    residuals: list[torch.Tensor] = field(default_factory=list)
+    last: torch.Tensor | None = None
+
+
+def segments_apply(engine: EngineBase, step: Step, layout: BucketLayout) -> bool:
+    """Whether the bucket's call may take the segment path, the device decision aside (the
+    caller asks :func:`~gradzip.engine.device.decides_on_device` too); builds the layout's
+    :class:`Segments` on first use."""
+    comm = engine.comm
+    if comm.simulated or comm.local_workers != 1 or engine.rule_compressors:
+        return False
+    if not engine.error_feedback or step.poisoned or not layout.views:
+        return False
+    compressor, world = engine.compressor, comm.world_size
+    seg = layout.segments
+    if seg is None or seg.key[0] is not compressor or seg.key[1] != world:
+        seg = layout.segments = _build(engine, layout, (compressor, world))
+    if seg.plan is None:
+        return False
+    kept = engine.residuals
+    return all(n in kept for n in layout.names)
+
+
+def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int]) -> Segments:
+    feedback, dense = engine._feedback, engine.dense_names
+    if any(n in dense or n not in feedback for n in layout.names):
+        return Segments(key, None)
+    plan = engine.compressor.segment_plan(layout.sizes, engine.comm.world_size,
+                                          layout.buffer.device)
+    if plan is None:
+        return Segments(key, None)
+    order = list(plan.order)
+    assert sorted(order) == list(range(len(layout.names))), "a plan's order is a permutation"
+    row = torch.empty(1, layout.numel, dtype=torch.float32, device=layout.buffer.device)
+    flat = row.view(-1)
+    pairs = [(src, flat[start : start + src.numel()])
+             for src, start in _runs([layout.views[i] for i in order])]
+    at = [0] * len(order)
+    for place, i in enumerate(order):
+        at[i] = place
+    return Segments(key, plan, row, pairs, [layout.grads[i] for i in order], at)
+
+
+def _residual_row(seg: Segments, engine: EngineBase, layout: BucketLayout) -> torch.Tensor:
+    """``[1, N]``: the residuals of the bucket's tensors in the row's order (the last call's
+    row where they are still the views it made, else :func:`~gradzip.ops.flat.pack`'s)."""
+    kept = engine.residuals
+    now = [kept[n] for n in layout.names]
+    if seg.last is not None and all(map(operator.is_, now, seg.residuals)):
+        return seg.last
+    assert seg.plan is not None
+    return pack([now[i] for i in seg.plan.order]).view(1, -1)
+
+
+def reduce_segments_on_device(
+    engine: EngineBase, step: Step, policy: NonfinitePolicy, call: Call, layout: BucketLayout,
+    before: Saved,
+) -> None:
+    """The bucket's call as one flat row (see the module docstring), its decisions kept on the
+    device, its averages written into the bucket: the same bits, state and counters as the
+    ordinary device path.
+
+    Args:
+        engine, step, policy: the engine, its step in progress and its non-finite policy.
+        call: the bucket's call (:meth:`~gradzip.engine.flat.BucketLayout.call`).
+        layout: the bucket's layout (:func:`segments_apply` said yes).
+        before: what the policy restores (:meth:`~gradzip.engine.policy.NonfinitePolicy.restore_point`).
+    """
+    seg = layout.segments
+    assert seg is not None and seg.row is not None
+    comm_in, names = engine.comm, layout.names
+    device, world = seg.row.device, comm_in.world_size
+    # DDP orders a bucket by when its gradients became ready, the engine by its parameter
+    # order (the message's layout): one multi-tensor copy puts them in order, one add
+    # compensates them all (elementwise the ordinary path's ``grad + residual``).
+    torch._foreach_copy_([part for _, part in seg.pairs], [src for src, _ in seg.pairs])
+    previous = _residual_row(seg, engine, layout)
+    row = torch.add(seg.row, previous)
+    bad = nonfinite_flag(row).reshape(1)
+    rider = HeaderRider(comm_in, code_of(engine, step, call, layout.set_code), bad,
+                        lambda: out_of_step(engine, step, call))
+    # The residuals will be views of the row (made in this call, as the residual contract
+    # asks); the row's norms before the compressor overwrites it are its input's.
+    in_row = unpack_like(row.view(-1), seg.likes)
+    views = [in_row[place] for place in seg.at]  # the engine's order, as the ordinary call's
+    inputs = torch._foreach_norm(views)
+    average = engine.compressor.reduce_segments(row, seg.plan, engine.compressor_state, rider,
+                                                engine._context())
+    left = torch._foreach_norm(views)
+    bad = rider.finish_on_device(device)
+    if rider.disagree is not None and world > 1:
+        step.desync_dev = or_flag(step.desync_dev, rider.disagree)
+    count_dense(engine, layout.numel)
+    changed = changed_tensors(engine.compressor_state, before.states[0])
+    if changed is None:  # a compressor's bug; the step is abandoned
+        raise RuntimeError(
+            f"{engine.compressor.spec()} changed its state in a way a device rollback "
+            "cannot undo; it must not declare device_decisions"
+        )
+    flag = bad | any_nonfinite([average, *changed], device)
+    mask, fill = policy.keep_on_device(engine, step, names, views, before, flag,
+                                       one_buffer=True)
+    if previous is seg.last:
+        # The views this call replaced are the last call's: a rollback of the step decides
+        # the row with one ``where`` (see NonfinitePolicy.finish_on_device).
+        step.rows.append(ResidualRow(names, seg.residuals, views, previous, row))
+    seg.residuals, seg.last = views, row
+    engine._errors.add_norms(step.error_sums, names, left, inputs,
+                             lambda: engine.compressor.tensor_levels(engine.compressor_state))
+    if call.finish_step:
+        finish_on_device(engine, step, policy, device)
+    average.masked_fill_(mask, fill)
+    # Back into the bucket, run by run: the row buffer is free again, so the average goes
+    # there first and the pairs made once serve (no slice per run per call).
+    seg.row.view(-1).copy_(average)
+    torch._foreach_copy_([src for src, _ in seg.pairs], [part for _, part in seg.pairs])

@@ -1,0 +1,79 @@
+"""Compressors' segment forms (:meth:`~gradzip.compressors.base.Compressor.reduce_segments`)
+against their ordinary ``reduce``, in one process: the same averages, residuals and bytes, bit
+for bit, for every worker of a simulated group; and where a compressor has no such form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradzip.comm.simulated import SimulatedGroup
+from gradzip.compressors.base import Job, SegmentPlan, StepContext, leftovers
+from gradzip.compressors.topk import TopK
+from gradzip.ops.segmented import MAX_ENTRIES
+from gradzip.spec import compressor_from_spec
+
+SHAPES = [(6, 5), (4,), (1,), (3, 3, 2), (2,), (40,)]
+
+
+def _tensors(workers: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(workers, *shape, generator=g) for shape in SHAPES]
+    out[0][:, 0, :2] = 0.5  # ties within a tensor
+    return out
+
+
+@pytest.mark.parametrize("exchange", ["allgather", "auto"])
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("ratio", [0.05, 0.3, 1.0])
+def test_topk_segments_equal_reduce(workers: int, ratio: float, exchange: str) -> None:
+    topk = TopK(ratio=ratio, exchange=exchange)
+    sizes = [torch.Size(s).numel() for s in SHAPES]
+    plan = topk.segment_plan(sizes, workers, torch.device("cpu"))
+    assert isinstance(plan, SegmentPlan)
+    assert sorted(plan.order) == list(range(len(sizes)))
+    if exchange == "auto" and workers == 3 and ratio == 0.3:
+        assert plan.order[-2:] == (2, 4)  # the 1- and 2-entry tensors go dense, last
+    tensors = _tensors(workers, seed=int(ratio * 100) + workers)
+    ctx = StepContext(step=0, ranks=tuple(range(workers)), world_size=workers)
+
+    jobs = [Job(f"t{i}", t.clone()) for i, t in enumerate(tensors)]
+    ordinary = SimulatedGroup(workers)
+    topk.reduce(jobs, {}, ordinary, ctx)
+    rests = leftovers(jobs)
+
+    row = torch.cat([tensors[i].reshape(workers, -1) for i in plan.order], dim=1)
+    segmented = SimulatedGroup(workers)
+    average = topk.reduce_segments(row, plan, {}, segmented, ctx)
+    starts = [0]
+    for i in plan.order:
+        starts.append(starts[-1] + sizes[i])
+    for place, i in enumerate(plan.order):
+        a, b = starts[place], starts[place + 1]
+        assert torch.equal(average[a:b].reshape(SHAPES[i]), jobs[i].averaged), i
+        assert torch.equal(row[:, a:b].reshape(workers, *SHAPES[i]), rests[i]), i
+    assert segmented.meter.payload == ordinary.meter.payload
+    assert segmented.meter.wire == ordinary.meter.wire
+
+
+def test_topk_puts_dense_tensors_last_in_the_engine_order() -> None:
+    topk = TopK(ratio=0.2)  # at two workers a 1-entry tensor is cheaper sent dense
+    sizes = [30, 1, 50, 1]
+    plan = topk.segment_plan(sizes, 2, torch.device("cpu"))
+    assert plan is not None and plan.order == (0, 2, 1, 3)
+
+
+def test_topk_has_no_segment_form_where_a_tensor_is_sharded_or_positions_overflow() -> None:
+    assert TopK(ratio=0.01, exchange="sharded").segment_plan([1000], 4, torch.device("cpu")) is None
+    assert TopK(ratio=0.01).segment_plan([MAX_ENTRIES, 10], 2, torch.device("cpu")) is None
+    assert TopK(ratio=0.01).segment_plan([], 2, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=2", "randk:ratio=0.1", "qsgd",
+                                  "sign", "threshold:lam=0.01"])
+def test_other_compressors_have_no_segment_form(spec: str) -> None:
+    compressor = compressor_from_spec(spec)
+    assert compressor.segment_plan([10, 20], 2, torch.device("cpu")) is None
+    with pytest.raises(NotImplementedError, match="no segment form"):
+        compressor.reduce_segments(torch.zeros(1, 30), SegmentPlan((0, 1), None), {},
+                                   SimulatedGroup(2), StepContext(0, (0, 1), 2))
