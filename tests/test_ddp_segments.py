@@ -11,6 +11,7 @@ more than one other rank.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -26,9 +27,10 @@ import shared_launch
 from ddp_helpers import ONE_BUCKET_MB, TINY_BUCKET_MB, batch, chain, flat_params
 
 WORLD = 3
-#: 20% keeps a tensor of 4 entries or fewer dense (cheaper than its sparse message at W=3):
-#: the row then holds both kinds; 50% sends most small tensors dense.
-SPECS = ("topk:ratio=0.2", "topk:ratio=0.5")
+#: Compressors with a segment form. Top-k 20% keeps a tensor of 4 entries or fewer dense
+#: (cheaper than its sparse message at W=3): the row then holds both kinds; 50% sends most
+#: small tensors dense.
+SPECS = ("topk:ratio=0.2", "topk:ratio=0.5", "sign")
 CAPS = {"one": ONE_BUCKET_MB, "several": TINY_BUCKET_MB}
 
 
@@ -132,19 +134,19 @@ def segments_group(rank: int, world: int) -> dict[Any, Any]:
                     "vs_device": _same(runs["segments"], runs["device"]),
                     "residuals": _same_residuals(runs["segments"], runs["host"]),
                 }
-    for policy in ("skip", "zero"):
-        for fuse in (False, True):
-            runs = {path: _run(rank, SPECS[0], path=path, cap=TINY_BUCKET_MB, fuse=fuse,
-                               policy=policy, nan_at=2)
-                    for path in ("segments", "device", "host")}
-            out[("nan", policy, fuse)] = {
-                "taken": runs["segments"]["segmented"],
-                "vs_device": _same(runs["segments"], runs["device"]),
-                "vs_host": _same(runs["segments"], runs["host"], apart=DEVICE_COUNTS),
-                "device_vs_host_errors": runs["device"]["errors"] == runs["host"]["errors"],
-                "skipped": runs["segments"]["stats"][-1]["skipped_steps"],
-                "nan_step": bool(runs["segments"]["grads"][2].isnan().any()),
-            }
+    for spec, policy, fuse in itertools.product((SPECS[0], SPECS[2]), ("skip", "zero"),
+                                                (False, True)):
+        runs = {path: _run(rank, spec, path=path, cap=TINY_BUCKET_MB, fuse=fuse,
+                           policy=policy, nan_at=2)
+                for path in ("segments", "device", "host")}
+        out[("nan", spec, policy, fuse)] = {
+            "taken": runs["segments"]["segmented"],
+            "vs_device": _same(runs["segments"], runs["device"]),
+            "vs_host": _same(runs["segments"], runs["host"], apart=DEVICE_COUNTS),
+            "device_vs_host_errors": runs["device"]["errors"] == runs["host"]["errors"],
+            "skipped": runs["segments"]["stats"][-1]["skipped_steps"],
+            "nan_step": bool(runs["segments"]["grads"][2].isnan().any()),
+        }
     # Resume: two steps, a checkpoint, two more in a fresh model and hook.
     whole = _run(rank, SPECS[0], path="segments", cap=TINY_BUCKET_MB, steps=4)
     first = _run(rank, SPECS[0], path="segments", cap=TINY_BUCKET_MB, steps=2)
@@ -192,11 +194,12 @@ def test_the_segment_path_equals_the_ordinary_paths(
 @pytest.mark.slow
 @pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("policy", ["skip", "zero"])
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[2]])
 def test_a_nan_on_one_rank_is_handled_as_on_the_host_path(
-    results: list[dict[Any, Any]], policy: str, fuse: bool
+    results: list[dict[Any, Any]], spec: str, policy: str, fuse: bool
 ) -> None:
     for rank_results in results:
-        got = rank_results[("nan", policy, fuse)]
+        got = rank_results[("nan", spec, policy, fuse)]
         assert got["taken"]
         assert got["vs_device"] == ALL_SAME
         # The compression errors as the ordinary device path counts them (which may differ

@@ -20,13 +20,10 @@ FAST = settings(
 )
 
 
-class _Slot:
-    """What :func:`sign._average_by_table` reads from and writes to a job."""
-
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
-        self.shape = torch.Size([numel])
-        self.averaged: torch.Tensor | None = None
+def _parts(row: torch.Tensor, numels: list[int]) -> list[torch.Tensor]:
+    """Each tensor's part of an average row (the tensors end to end)."""
+    assert row.shape == (sum(numels),)
+    return list(row.split(numels))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -50,22 +47,19 @@ def test_sign_table_equals_the_worker_by_worker_sum(
     total = sum(numels)
     bits = torch.randint(0, 2, (workers, total), generator=gen, dtype=torch.uint8)
     scales = torch.rand(workers, len(numels), generator=gen) * 10.0**exponent
-    slots = [_Slot(n) for n in numels]
-    sign_module._average_by_table(slots, pack_bits(bits, 1), scales, workers + extra)
+    row = sign_module._average_by_table(numels, pack_bits(bits, 1), scales, workers + extra)
     start = 0
-    for t, slot in enumerate(slots):
-        ref = sign_module._sign_average(bits[:, start : start + slot.numel], scales[:, t], workers + extra)
-        start += slot.numel
-        assert slot.averaged is not None and _same_bits(slot.averaged, ref)
+    for t, (numel, got) in enumerate(zip(numels, _parts(row, numels), strict=True)):
+        ref = sign_module._sign_average(bits[:, start : start + numel], scales[:, t], workers + extra)
+        start += numel
+        assert _same_bits(got, ref)
 
 
 def test_sign_table_with_an_infinite_scale_matches_too() -> None:
     bits = torch.tensor([[1, 0, 1, 0, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1]], dtype=torch.uint8)
     scales = torch.tensor([[float("inf")], [2.0]])
-    slot = _Slot(7)
-    sign_module._average_by_table([slot], pack_bits(bits, 1), scales, 2)
-    assert slot.averaged is not None
-    assert _same_bits(slot.averaged, sign_module._sign_average(bits, scales[:, 0], 2))
+    row = sign_module._average_by_table([7], pack_bits(bits, 1), scales, 2)
+    assert _same_bits(row, sign_module._sign_average(bits, scales[:, 0], 2))
 
 
 @pytest.mark.parametrize("workers", range(1, 9))
@@ -199,11 +193,10 @@ def test_sign_average_of_all_tensors_together_equals_each_alone(
     total = sum(numels)
     bits = torch.randint(0, 2, (workers, total), generator=gen, dtype=torch.uint8)
     scales = torch.rand(workers, len(numels), generator=gen) * 10.0**exponent
-    slots = [_Slot(n) for n in numels]
     owner = torch.repeat_interleave(torch.arange(len(numels)), torch.tensor(numels))
-    sign_module._average_together(slots, bits, scales, owner, workers + 1)
+    row = sign_module._average_together(bits, scales, owner, workers + 1)
     start = 0
-    for t, slot in enumerate(slots):
-        ref = sign_module._sign_average(bits[:, start : start + slot.numel], scales[:, t], workers + 1)
-        start += slot.numel
-        assert slot.averaged is not None and _same_bits(slot.averaged, ref)
+    for t, (numel, got) in enumerate(zip(numels, _parts(row, numels), strict=True)):
+        ref = sign_module._sign_average(bits[:, start : start + numel], scales[:, t], workers + 1)
+        start += numel
+        assert _same_bits(got, ref)

@@ -4,12 +4,15 @@ for bit, for every worker of a simulated group; and where a compressor has no su
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Job, SegmentPlan, StepContext, leftovers
 from gradzip.compressors.topk import TopK
+from gradzip.ops.branches import device_forms
 from gradzip.ops.segmented import MAX_ENTRIES
 from gradzip.spec import compressor_from_spec
 
@@ -23,28 +26,33 @@ def _tensors(workers: int, seed: int) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("exchange", ["allgather", "auto"])
+#: Compressors with a segment form, with and without tensors sent dense.
+SEGMENT_SPECS = ("topk:ratio=0.05,exchange=allgather", "topk:ratio=0.3", "topk:ratio=1.0",
+                 "sign:exchange=allgather", "sign")
+
+
+@pytest.mark.parametrize("forms", ["cpu", "device"])
 @pytest.mark.parametrize("workers", [1, 3])
-@pytest.mark.parametrize("ratio", [0.05, 0.3, 1.0])
-def test_topk_segments_equal_reduce(workers: int, ratio: float, exchange: str) -> None:
-    topk = TopK(ratio=ratio, exchange=exchange)
+@pytest.mark.parametrize("spec", SEGMENT_SPECS)
+def test_segments_equal_reduce(spec: str, workers: int, forms: str) -> None:
+    compressor = compressor_from_spec(spec)
     sizes = [torch.Size(s).numel() for s in SHAPES]
-    plan = topk.segment_plan(sizes, workers, torch.device("cpu"))
+    plan = compressor.segment_plan(sizes, workers, torch.device("cpu"))
     assert isinstance(plan, SegmentPlan)
     assert sorted(plan.order) == list(range(len(sizes)))
-    if exchange == "auto" and workers == 3 and ratio == 0.3:
-        assert plan.order[-2:] == (2, 4)  # the 1- and 2-entry tensors go dense, last
-    tensors = _tensors(workers, seed=int(ratio * 100) + workers)
+    tensors = _tensors(workers, seed=len(spec) + workers)
     ctx = StepContext(step=0, ranks=tuple(range(workers)), world_size=workers)
-
-    jobs = [Job(f"t{i}", t.clone()) for i, t in enumerate(tensors)]
-    ordinary = SimulatedGroup(workers)
-    topk.reduce(jobs, {}, ordinary, ctx)
-    rests = leftovers(jobs)
-
-    row = torch.cat([tensors[i].reshape(workers, -1) for i in plan.order], dim=1)
-    segmented = SimulatedGroup(workers)
-    average = topk.reduce_segments(row, plan, {}, segmented, ctx)
+    shapes = {f"t{i}": torch.Size(s) for i, s in enumerate(SHAPES)}
+    with device_forms() if forms == "device" else contextlib.nullcontext():
+        jobs = [Job(f"t{i}", t.clone()) for i, t in enumerate(tensors)]
+        ordinary = SimulatedGroup(workers)
+        compressor.reduce(jobs, compressor.init_group_state(shapes, workers, workers),
+                          ordinary, ctx)
+        rests = leftovers(jobs)
+        row = torch.cat([tensors[i].reshape(workers, -1) for i in plan.order], dim=1)
+        segmented = SimulatedGroup(workers)
+        average = compressor.reduce_segments(
+            row, plan, compressor.init_group_state(shapes, workers, workers), segmented, ctx)
     starts = [0]
     for i in plan.order:
         starts.append(starts[-1] + sizes[i])
@@ -54,6 +62,13 @@ def test_topk_segments_equal_reduce(workers: int, ratio: float, exchange: str) -
         assert torch.equal(row[:, a:b].reshape(workers, *SHAPES[i]), rests[i]), i
     assert segmented.meter.payload == ordinary.meter.payload
     assert segmented.meter.wire == ordinary.meter.wire
+
+
+def test_dense_tensors_go_last_in_the_engine_order() -> None:
+    assert compressor_from_spec("topk:ratio=0.3").segment_plan(
+        [30, 4, 1, 18, 2, 40], 3, torch.device("cpu")).order == (0, 1, 3, 5, 2, 4)
+    assert compressor_from_spec("topk:ratio=1.0").segment_plan(
+        [30, 4], 3, torch.device("cpu")).order == (0, 1)  # all dense
 
 
 def test_topk_puts_dense_tensors_last_in_the_engine_order() -> None:
@@ -70,7 +85,7 @@ def test_topk_has_no_segment_form_where_a_tensor_is_sharded_or_positions_overflo
 
 
 @pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=2", "randk:ratio=0.1", "qsgd",
-                                  "sign", "threshold:lam=0.01"])
+                                  "threshold:lam=0.01"])
 def test_other_compressors_have_no_segment_form(spec: str) -> None:
     compressor = compressor_from_spec(spec)
     assert compressor.segment_plan([10, 20], 2, torch.device("cpu")) is None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,8 +21,8 @@ from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_b
 from gradzip.feedback import residual_after
 from gradzip.ops.flat import pack, split_flat, unpack, unpack_like
 
-__all__ = ["Compressor", "Job", "SegmentPlan", "StepContext", "dense_reduce", "give_averages", "job_rows", "leftovers",
-           "sparse_pays"]
+__all__ = ["Compressor", "Job", "SegmentPlan", "StepContext", "dense_reduce", "dense_tail",
+           "gathered_or_dense_plan", "give_averages", "job_rows", "leftovers", "sparse_pays"]
 
 
 @dataclass
@@ -397,6 +397,35 @@ def dense_reduce(jobs: Sequence[Job], comm: Collective) -> None:
     give_averages(jobs, total)
     for job in jobs:
         job.decoded = job.tensor
+
+
+def dense_tail(flat: torch.Tensor, start: int, comm: Collective) -> torch.Tensor:
+    """A segment row's tensors sent dense (``flat[:, start:]``, see
+    :meth:`Compressor.reduce_segments`), as :func:`dense_reduce` sends them: their exact
+    average by one all-reduce, their residual ``tensor - decoded`` (zero) written into
+    ``flat``. Returns a new ``[N]`` row for the call's averages, this tail's filled."""
+    average = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
+    dense = flat[:, start:]
+    if dense.numel():
+        torch.div(comm.all_reduce_cat([dense]), comm.world_size, out=average[start:])
+        dense.sub_(dense)  # decoded is the tensor itself: elementwise ``tensor - decoded``
+    return average
+
+
+def gathered_or_dense_plan(
+    forms: Sequence[str], sizes: Sequence[int], layout: Callable[[tuple[int, ...]], Any],
+) -> SegmentPlan | None:
+    """The segment plan of a compressor whose tensors are all-gathered or sent dense, each
+    by its ``forms[i]`` (``"allgather"``, ``"dense"`` or another, which has no segment
+    form): the all-gathered tensors first, then the dense ones, each kind in order, with
+    ``(layout(their sizes), their entries)`` as its data (``None`` for the layout where none
+    is all-gathered)."""
+    gathered = [i for i, form in enumerate(forms) if form == "allgather"]
+    dense = [i for i, form in enumerate(forms) if form == "dense"]
+    if not sizes or len(gathered) + len(dense) != len(sizes):
+        return None
+    numels = tuple(sizes[i] for i in gathered)
+    return SegmentPlan(tuple(gathered + dense), (layout(numels) if numels else None, sum(numels)))
 
 
 def give_averages(jobs: Sequence[Job], total: torch.Tensor) -> None:

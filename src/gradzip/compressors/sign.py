@@ -15,14 +15,18 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import (
     Compressor,
     Job,
+    SegmentPlan,
     StepContext,
     dense_reduce,
+    dense_tail,
+    gathered_or_dense_plan,
     give_averages,
     job_rows,
 )
 from gradzip.compressors.sharded_codes import (
     EXCHANGES,
     ExchangeStateCheck,
+    choose_exchange,
     exchange_report,
     init_exchange_state,
     sharded_reduce,
@@ -151,17 +155,11 @@ class Sign(ExchangeStateCheck, Compressor):
         """Every worker's message of ``jobs`` all-gathered, each decoded and averaged."""
         if not jobs:
             return
-        workers = comm.local_workers
         numels = tuple(job.numel for job in jobs)
         layout = segment_layout(numels, 0, jobs[0].tensor.device)
-        owner = layout.owner
         # The call's tensors as one flat buffer: every step below is one op per call.
-        flat = join_rows([job.tensor for job in jobs], workers)
-        scale = _mean_abs(flat, layout)  # [L, T]; an empty tensor's scale is 0
-        bits = flat >= 0
-        # +scale where the bit is set, -scale elsewhere: the decode's ``(2 b - 1) * scale``.
-        per_entry = scale.index_select(1, owner)
-        decoded = torch.where(bits, per_entry, -per_entry)
+        flat = join_rows([job.tensor for job in jobs], comm.local_workers)
+        decoded, averaged = _gathered(flat, layout, comm)
         # What error feedback keeps, for the whole call in one subtraction (the contract's
         # ``tensor - decoded``, recorded here where the call's buffer is at hand).
         residual = residual_after(flat, decoded)
@@ -169,16 +167,58 @@ class Sign(ExchangeStateCheck, Compressor):
                                    strict=True):
             job.decoded = part
             job.keep(rest)
-        # One message per call: every tensor's scale, then all sign bits as one packed stream.
-        total = sum(job.numel for job in jobs)
-        head = scale.contiguous().view(torch.uint8)  # [L, 4 T]
-        gathered = comm.all_gather(torch.cat([head, pack_bits(bits, 1, checked=False)], dim=1))
-        all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
-        payload = gathered[:, head.shape[1] :]
-        if cpu_form(payload.device) and MAX_KEY_WORKERS > 0:
-            _average_by_table(jobs, payload, all_scales, comm.world_size)
-            return
-        _average_together(jobs, unpack_bits(payload, 1, total), all_scales, owner, comm.world_size)
+        give_averages(jobs, averaged)
+
+    def segment_plan(
+        self, sizes: Sequence[int], world_size: int, device: torch.device
+    ) -> SegmentPlan | None:
+        """The row's order (the all-gathered tensors, then those sent dense, each kind in
+        the engine's order, as :meth:`reduce` groups them) and the layout of the
+        all-gathered ones, where no tensor takes the sharded exchange (see
+        :meth:`~gradzip.compressors.base.Compressor.segment_plan`); else ``None``."""
+        return gathered_or_dense_plan(
+            [choose_exchange(self, self.exchange, n, world_size) for n in sizes], sizes,
+            lambda numels: segment_layout(numels, 0, device))
+
+    def reduce_segments(
+        self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        """:meth:`reduce` on tensors already laid end to end (see
+        :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the dense tensors'
+        all-reduce first, then the all-gathered ones' one message; the same averages."""
+        layout, count = plan.data
+        average = dense_tail(flat, count, comm)
+        if layout is not None:
+            rows = flat[:, :count]
+            decoded, averaged = _gathered(rows, layout, comm)
+            rows.sub_(decoded)  # the residual, elementwise the ordinary ``flat - decoded``
+            average[:count] = averaged
+        return average
+
+
+def _gathered(
+    flat: torch.Tensor, layout: SegmentLayout, comm: Collective
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors laid end to end in the rows of ``flat[L, total]`` sent as one message per
+    worker (every tensor's scale, then all sign bits as one packed stream), all-gathered;
+    returns ``(decoded, averaged)``: ``[L, total]`` what each local worker's own message
+    decodes to, and ``[total]`` the average of every worker's."""
+    owner = layout.owner
+    scale = _mean_abs(flat, layout)  # [L, T]; an empty tensor's scale is 0
+    bits = flat >= 0
+    # +scale where the bit is set, -scale elsewhere: the decode's ``(2 b - 1) * scale``.
+    per_entry = scale.index_select(1, owner)
+    decoded = torch.where(bits, per_entry, -per_entry)
+    head = scale.contiguous().view(torch.uint8)  # [L, 4 T]
+    gathered = comm.all_gather(torch.cat([head, pack_bits(bits, 1, checked=False)], dim=1))
+    all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
+    payload = gathered[:, head.shape[1] :]
+    if cpu_form(payload.device) and MAX_KEY_WORKERS > 0:
+        return decoded, _average_by_table(layout.numels, payload, all_scales, comm.world_size)
+    averaged = _average_together(unpack_bits(payload, 1, layout.total), all_scales, owner,
+                                 comm.world_size)
+    return decoded, averaged
 
 
 def _sign_sum(bits: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
@@ -214,25 +254,24 @@ def _sign_average(bits: torch.Tensor, scale: torch.Tensor, world_size: int) -> t
 
 
 def _average_together(
-    jobs: Sequence[Job], bits: torch.Tensor, scales: torch.Tensor, owner: torch.Tensor,
-    world_size: int,
-) -> None:
-    """Every job's average from the unpacked bits ``bits[W, total]`` and the scales
-    ``scales[W, T]`` (``owner``: each entry's tensor), all tensors at once: each entry sees
-    the operations of :func:`_sign_average` (its own tensor's scales, workers added in rank
-    order, then the sum of its tensor's scales taken off), so the bits are the same."""
+    bits: torch.Tensor, scales: torch.Tensor, owner: torch.Tensor, world_size: int,
+) -> torch.Tensor:
+    """Every tensor's average (``[total]``, end to end) from the unpacked bits
+    ``bits[W, total]`` and the scales ``scales[W, T]`` (``owner``: each entry's tensor), all
+    tensors at once: each entry sees the operations of :func:`_sign_average` (its own
+    tensor's scales, workers added in rank order, then the sum of its tensor's scales taken
+    off), so the bits are the same."""
     per_entry = scales.index_select(1, owner)  # [W, total]
     acc = _sign_sum(bits, per_entry)
     offsets = _scale_total(scales)  # [T], each as _finish sums one tensor's
-    averaged = acc.sub_(offsets.index_select(0, owner)).div_(world_size)
-    give_averages(jobs, averaged)
+    return acc.sub_(offsets.index_select(0, owner)).div_(world_size)
 
 
 def _average_by_table(
-    jobs: Sequence[Job], payload: torch.Tensor, scales: torch.Tensor, world_size: int
-) -> None:
-    """Every job's average from the packed bits ``payload[W, bytes]`` (CPU), equal to
-    :func:`_sign_average` bit for bit.
+    numels: Sequence[int], payload: torch.Tensor, scales: torch.Tensor, world_size: int
+) -> torch.Tensor:
+    """Every tensor's average (``[total]``, tensors of ``numels`` entries end to end) from the
+    packed bits ``payload[W, bytes]`` (CPU), equal to :func:`_sign_average` bit for bit.
 
     The sum over the first ``G = min(W, 8)`` workers depends only on an entry's ``G`` sign
     bits, so the ``2**G`` possible values are computed by the same operations (one per
@@ -247,7 +286,8 @@ def _average_by_table(
     head = min(workers, MAX_KEY_WORKERS)
     e = keys_per_byte(head)
     keys = bit_keys(payload[:head].numpy())
-    rest = unpack_bits(payload[head:], 1, sum(job.numel for job in jobs)) if workers > head else None
+    total = sum(numels)
+    rest = unpack_bits(payload[head:], 1, total) if workers > head else None
     combos = torch.arange(1 << head)
     combo_bits = ((combos.unsqueeze(0) >> torch.arange(head).unsqueeze(1)) & 1).to(torch.uint8)
     # Key k holds combination (k >> (j * G)) & (2**G - 1) for its entry j.
@@ -255,21 +295,23 @@ def _average_by_table(
     parts = (torch.arange(1 << (e * head)).unsqueeze(1) >> shifts) & ((1 << head) - 1)
     # Every tensor's table at once ([T, 2**G] sums, then [T, keys, e]): each value sees the
     # operations _sign_sum and _finish apply to its tensor alone.
-    values = torch.zeros(len(jobs), 1 << head, dtype=torch.float32)
+    values = torch.zeros(len(numels), 1 << head, dtype=torch.float32)
     for w in range(head):
         values.addcmul_(combo_bits[w].unsqueeze(0), (2 * scales[w]).unsqueeze(1))
     if rest is None:
         values.sub_(_scale_total(scales).unsqueeze(1)).div_(world_size)
-    tables = values.index_select(1, parts.reshape(-1)).reshape(len(jobs), -1, e).numpy()
+    tables = values.index_select(1, parts.reshape(-1)).reshape(len(numels), -1, e).numpy()
+    out = torch.empty(total, dtype=torch.float32)
     start = 0
-    for t, job in enumerate(jobs):
+    for t, numel in enumerate(numels):
         scale, table = scales[:, t], tables[t]
-        first, last = start // e, -(-(start + job.numel) // e)
+        first, last = start // e, -(-(start + numel) // e)
         looked_up = np.take(table, keys[first:last], axis=0, mode="clip").reshape(-1)
         skip = start - first * e
-        averaged = torch.from_numpy(looked_up[skip : skip + job.numel])
+        averaged = torch.from_numpy(looked_up[skip : skip + numel])
         if rest is not None:
-            _sign_sum(rest[:, start : start + job.numel], scale[head:], averaged)
+            _sign_sum(rest[:, start : start + numel], scale[head:], averaged)
             _finish(averaged, scale, world_size)
-        job.averaged = averaged.reshape(job.shape)
-        start += job.numel
+        out[start : start + numel] = averaged
+        start += numel
+    return out

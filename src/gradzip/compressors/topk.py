@@ -10,7 +10,15 @@ import torch
 
 from gradzip._validate import check_choice, check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, SegmentPlan, StepContext, dense_reduce
+from gradzip.compressors.base import (
+    Compressor,
+    Job,
+    SegmentPlan,
+    StepContext,
+    dense_reduce,
+    dense_tail,
+    gathered_or_dense_plan,
+)
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     by_form,
@@ -109,14 +117,11 @@ class TopK(Compressor):
         the engine's order, as :meth:`reduce` groups them) and the selection's layout, where
         no tensor takes the sharded exchange and flat positions fit (see
         :meth:`Compressor.segment_plan`); else ``None``."""
-        forms = [self.exchange_for(n, world_size) for n in sizes]
-        sparse = [i for i, form in enumerate(forms) if form == "allgather"]
-        dense = [i for i, form in enumerate(forms) if form == "dense"]
-        if len(sparse) + len(dense) != len(sizes) or sum(sizes) > MAX_ENTRIES or not sizes:
+        if sum(sizes) > MAX_ENTRIES:
             return None
-        picked = [sizes[i] for i in sparse]
-        layout = segment_layout(picked, [self.k_for(n) for n in picked], device) if sparse else None
-        return SegmentPlan(tuple(sparse + dense), (layout, sum(picked)))
+        return gathered_or_dense_plan(
+            [self.exchange_for(n, world_size) for n in sizes], sizes,
+            lambda numels: segment_layout(numels, [self.k_for(n) for n in numels], device))
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
@@ -126,16 +131,11 @@ class TopK(Compressor):
         :meth:`Compressor.reduce_segments`): the dense tensors' all-reduce first, then the
         one selection and all-gather of the others; the same messages and averages."""
         layout, count = plan.data
-        world = comm.world_size
-        average = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
-        dense = flat[:, count:]
-        if dense.numel():
-            torch.div(comm.all_reduce_cat([dense]), world, out=average[count:])
-            dense.sub_(dense)  # their residual: tensor - decoded, where decoded is the tensor
+        average = dense_tail(flat, count, comm)
         if layout is not None:
             sparse = flat[:, :count]
             total, _ = exchange_positions(sparse, select_positions(sparse, layout), layout, comm)
-            torch.div(total, world, out=average[:count])
+            torch.div(total, comm.world_size, out=average[:count])
         return average
 
     def _reduce_gathered(self, sparse: Sequence[Job], comm: Collective) -> None:
