@@ -19,6 +19,10 @@ from gradzip.spec import compressor_from_spec
 SHAPES = [(6, 5), (4,), (1,), (3, 3, 2), (2,), (40,)]
 
 
+def _names(sizes: list[int]) -> list[str]:
+    return [f"t{i}" for i in range(len(sizes))]
+
+
 def _tensors(workers: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = [torch.randn(workers, *shape, generator=g) for shape in SHAPES]
@@ -28,7 +32,8 @@ def _tensors(workers: int, seed: int) -> list[torch.Tensor]:
 
 #: Compressors with a segment form, with and without tensors sent dense.
 SEGMENT_SPECS = ("topk:ratio=0.05,exchange=allgather", "topk:ratio=0.3", "topk:ratio=1.0",
-                 "sign:exchange=allgather", "sign")
+                 "sign:exchange=allgather", "sign", "randk:ratio=0.1", "randk:ratio=0.5",
+                 "qsgd:exchange=allgather", "qsgd:levels=4,bucket_size=7,exchange=allgather")
 
 
 @pytest.mark.parametrize("forms", ["cpu", "device"])
@@ -37,7 +42,7 @@ SEGMENT_SPECS = ("topk:ratio=0.05,exchange=allgather", "topk:ratio=0.3", "topk:r
 def test_segments_equal_reduce(spec: str, workers: int, forms: str) -> None:
     compressor = compressor_from_spec(spec)
     sizes = [torch.Size(s).numel() for s in SHAPES]
-    plan = compressor.segment_plan(sizes, workers, torch.device("cpu"))
+    plan = compressor.segment_plan(_names(sizes), sizes, workers, torch.device("cpu"))
     assert isinstance(plan, SegmentPlan)
     assert sorted(plan.order) == list(range(len(sizes)))
     tensors = _tensors(workers, seed=len(spec) + workers)
@@ -66,29 +71,38 @@ def test_segments_equal_reduce(spec: str, workers: int, forms: str) -> None:
 
 def test_dense_tensors_go_last_in_the_engine_order() -> None:
     assert compressor_from_spec("topk:ratio=0.3").segment_plan(
-        [30, 4, 1, 18, 2, 40], 3, torch.device("cpu")).order == (0, 1, 3, 5, 2, 4)
+        _names([30, 4, 1, 18, 2, 40]), [30, 4, 1, 18, 2, 40], 3, torch.device("cpu")).order == (0, 1, 3, 5, 2, 4)
     assert compressor_from_spec("topk:ratio=1.0").segment_plan(
-        [30, 4], 3, torch.device("cpu")).order == (0, 1)  # all dense
+        _names([30, 4]), [30, 4], 3, torch.device("cpu")).order == (0, 1)  # all dense
 
 
 def test_topk_puts_dense_tensors_last_in_the_engine_order() -> None:
     topk = TopK(ratio=0.2)  # at two workers a 1-entry tensor is cheaper sent dense
     sizes = [30, 1, 50, 1]
-    plan = topk.segment_plan(sizes, 2, torch.device("cpu"))
+    plan = topk.segment_plan(_names(sizes), sizes, 2, torch.device("cpu"))
     assert plan is not None and plan.order == (0, 2, 1, 3)
 
 
 def test_topk_has_no_segment_form_where_a_tensor_is_sharded_or_positions_overflow() -> None:
-    assert TopK(ratio=0.01, exchange="sharded").segment_plan([1000], 4, torch.device("cpu")) is None
-    assert TopK(ratio=0.01).segment_plan([MAX_ENTRIES, 10], 2, torch.device("cpu")) is None
-    assert TopK(ratio=0.01).segment_plan([], 2, torch.device("cpu")) is None
+    assert TopK(ratio=0.01, exchange="sharded").segment_plan(["a"], [1000], 4, torch.device("cpu")) is None
+    assert TopK(ratio=0.01).segment_plan(["a", "b"], [MAX_ENTRIES, 10], 2,
+                                         torch.device("cpu")) is None
+    assert TopK(ratio=0.01).segment_plan([], [], 2, torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=2", "randk:ratio=0.1", "qsgd",
-                                  "threshold:lam=0.01"])
+@pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=2", "threshold:lam=0.01"])
 def test_other_compressors_have_no_segment_form(spec: str) -> None:
     compressor = compressor_from_spec(spec)
-    assert compressor.segment_plan([10, 20], 2, torch.device("cpu")) is None
+    assert compressor.segment_plan(["a", "b"], [10, 20], 2, torch.device("cpu")) is None
     with pytest.raises(NotImplementedError, match="no segment form"):
         compressor.reduce_segments(torch.zeros(1, 30), SegmentPlan((0, 1), None), {},
                                    SimulatedGroup(2), StepContext(0, (0, 1), 2))
+
+
+@pytest.mark.parametrize("spec", ["qsgd", "sign", "topk:ratio=0.01"])
+def test_a_tensor_in_the_sharded_exchange_leaves_no_segment_form(spec: str) -> None:
+    compressor = compressor_from_spec(spec)
+    pinned = compressor_from_spec(spec + ("," if ":" in spec else ":") + "exchange=sharded")
+    sizes = [4000, 3000]
+    assert compressor.segment_plan(_names(sizes), sizes, 1, torch.device("cpu")) is not None
+    assert pinned.segment_plan(_names(sizes), sizes, 8, torch.device("cpu")) is None

@@ -229,17 +229,18 @@ class Compressor(ABC):
         """
 
     def segment_plan(
-        self, sizes: Sequence[int], world_size: int, device: torch.device
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
     ) -> SegmentPlan | None:
-        """This compressor's form of a call of tensors of ``sizes`` entries laid end to end in
-        one row (:meth:`reduce_segments`), or ``None`` where it has none for such a call (the
+        """This compressor's form of a call of tensors laid end to end in one row
+        (:meth:`reduce_segments`), or ``None`` where it has none for such a call (the
         default: the engine then calls :meth:`reduce`).
 
         The engine asks once per layout of a DDP bucket and keeps the answer, so it must
         depend on the arguments and the configuration only (every worker gets the same).
 
         Args:
-            sizes: the entries of each tensor, in the engine's order.
+            names: the tensors' names, in the engine's order (what keys a random draw).
+            sizes: their entries.
             world_size: workers in the group.
             device: where the tensors are.
         """
@@ -413,19 +414,19 @@ def dense_tail(flat: torch.Tensor, start: int, comm: Collective) -> torch.Tensor
 
 
 def gathered_or_dense_plan(
-    forms: Sequence[str], sizes: Sequence[int], layout: Callable[[tuple[int, ...]], Any],
+    forms: Sequence[str], sizes: Sequence[int], make: Callable[[list[int]], Any],
 ) -> SegmentPlan | None:
-    """The segment plan of a compressor whose tensors are all-gathered or sent dense, each
-    by its ``forms[i]`` (``"allgather"``, ``"dense"`` or another, which has no segment
-    form): the all-gathered tensors first, then the dense ones, each kind in order, with
-    ``(layout(their sizes), their entries)`` as its data (``None`` for the layout where none
-    is all-gathered)."""
+    """The segment plan of a compressor whose tensors travel in one message (``forms[i]``
+    ``"allgather"``) or dense (``"dense"``); any other form has no segment form (``None``).
+    The row holds the first kind, then the dense tensors, each kind in order; the plan's data
+    is ``(make(the first kind's indices), their entries)``, ``None`` in place of the first
+    where every tensor is dense."""
     gathered = [i for i, form in enumerate(forms) if form == "allgather"]
     dense = [i for i, form in enumerate(forms) if form == "dense"]
-    if not sizes or len(gathered) + len(dense) != len(sizes):
+    if not forms or len(gathered) + len(dense) != len(forms):
         return None
-    numels = tuple(sizes[i] for i in gathered)
-    return SegmentPlan(tuple(gathered + dense), (layout(numels) if numels else None, sum(numels)))
+    count = sum(sizes[i] for i in gathered)
+    return SegmentPlan(tuple(gathered + dense), (make(gathered) if gathered else None, count))
 
 
 def give_averages(jobs: Sequence[Job], total: torch.Tensor) -> None:

@@ -15,14 +15,18 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import (
     Compressor,
     Job,
+    SegmentPlan,
     StepContext,
     dense_reduce,
+    dense_tail,
+    gathered_or_dense_plan,
     give_averages,
     job_rows,
 )
 from gradzip.compressors.sharded_codes import (
     EXCHANGES,
     ExchangeStateCheck,
+    choose_exchange,
     exchange_report,
     init_exchange_state,
     sharded_reduce,
@@ -156,8 +160,7 @@ class QSGD(ExchangeStateCheck, Compressor):
 
     def _keys(self, jobs: Sequence[Job], ctx: StepContext) -> list[list[int]]:
         """Every local worker's noise key of every job: ``(seed, step, name, rank)``."""
-        return [[key32("qsgd", self.seed, ctx.step, job.name, r) for job in jobs]
-                for r in ctx.ranks]
+        return _keys_of(self.seed, [job.name for job in jobs], ctx)
 
     # -- the code of one part, for the sharded exchange (gradzip.compressors.sharded_codes) ------
     def part_bytes(self, count: int) -> int:
@@ -250,15 +253,28 @@ class QSGD(ExchangeStateCheck, Compressor):
         the sum), whatever the number and sizes of its tensors."""
         if not jobs:
             return
-        workers = comm.local_workers
-        numels = tuple(job.numel for job in jobs)
-        device = jobs[0].tensor.device
-        layout = segment_layout(numels, self.bucket_size, device)
-        x = join_rows([job.tensor for job in jobs], workers)  # [L, total]
-        draws = keyed_draws(self._keys(jobs, ctx), layout, device)
-        norms, level, decoded = self._quantise(x, draws, layout)
+        layout = segment_layout(tuple(job.numel for job in jobs), self.bucket_size,
+                                jobs[0].tensor.device)
+        x = join_rows([job.tensor for job in jobs], comm.local_workers)  # [L, total]
+        decoded, averaged = self._gathered(x, layout, self._keys(jobs, ctx), comm)
         for job, part in zip(jobs, job_rows(jobs, decoded), strict=True):
             job.decoded = part
+        if isinstance(averaged, torch.Tensor):
+            give_averages(jobs, averaged)
+            return
+        for job, average in zip(jobs, averaged, strict=True):
+            job.averaged = average.reshape(job.shape)
+
+    def _gathered(
+        self, x: torch.Tensor, layout: SegmentLayout, keys: list[list[int]], comm: Collective
+    ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+        """The tensors laid end to end in the rows of ``x[L, total]`` (in ``layout``'s
+        buckets, drawn with ``keys``) sent as one message per worker (every bucket's norm,
+        then all codes as one packed stream), all-gathered; returns ``(decoded, averaged)``:
+        ``[L, total]`` what each local worker's own message decodes to, and the average of
+        every worker's, ``[total]`` or (on the CPU) one 1-D tensor per tensor."""
+        draws = keyed_draws(keys, layout, x.device)
+        norms, level, decoded = self._quantise(x, draws, layout)
         # One message per call: every tensor's norms, then all codes as one packed stream.
         total = layout.total
         # Codes are clamped to [0, 2 * levels] by _quantise: no range test (a host sync).
@@ -267,22 +283,55 @@ class QSGD(ExchangeStateCheck, Compressor):
         # Every tensor's norms reinterpreted at once, then split (views).
         offset = 4 * layout.segments
         all_norms = reinterpret(gathered[:, :offset], torch.float32)  # [W, buckets]
+        numels = layout.numels
         if total and cpu_form(gathered.device) and 2 <= self.bits <= 7 and _jit_usable():
-            self._average_compiled(jobs, _per_tensor(all_norms, layout), gathered[:, offset:],
-                                   comm.world_size)
-            return
+            return decoded, self._average_compiled(numels, _per_tensor(all_norms, layout),
+                                                   gathered[:, offset:], comm.world_size)
         codes = unpack_bits(gathered[:, offset:], self.bits, total)
         # Asserted on the device: a host read of the codes would stall a CUDA stream per call.
         _check_codes(codes, 2 * self.levels)
         if cpu_form(codes.device):  # the CPU's chunked sum, tensor by tensor
-            start = 0
-            for job, norms_t in zip(jobs, _per_tensor(all_norms, layout), strict=True):
-                mine = codes[:, start : start + job.numel]
-                averaged = self._decode_sum(norms_t, mine, job.numel, comm.world_size)
-                job.averaged = averaged.reshape(job.shape)
-                start += job.numel
-            return
-        give_averages(jobs, self._decode_sum_whole(all_norms, codes, layout, comm.world_size))
+            out, start = [], 0
+            for numel, norms_t in zip(numels, _per_tensor(all_norms, layout), strict=True):
+                out.append(self._decode_sum(norms_t, codes[:, start : start + numel], numel,
+                                            comm.world_size))
+                start += numel
+            return decoded, out
+        return decoded, self._decode_sum_whole(all_norms, codes, layout, comm.world_size)
+
+    def segment_plan(
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
+    ) -> SegmentPlan | None:
+        """The row's order (the all-gathered tensors, then those sent dense, each kind in
+        the engine's order, as :meth:`reduce` groups them), their layout and names, where no
+        tensor takes the sharded exchange (see
+        :meth:`~gradzip.compressors.base.Compressor.segment_plan`); else ``None``."""
+        def gathered(picked: list[int]) -> tuple[SegmentLayout, list[str]]:
+            return (segment_layout(tuple(sizes[i] for i in picked), self.bucket_size, device),
+                    [names[i] for i in picked])
+
+        return gathered_or_dense_plan(
+            [choose_exchange(self, self.exchange, n, world_size) for n in sizes], sizes, gathered)
+
+    def reduce_segments(
+        self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        """:meth:`reduce` on tensors already laid end to end (see
+        :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the dense tensors'
+        all-reduce first, then the others' one message; the same draws and averages."""
+        info, count = plan.data
+        average = dense_tail(flat, count, comm)
+        if info is not None:
+            layout, names = info
+            x = flat[:, :count]
+            decoded, averaged = self._gathered(x, layout, _keys_of(self.seed, names, ctx), comm)
+            x.sub_(decoded)  # the residual, elementwise the engine's ``tensor - decoded``
+            if isinstance(averaged, torch.Tensor):
+                average[:count] = averaged
+            elif averaged:
+                torch.cat(averaged, out=average[:count])
+        return average
 
     def _decode_sum_whole(
         self, norms: torch.Tensor, codes: torch.Tensor, layout: SegmentLayout, divisor: int
@@ -299,36 +348,41 @@ class QSGD(ExchangeStateCheck, Compressor):
         return total.sub_(offsets.index_select(0, layout.segment)).div_(divisor)
 
     def _average_compiled(
-        self, jobs: Sequence[Job], all_norms: list[torch.Tensor], packed: torch.Tensor, world_size: int
-    ) -> None:
+        self, numels: Sequence[int], all_norms: list[torch.Tensor], packed: torch.Tensor,
+        world_size: int,
+    ) -> list[torch.Tensor]:
         """The end of :meth:`reduce` through the compiled kernel: each tensor's average straight
         from the packed codes (no tensor of codes), the same bits as :meth:`_decode_sum`."""
-        need = packed_size(sum(job.numel for job in jobs), self.bits)
+        need = packed_size(sum(numels), self.bits)
         if packed.shape[1] < need:  # as unpack_bits refuses a truncated message
             raise ValueError(
                 f"`packed` must hold at least {need} bytes for "
-                f"{sum(job.numel for job in jobs)} codes of {self.bits} bits, got {packed.shape[1]}"
+                f"{sum(numels)} codes of {self.bits} bits, got {packed.shape[1]}"
             )
         stream = packed.numpy()
         results, top, start = [], 0, 0
-        for job, norms in zip(jobs, all_norms, strict=True):
-            if job.numel == 0:  # the kernel wants at least one entry; an empty average
+        for numel, norms in zip(numels, all_norms, strict=True):
+            if numel == 0:  # the kernel wants at least one entry; an empty average
                 results.append(np.zeros(0, dtype=np.float32))
                 continue
-            _, size = self._layout(job.numel)
+            _, size = self._layout(numel)
             # The steps and offsets exactly as _decode_sum computes them.
             steps = (norms / self.levels).numpy()
             offsets = _rank_sum(norms).numpy()
             out, job_top = jit.qsgd_sum(
-                stream, self.bits, start, job.numel, size, steps, offsets, world_size
+                stream, self.bits, start, numel, size, steps, offsets, world_size
             )
             results.append(out)
             top = max(top, job_top)
-            start += job.numel
+            start += numel
         if top > 2 * self.levels:
             raise ValueError(f"message codes must lie in [0, {2 * self.levels}], got {top}")
-        for job, out in zip(jobs, results, strict=True):
-            job.averaged = torch.from_numpy(out).reshape(job.shape)
+        return [torch.from_numpy(out) for out in results]
+
+
+def _keys_of(seed: int, names: Sequence[str], ctx: StepContext) -> list[list[int]]:
+    """Every local worker's noise key of every tensor: ``(seed, step, name, rank)``."""
+    return [[key32("qsgd", seed, ctx.step, name, r) for name in names] for r in ctx.ranks]
 
 
 def _rank_sum(norms: torch.Tensor) -> torch.Tensor:

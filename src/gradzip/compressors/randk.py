@@ -13,14 +13,24 @@ from gradzip.comm.base import Collective
 from gradzip.compressors.base import (
     Compressor,
     Job,
+    SegmentPlan,
     StepContext,
     dense_reduce,
+    dense_tail,
+    gathered_or_dense_plan,
     give_averages,
     job_rows,
 )
 from gradzip.ops.flat import cat_rows
 from gradzip.ops.random import stable_hash
-from gradzip.ops.segmented import pieces, segment_keys, segment_layout, strided_random
+from gradzip.ops.segmented import (
+    MAX_ENTRIES,
+    SegmentLayout,
+    pieces,
+    segment_keys,
+    segment_layout,
+    strided_random,
+)
 
 __all__ = ["RandK"]
 
@@ -74,22 +84,62 @@ class RandK(Compressor):
         device = sparse[0].tensor.device
         numels = [j.numel for j in sparse]
         layout = segment_layout(numels, [self.k_for(n) for n in numels], device)
+        # A fresh buffer, which becomes the residuals (the sent entries zeroed).
+        flat = cat_rows([j.tensor for j in sparse], comm.local_workers)
+        averaged = torch.empty(layout.total, dtype=torch.float32, device=device)
+        self._sent(flat, layout, [j.name for j in sparse], averaged, comm, ctx)
+        # Views made in one call each, not a slice per tensor.
+        give_averages(sparse, averaged)
+        for job, rest in zip(sparse, job_rows(sparse, flat), strict=True):
+            job.keep(rest)
+
+    def _sent(self, flat: torch.Tensor, layout: SegmentLayout, names: Sequence[str],
+              averaged: torch.Tensor, comm: Collective, ctx: StepContext) -> None:
+        """The drawn entries of the tensors laid end to end in the rows of ``flat[L, total]``
+        summed by one all-reduce: their average written into ``averaged[total]`` (zero
+        elsewhere), and ``flat`` left with the residuals (the sent entries zeroed)."""
         # Each tensor's key from (seed, step, name) only: every worker draws the same entries
         # (so values can be summed), a resumed run draws what the uninterrupted one drew, and
         # a tensor's draw does not depend on the tensors sharing its call. The draw itself is
         # a few integer ops on the device for the whole call.
-        keys = segment_keys([stable_hash(self.seed, ctx.step, j.name) for j in sparse], device)
+        keys = segment_keys([stable_hash(self.seed, ctx.step, name) for name in names],
+                            flat.device)
         where = strided_random(keys, layout)
-        # A fresh buffer, which becomes the residuals (the sent entries zeroed).
-        flat = cat_rows([j.tensor for j in sparse], comm.local_workers)
         message = flat.index_select(1, where)
         total = comm.all_reduce(message) / comm.world_size
-        dense_avg = torch.zeros(layout.total, dtype=torch.float32, device=device)
-        dense_avg.index_copy_(0, where, total.reshape(-1))
+        averaged.zero_().index_copy_(0, where, total.reshape(-1))
         # Sent entries are sent unchanged: the residual is the tensor with them zeroed,
         # ``tensor - decoded`` bit for bit for finite entries.
         flat.index_fill_(1, where, 0.0)
-        # Views made in one call each, not a slice per tensor.
-        give_averages(sparse, dense_avg)
-        for job, rest in zip(sparse, job_rows(sparse, flat), strict=True):
-            job.keep(rest)
+
+    def segment_plan(
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
+    ) -> SegmentPlan | None:
+        """The row's order (the tensors that send a draw, then those sent whole, each kind in
+        the engine's order, as :meth:`reduce` groups them), their layout and names, where
+        their flat positions fit in one piece (see
+        :meth:`~gradzip.compressors.base.Compressor.segment_plan`); else ``None``."""
+        forms = ["allgather" if self.k_for(n) < n else "dense" for n in sizes]
+        if sum(n for n, form in zip(sizes, forms, strict=True) if form != "dense") > MAX_ENTRIES:
+            return None
+
+        def drawn(picked: list[int]) -> tuple[SegmentLayout, list[str]]:
+            numels = [sizes[i] for i in picked]
+            return (segment_layout(numels, [self.k_for(n) for n in numels], device),
+                    [names[i] for i in picked])
+
+        return gathered_or_dense_plan(forms, sizes, drawn)
+
+    def reduce_segments(
+        self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        """:meth:`reduce` on tensors already laid end to end (see
+        :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the whole tensors'
+        all-reduce first, then the drawn entries'; the same averages."""
+        drawn, count = plan.data
+        average = dense_tail(flat, count, comm)
+        if drawn is not None:
+            layout, names = drawn
+            self._sent(flat[:, :count], layout, names, average[:count], comm, ctx)
+        return average

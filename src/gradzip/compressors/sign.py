@@ -170,7 +170,7 @@ class Sign(ExchangeStateCheck, Compressor):
         give_averages(jobs, averaged)
 
     def segment_plan(
-        self, sizes: Sequence[int], world_size: int, device: torch.device
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
     ) -> SegmentPlan | None:
         """The row's order (the all-gathered tensors, then those sent dense, each kind in
         the engine's order, as :meth:`reduce` groups them) and the layout of the
@@ -178,7 +178,7 @@ class Sign(ExchangeStateCheck, Compressor):
         :meth:`~gradzip.compressors.base.Compressor.segment_plan`); else ``None``."""
         return gathered_or_dense_plan(
             [choose_exchange(self, self.exchange, n, world_size) for n in sizes], sizes,
-            lambda numels: segment_layout(numels, 0, device))
+            lambda picked: segment_layout(tuple(sizes[i] for i in picked), 0, device))
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,

@@ -34,7 +34,7 @@ from gradzip.compressors.sparse import (
     select_positions,
 )
 from gradzip.ops.flat import cat_rows
-from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
+from gradzip.ops.segmented import MAX_ENTRIES, SegmentLayout, segment_layout
 from gradzip.ops.select import topk_abs
 
 __all__ = ["TopK"]
@@ -111,7 +111,7 @@ class TopK(Compressor):
         self._reduce_sharded(forms["sharded"], comm)
 
     def segment_plan(
-        self, sizes: Sequence[int], world_size: int, device: torch.device
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
     ) -> SegmentPlan | None:
         """The row's order (the all-gathered tensors, then those sent dense, each kind in
         the engine's order, as :meth:`reduce` groups them) and the selection's layout, where
@@ -119,9 +119,12 @@ class TopK(Compressor):
         :meth:`Compressor.segment_plan`); else ``None``."""
         if sum(sizes) > MAX_ENTRIES:
             return None
-        return gathered_or_dense_plan(
-            [self.exchange_for(n, world_size) for n in sizes], sizes,
-            lambda numels: segment_layout(numels, [self.k_for(n) for n in numels], device))
+        def layout(picked: list[int]) -> SegmentLayout:
+            numels = [sizes[i] for i in picked]
+            return segment_layout(numels, [self.k_for(n) for n in numels], device)
+
+        return gathered_or_dense_plan([self.exchange_for(n, world_size) for n in sizes], sizes,
+                                      layout)
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,

@@ -64,6 +64,7 @@ class Segments:
         residuals: the views the last call made of its residual row, in the engine's order
             (the steady state's compensation reads that row, ``last``, without looking at
             each view's memory).
+        calls: the calls that took this path.
     """
 
     key: tuple[object, int]
@@ -74,6 +75,7 @@ class Segments:
     at: list[int] = field(default_factory=list)
     residuals: list[torch.Tensor] = field(default_factory=list)
     last: torch.Tensor | None = None
+    calls: int = 0
 
 
 def segments_apply(engine: EngineBase, step: Step, layout: BucketLayout) -> bool:
@@ -83,7 +85,7 @@ def segments_apply(engine: EngineBase, step: Step, layout: BucketLayout) -> bool
     comm = engine.comm
     if comm.simulated or comm.local_workers != 1 or engine.rule_compressors:
         return False
-    if not engine.error_feedback or step.poisoned or not layout.views:
+    if step.poisoned or not layout.views:
         return False
     compressor, world = engine.compressor, comm.world_size
     seg = layout.segments
@@ -92,14 +94,15 @@ def segments_apply(engine: EngineBase, step: Step, layout: BucketLayout) -> bool
     if seg.plan is None:
         return False
     kept = engine.residuals
-    return all(n in kept for n in layout.names)
+    return not engine.error_feedback or all(n in kept for n in layout.names)
 
 
 def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int]) -> Segments:
-    feedback, dense = engine._feedback, engine.dense_names
-    if any(n in dense or n not in feedback for n in layout.names):
+    # Every tensor alike: each keeps a residual (error feedback), or none does.
+    feedback, dense, keep = engine._feedback, engine.dense_names, engine.error_feedback
+    if any(n in dense or (n in feedback) != keep for n in layout.names):
         return Segments(key, None)
-    plan = engine.compressor.segment_plan(layout.sizes, engine.comm.world_size,
+    plan = engine.compressor.segment_plan(layout.names, layout.sizes, engine.comm.world_size,
                                           layout.buffer.device)
     if plan is None:
         return Segments(key, None)
@@ -142,25 +145,29 @@ def reduce_segments_on_device(
     """
     seg = layout.segments
     assert seg is not None and seg.row is not None
+    seg.calls += 1
     comm_in, names = engine.comm, layout.names
     device, world = seg.row.device, comm_in.world_size
     # DDP orders a bucket by when its gradients became ready, the engine by its parameter
     # order (the message's layout): one multi-tensor copy puts them in order, one add
     # compensates them all (elementwise the ordinary path's ``grad + residual``).
     torch._foreach_copy_([part for _, part in seg.pairs], [src for src, _ in seg.pairs])
-    previous = _residual_row(seg, engine, layout)
-    row = torch.add(seg.row, previous)
+    keep = engine.error_feedback
+    previous = _residual_row(seg, engine, layout) if keep else None
+    # Without error feedback the compressor reads the gradients themselves (what it leaves
+    # in the row is dropped); with it, a new row: the residuals will be views of it (memory
+    # made in this call, as the residual contract asks).
+    row = seg.row if previous is None else torch.add(seg.row, previous)
     bad = nonfinite_flag(row).reshape(1)
     rider = HeaderRider(comm_in, code_of(engine, step, call, layout.set_code), bad,
                         lambda: out_of_step(engine, step, call))
-    # The residuals will be views of the row (made in this call, as the residual contract
-    # asks); the row's norms before the compressor overwrites it are its input's.
-    in_row = unpack_like(row.view(-1), seg.likes)
-    views = [in_row[place] for place in seg.at]  # the engine's order, as the ordinary call's
-    inputs = torch._foreach_norm(views)
+    views: list[torch.Tensor] = []
+    if keep:
+        in_row = unpack_like(row.view(-1), seg.likes)
+        views = [in_row[place] for place in seg.at]  # the engine's order, as the ordinary call's
+        inputs = torch._foreach_norm(views)  # the compressor's input, before it overwrites it
     average = engine.compressor.reduce_segments(row, seg.plan, engine.compressor_state, rider,
                                                 engine._context())
-    left = torch._foreach_norm(views)
     bad = rider.finish_on_device(device)
     if rider.disagree is not None and world > 1:
         step.desync_dev = or_flag(step.desync_dev, rider.disagree)
@@ -172,15 +179,16 @@ def reduce_segments_on_device(
             "cannot undo; it must not declare device_decisions"
         )
     flag = bad | any_nonfinite([average, *changed], device)
-    mask, fill = policy.keep_on_device(engine, step, names, views, before, flag,
-                                       one_buffer=True)
-    if previous is seg.last:
-        # The views this call replaced are the last call's: a rollback of the step decides
-        # the row with one ``where`` (see NonfinitePolicy.finish_on_device).
-        step.rows.append(ResidualRow(names, seg.residuals, views, previous, row))
-    seg.residuals, seg.last = views, row
-    engine._errors.add_norms(step.error_sums, names, left, inputs,
-                             lambda: engine.compressor.tensor_levels(engine.compressor_state))
+    mask, fill = policy.keep_on_device(engine, step, names if keep else [], views, before,
+                                       flag, one_buffer=True)
+    if keep:
+        if previous is seg.last:
+            # The views this call replaced are the last call's: a rollback of the step decides
+            # the row with one ``where`` (see NonfinitePolicy.finish_on_device).
+            step.rows.append(ResidualRow(names, seg.residuals, views, previous, row))
+        seg.residuals, seg.last = views, row
+        engine._errors.add_norms(step.error_sums, names, torch._foreach_norm(views), inputs,
+                                 lambda: engine.compressor.tensor_levels(engine.compressor_state))
     if call.finish_step:
         finish_on_device(engine, step, policy, device)
     average.masked_fill_(mask, fill)
