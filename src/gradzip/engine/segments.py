@@ -1,29 +1,34 @@
-"""The engine's segment path: a DDP bucket of a whole-message compressor with error feedback.
+"""The engine's segment path: a DDP bucket of a whole-message compressor as one flat row.
 
 The ordinary call (:mod:`gradzip.engine.device`) makes a :class:`~gradzip.compressors.base.Job`
 per tensor, compensates and tests them as lists, and hands each tensor's average and residual
 back as objects of their own: several Python objects and calls per tensor at every stage, for
-a compressor that then works on the tensors laid end to end anyway (Top-k's one selection for
-the whole call). On a GPU with a short step that Python is what the hook costs. Here the call
-keeps one flat row from the bucket to the residuals:
+a compressor that then lays the tensors end to end anyway (Top-k's one selection, Sign's and
+QSGD's one message, Rand-k's one draw for the whole call). On a GPU with a short step that
+Python is what the hook costs. Here the call keeps one flat row from the bucket to the
+residuals:
 
-1. the gradients copied into a row in the engine's order (one multi-tensor copy into a buffer
-   made once per bucket layout), compensated by one add of the previous call's residual row;
+1. the gradients copied into a row in the order the compressor's plan gives (one
+   multi-tensor copy into a buffer made once per bucket layout), compensated by one add of
+   the previous call's residual row (with error feedback);
 2. one finiteness test of that row, carried in the call's header as on the ordinary path;
 3. the compressor's segment form (:meth:`~gradzip.compressors.base.Compressor.reduce_segments`)
    overwrites the row with the residuals and returns the average row;
-4. the residuals, views of that row, handed to the non-finite policy; the compression-error
-   norms of the row before and after; the average masked and copied into the bucket.
+4. the residuals, views of that row, handed to the non-finite policy (a rollback of the step
+   decides each row with one ``where``, see :class:`~gradzip.engine.step.ResidualRow`); the
+   compression-error norms of the row before and after; the average masked and copied into
+   the bucket.
 
 It applies where the ordinary device path would run (:func:`~gradzip.engine.device.decides_on_device`)
-in a real process group of one worker per process, every tensor of the bucket keeps a residual
-and none is routed dense, no rule gives some tensors another compressor, and the compressor's
-:meth:`~gradzip.compressors.base.Compressor.segment_plan` has a form for the bucket (Top-k
-with every tensor all-gathered). Everything else takes the ordinary call. The results, state,
-counters and compression-error sums are the ordinary device path's, bit for bit (tested
-against it and against the host path).
+in a real process group of one worker per process, no tensor of the bucket is routed dense
+by the engine or to a rule's compressor, error feedback is on for all of them or none, and
+the compressor's :meth:`~gradzip.compressors.base.Compressor.segment_plan` has a form for the
+bucket (Top-k, Rand-k, QSGD and Sign, where no tensor takes the sharded exchange).
+Everything else takes the ordinary call. The results, state, counters and compression-error
+sums are the ordinary device path's, bit for bit (tested against it and against the host
+path).
 
-Memory: one gradient-sized row per bucket layout (the gradients in the engine's order).
+Memory: one gradient-sized row per bucket layout (the gradients in the row's order).
 """
 
 from __future__ import annotations
