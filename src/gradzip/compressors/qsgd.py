@@ -266,13 +266,15 @@ class QSGD(ExchangeStateCheck, Compressor):
             job.averaged = average.reshape(job.shape)
 
     def _gathered(
-        self, x: torch.Tensor, layout: SegmentLayout, keys: list[list[int]], comm: Collective
+        self, x: torch.Tensor, layout: SegmentLayout, keys: list[list[int]], comm: Collective,
+        out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
         """The tensors laid end to end in the rows of ``x[L, total]`` (in ``layout``'s
         buckets, drawn with ``keys``) sent as one message per worker (every bucket's norm,
         then all codes as one packed stream), all-gathered; returns ``(decoded, averaged)``:
         ``[L, total]`` what each local worker's own message decodes to, and the average of
-        every worker's, ``[total]`` or (on the CPU) one 1-D tensor per tensor."""
+        every worker's, ``[total]`` (written into ``out`` where given) or (on the CPU) one
+        1-D tensor per tensor."""
         draws = keyed_draws(keys, layout, x.device)
         norms, level, decoded = self._quantise(x, draws, layout)
         # One message per call: every tensor's norms, then all codes as one packed stream.
@@ -297,7 +299,7 @@ class QSGD(ExchangeStateCheck, Compressor):
                                             comm.world_size))
                 start += numel
             return decoded, out
-        return decoded, self._decode_sum_whole(all_norms, codes, layout, comm.world_size)
+        return decoded, self._decode_sum_whole(all_norms, codes, layout, comm.world_size, out)
 
     def segment_plan(
         self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
@@ -325,23 +327,25 @@ class QSGD(ExchangeStateCheck, Compressor):
         if info is not None:
             layout, names = info
             x = flat[:, :count]
-            decoded, averaged = self._gathered(x, layout, _keys_of(self.seed, names, ctx), comm)
+            part = average[:count]
+            decoded, averaged = self._gathered(x, layout, _keys_of(self.seed, names, ctx), comm,
+                                               out=part)
             x.sub_(decoded)  # the residual, elementwise the engine's ``tensor - decoded``
-            if isinstance(averaged, torch.Tensor):
-                average[:count] = averaged
-            elif averaged:
-                torch.cat(averaged, out=average[:count])
+            if not isinstance(averaged, torch.Tensor) and averaged:  # the CPU's, per tensor
+                torch.cat(averaged, out=part)
         return average
 
     def _decode_sum_whole(
-        self, norms: torch.Tensor, codes: torch.Tensor, layout: SegmentLayout, divisor: int
+        self, norms: torch.Tensor, codes: torch.Tensor, layout: SegmentLayout, divisor: int,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`_decode_sum` of a whole call at once: (norms ``[R, buckets]``, codes
         ``[R, total]``) -> ``[total]``, each tensor's entries the bits :meth:`_decode_sum`
         gives for it alone (every entry sees the same operations: its rows' codes times
         their bucket's step added in rank order, its bucket's offset taken off, the division)."""
         steps = norms / self.levels  # [R, buckets]
-        total = torch.zeros(codes.shape[1], dtype=torch.float32, device=codes.device)
+        total = (torch.zeros(codes.shape[1], dtype=torch.float32, device=codes.device)
+                 if out is None else out.zero_())
         for row in range(codes.shape[0]):
             total.addcmul_(codes[row], steps[row].index_select(0, layout.segment))
         offsets = _rank_sum(norms)  # [buckets]

@@ -191,19 +191,19 @@ class Sign(ExchangeStateCheck, Compressor):
         average = dense_tail(flat, count, comm)
         if layout is not None:
             rows = flat[:, :count]
-            decoded, averaged = _gathered(rows, layout, comm)
+            decoded, _ = _gathered(rows, layout, comm, out=average[:count])
             rows.sub_(decoded)  # the residual, elementwise the ordinary ``flat - decoded``
-            average[:count] = averaged
         return average
 
 
 def _gathered(
-    flat: torch.Tensor, layout: SegmentLayout, comm: Collective
+    flat: torch.Tensor, layout: SegmentLayout, comm: Collective, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensors laid end to end in the rows of ``flat[L, total]`` sent as one message per
     worker (every tensor's scale, then all sign bits as one packed stream), all-gathered;
     returns ``(decoded, averaged)``: ``[L, total]`` what each local worker's own message
-    decodes to, and ``[total]`` the average of every worker's."""
+    decodes to, and ``[total]`` the average of every worker's (written into ``out`` where
+    given, else a new tensor)."""
     owner = layout.owner
     scale = _mean_abs(flat, layout)  # [L, T]; an empty tensor's scale is 0
     bits = flat >= 0
@@ -215,9 +215,10 @@ def _gathered(
     all_scales = reinterpret(gathered[:, : head.shape[1]], torch.float32)  # [W, T]
     payload = gathered[:, head.shape[1] :]
     if cpu_form(payload.device) and MAX_KEY_WORKERS > 0:
-        return decoded, _average_by_table(layout.numels, payload, all_scales, comm.world_size)
+        return decoded, _average_by_table(layout.numels, payload, all_scales, comm.world_size,
+                                          out)
     averaged = _average_together(unpack_bits(payload, 1, layout.total), all_scales, owner,
-                                 comm.world_size)
+                                 comm.world_size, out)
     return decoded, averaged
 
 
@@ -255,23 +256,26 @@ def _sign_average(bits: torch.Tensor, scale: torch.Tensor, world_size: int) -> t
 
 def _average_together(
     bits: torch.Tensor, scales: torch.Tensor, owner: torch.Tensor, world_size: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every tensor's average (``[total]``, end to end) from the unpacked bits
     ``bits[W, total]`` and the scales ``scales[W, T]`` (``owner``: each entry's tensor), all
     tensors at once: each entry sees the operations of :func:`_sign_average` (its own
     tensor's scales, workers added in rank order, then the sum of its tensor's scales taken
-    off), so the bits are the same."""
+    off), so the bits are the same. Written into ``out`` where given."""
     per_entry = scales.index_select(1, owner)  # [W, total]
-    acc = _sign_sum(bits, per_entry)
+    acc = _sign_sum(bits, per_entry, None if out is None else out.zero_())
     offsets = _scale_total(scales)  # [T], each as _finish sums one tensor's
     return acc.sub_(offsets.index_select(0, owner)).div_(world_size)
 
 
 def _average_by_table(
-    numels: Sequence[int], payload: torch.Tensor, scales: torch.Tensor, world_size: int
+    numels: Sequence[int], payload: torch.Tensor, scales: torch.Tensor, world_size: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Every tensor's average (``[total]``, tensors of ``numels`` entries end to end) from the
-    packed bits ``payload[W, bytes]`` (CPU), equal to :func:`_sign_average` bit for bit.
+    """Every tensor's average (``[total]``, tensors of ``numels`` entries end to end, written
+    into ``out`` where given) from the packed bits ``payload[W, bytes]`` (CPU), equal to
+    :func:`_sign_average` bit for bit.
 
     The sum over the first ``G = min(W, 8)`` workers depends only on an entry's ``G`` sign
     bits, so the ``2**G`` possible values are computed by the same operations (one per
@@ -301,7 +305,8 @@ def _average_by_table(
     if rest is None:
         values.sub_(_scale_total(scales).unsqueeze(1)).div_(world_size)
     tables = values.index_select(1, parts.reshape(-1)).reshape(len(numels), -1, e).numpy()
-    out = torch.empty(total, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(total, dtype=torch.float32)
     start = 0
     for t, numel in enumerate(numels):
         scale, table = scales[:, t], tables[t]
