@@ -31,11 +31,13 @@ WORLD = 3
 #: (cheaper than its sparse message at W=3): the row then holds both kinds; 50% sends most
 #: small tensors dense; Rand-k and QSGD draw their noise from the tensors' names; QSGD keeps
 #: no residual (unbiased: no error feedback by default), the same with one (pinned to the
-#: all-gather: at three workers it shards most of these tensors).
+#: all-gather: at three workers it shards most of these tensors); the hard threshold with a
+#: capacity keeps counters in its state.
 SPECS = ("topk:ratio=0.2", "topk:ratio=0.5", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
-         "qsgd:exchange=allgather+feedback")
+         "qsgd:exchange=allgather+feedback", "threshold:lam=0.05,capacity=0.2")
 #: One of each segment form, for the non-finite scenarios.
-NAN_SPECS = ("topk:ratio=0.2", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather")
+NAN_SPECS = ("topk:ratio=0.2", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
+             "threshold:lam=0.05,capacity=0.2")
 CAPS = {"one": ONE_BUCKET_MB, "several": TINY_BUCKET_MB}
 
 

@@ -19,6 +19,15 @@ from gradzip.spec import compressor_from_spec
 SHAPES = [(6, 5), (4,), (1,), (3, 3, 2), (2,), (40,)]
 
 
+def _same_tree(a: object, b: object) -> bool:
+    """Whether two states hold the same values, tensors bit for bit."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
 def _names(sizes: list[int]) -> list[str]:
     return [f"t{i}" for i in range(len(sizes))]
 
@@ -33,7 +42,8 @@ def _tensors(workers: int, seed: int) -> list[torch.Tensor]:
 #: Compressors with a segment form, with and without tensors sent dense.
 SEGMENT_SPECS = ("topk:ratio=0.05,exchange=allgather", "topk:ratio=0.3", "topk:ratio=1.0",
                  "sign:exchange=allgather", "sign", "randk:ratio=0.1", "randk:ratio=0.5",
-                 "qsgd:exchange=allgather", "qsgd:levels=4,bucket_size=7,exchange=allgather")
+                 "qsgd:exchange=allgather", "qsgd:levels=4,bucket_size=7,exchange=allgather",
+                 "threshold:lam=0.5,capacity=0.2", "threshold:lam=0.5,capacity=0.2,padded=false")
 
 
 @pytest.mark.parametrize("forms", ["cpu", "device"])
@@ -51,13 +61,14 @@ def test_segments_equal_reduce(spec: str, workers: int, forms: str) -> None:
     with device_forms() if forms == "device" else contextlib.nullcontext():
         jobs = [Job(f"t{i}", t.clone()) for i, t in enumerate(tensors)]
         ordinary = SimulatedGroup(workers)
-        compressor.reduce(jobs, compressor.init_group_state(shapes, workers, workers),
-                          ordinary, ctx)
+        ordinary_state = compressor.init_group_state(shapes, workers, workers)
+        compressor.reduce(jobs, ordinary_state, ordinary, ctx)
         rests = leftovers(jobs)
         row = torch.cat([tensors[i].reshape(workers, -1) for i in plan.order], dim=1)
         segmented = SimulatedGroup(workers)
-        average = compressor.reduce_segments(
-            row, plan, compressor.init_group_state(shapes, workers, workers), segmented, ctx)
+        segmented_state = compressor.init_group_state(shapes, workers, workers)
+        average = compressor.reduce_segments(row, plan, segmented_state, segmented, ctx)
+    assert _same_tree(segmented_state, ordinary_state)
     starts = [0]
     for i in plan.order:
         starts.append(starts[-1] + sizes[i])
@@ -90,13 +101,20 @@ def test_topk_has_no_segment_form_where_a_tensor_is_sharded_or_positions_overflo
     assert TopK(ratio=0.01).segment_plan([], [], 2, torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=2", "threshold:lam=0.01"])
-def test_other_compressors_have_no_segment_form(spec: str) -> None:
+@pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=2", "threshold:lam=0.01",
+                                  "threshold:budget=0.01,capacity=0.1"])
+def test_other_compressors_and_forms_have_no_segment_form(spec: str) -> None:
+    # The threshold's exchanged sizes and its budget read values on the host: no segment form.
     compressor = compressor_from_spec(spec)
     assert compressor.segment_plan(["a", "b"], [10, 20], 2, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=2"])
+def test_the_default_segment_form_refuses(spec: str) -> None:
     with pytest.raises(NotImplementedError, match="no segment form"):
-        compressor.reduce_segments(torch.zeros(1, 30), SegmentPlan((0, 1), None), {},
-                                   SimulatedGroup(2), StepContext(0, (0, 1), 2))
+        compressor_from_spec(spec).reduce_segments(
+            torch.zeros(1, 30), SegmentPlan((0, 1), None), {}, SimulatedGroup(2),
+            StepContext(0, (0, 1), 2))
 
 
 @pytest.mark.parametrize("spec", ["qsgd", "sign", "topk:ratio=0.01"])

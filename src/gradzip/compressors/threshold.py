@@ -10,7 +10,15 @@ import torch
 
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective, allreduce_wire_bytes
-from gradzip.compressors.base import Compressor, Job, StepContext, dense_reduce
+from gradzip.compressors.base import (
+    Compressor,
+    Job,
+    SegmentPlan,
+    StepContext,
+    dense_reduce,
+    dense_tail,
+    gathered_or_dense_plan,
+)
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
     by_form,
@@ -20,10 +28,11 @@ from gradzip.compressors.sharded_sparse import (
     sharded_reduce,
 )
 from gradzip.compressors.sparse import index_bytes
-from gradzip.compressors.threshold_capacity import reduce_capacity
+from gradzip.compressors.threshold_capacity import gather_row, reduce_capacity
 from gradzip.compressors.threshold_law import next_lambda
 from gradzip.compressors.threshold_sized import reduce_sized
 from gradzip.ops.flat import cat_rows
+from gradzip.ops.segmented import MAX_ENTRIES, SegmentLayout, segment_layout
 from gradzip.ops.select import topk_abs
 
 __all__ = ["HardThreshold"]
@@ -264,6 +273,42 @@ class HardThreshold(Compressor):
             taken = {"allgather": len(forms["allgather"]) - dense, "sharded": len(forms["sharded"]),
                      "dense": len(forms["dense"]) + dense}
             state["exchange"] = {f: state["exchange"][f] + taken[f] for f in _FORMS}
+
+    def segment_plan(
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
+    ) -> SegmentPlan | None:
+        """With ``lam`` and a ``capacity`` (the form whose decisions stay on the device): the
+        row's order (the all-gathered tensors, then those sent dense, each kind in the
+        engine's order, as :meth:`reduce` groups them) and the slots' layout, where the
+        all-gathered tensors' flat positions fit in one piece (see
+        :meth:`~gradzip.compressors.base.Compressor.segment_plan`); else ``None``."""
+        if not self.device_decisions:
+            return None
+        forms = [self.exchange_for(n, world_size) for n in sizes]
+        if sum(n for n, form in zip(sizes, forms, strict=True) if form != "dense") > MAX_ENTRIES:
+            return None
+
+        def layout(picked: list[int]) -> SegmentLayout:
+            numels = [sizes[i] for i in picked]
+            return segment_layout(numels, [self.slots_for(n) for n in numels], device)
+
+        return gathered_or_dense_plan(forms, sizes, layout)
+
+    def reduce_segments(
+        self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        """:meth:`reduce` on tensors already laid end to end (see
+        :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the dense tensors'
+        all-reduce first, then the fixed-capacity all-gather of the others, counted as
+        :meth:`reduce` counts it; the same averages and state."""
+        layout, count = plan.data
+        average = dense_tail(flat, count, comm)
+        if layout is not None:
+            total, sent = gather_row(flat[:, :count], layout, state["lam"], self.padded, comm)
+            torch.div(total, comm.world_size, out=average[:count])
+            _count(state, sent, comm.world_size * count)
+        return average
 
     def _choose_by_shape(self, jobs: Sequence[Job], world: int) -> dict[str, list[Job]]:
         def form_of(numel: int) -> str:

@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Job
-from gradzip.compressors.sparse import gather_flat, select_positions
+from gradzip.compressors.base import Job, give_averages, job_rows
+from gradzip.compressors.sparse import exchange_positions, select_positions
 from gradzip.ops.flat import cat_rows
-from gradzip.ops.segmented import pieces, segment_layout
+from gradzip.ops.segmented import SegmentLayout, pieces, segment_layout
 
-__all__ = ["reduce_capacity"]
+__all__ = ["gather_row", "reduce_capacity"]
 
 
 def reduce_capacity(jobs: Sequence[Job], lam: float, slots_for: Callable[[int], int],
@@ -48,11 +48,26 @@ def reduce_capacity(jobs: Sequence[Job], lam: float, slots_for: Callable[[int], 
 
 def _gather_call(jobs: Sequence[Job], lam: float, slots_for: Callable[[int], int], padded: bool,
                  comm: Collective) -> torch.Tensor:
-    workers, world = comm.local_workers, comm.world_size
     numels = [j.numel for j in jobs]
     layout = segment_layout(numels, [slots_for(n) for n in numels], jobs[0].tensor.device)
     # A fresh buffer (it becomes the residuals): the call's tensors laid end to end.
-    flat = cat_rows([j.tensor for j in jobs], workers)
+    flat = cat_rows([j.tensor for j in jobs], comm.local_workers)
+    total, sent = gather_row(flat, layout, lam, padded, comm)
+    for job, part in zip(jobs, job_rows(jobs, flat), strict=True):
+        job.keep(part)
+    give_averages(jobs, total.div_(comm.world_size))
+    return sent
+
+
+def gather_row(flat: torch.Tensor, layout: SegmentLayout, lam: float, padded: bool,
+               comm: Collective) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed-capacity all-gather of the tensors laid end to end in the rows of
+    ``flat[L, total]`` (``layout``: each tensor's slots), ``flat`` left with the residuals.
+
+    Returns:
+        ``(total, sent)``: ``[total]`` the sum over workers of what they sent (a new tensor),
+        and the entries counted as sent (a 0-d float64 tensor; see :func:`reduce_capacity`).
+    """
     # Each tensor's ``slots`` largest entries: every entry at or above lambda when there are
     # no more of them than slots, else the largest of them. Sizes come from shapes only, so
     # no worker reads a count on the host.
@@ -60,8 +75,8 @@ def _gather_call(jobs: Sequence[Job], lam: float, slots_for: Callable[[int], int
     picked = flat.gather(1, positions)
     above = picked.abs() >= lam  # NaN never reaches lambda
     values = picked.masked_fill(above.logical_not(), 0.0)  # a slot below lambda: padding
-    received = gather_flat(jobs, flat, positions, layout, comm, values=values,
-                           left=picked.masked_fill(above, 0.0))
+    total, received = exchange_positions(flat, positions, layout, comm, values=values,
+                                         left=picked.masked_fill(above, 0.0))
     if padded:  # the wire's volume: every slot of every worker
-        return torch.tensor(float(world * layout.selected), dtype=torch.float64)
-    return received.ne(0).sum(dtype=torch.float64)  # the non-zero values of every message
+        return total, torch.tensor(float(comm.world_size * layout.selected), dtype=torch.float64)
+    return total, received.ne(0).sum(dtype=torch.float64)  # the non-zero values of every message
