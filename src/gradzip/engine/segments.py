@@ -23,7 +23,8 @@ It applies where the ordinary device path would run (:func:`~gradzip.engine.devi
 in a real process group of one worker per process, no tensor of the bucket is routed dense
 by the engine or to a rule's compressor, error feedback is on for all of them or none, and
 the compressor's :meth:`~gradzip.compressors.base.Compressor.segment_plan` has a form for the
-bucket (Top-k, Rand-k, QSGD and Sign, where no tensor takes the sharded exchange).
+bucket (Top-k, Rand-k, QSGD, Sign and the hard threshold with ``lam`` and a ``capacity``,
+where no tensor takes the sharded exchange).
 Everything else takes the ordinary call. The results, state, counters and compression-error
 sums are the ordinary device path's, bit for bit (tested against it and against the host
 path).
