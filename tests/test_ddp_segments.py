@@ -32,12 +32,14 @@ WORLD = 3
 #: small tensors dense; Rand-k and QSGD draw their noise from the tensors' names; QSGD keeps
 #: no residual (unbiased: no error feedback by default), the same with one (pinned to the
 #: all-gather: at three workers it shards most of these tensors); the hard threshold with a
-#: capacity keeps counters in its state.
+#: capacity keeps counters in its state; with ``dense_1d`` the engine sends the biases dense
+#: itself, beside the compressor's row.
 SPECS = ("topk:ratio=0.2", "topk:ratio=0.5", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
-         "qsgd:exchange=allgather+feedback", "threshold:lam=0.05,capacity=0.2")
+         "qsgd:exchange=allgather+feedback", "threshold:lam=0.05,capacity=0.2",
+         "topk:ratio=0.2+dense_1d")
 #: One of each segment form, for the non-finite scenarios.
 NAN_SPECS = ("topk:ratio=0.2", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
-             "threshold:lam=0.05,capacity=0.2")
+             "threshold:lam=0.05,capacity=0.2", "topk:ratio=0.2+dense_1d")
 CAPS = {"one": ONE_BUCKET_MB, "several": TINY_BUCKET_MB}
 
 
@@ -49,8 +51,10 @@ def _layouts(state: Any) -> list[Any]:
 
 
 def _segmented(state: Any) -> bool:
-    """Whether every bucket's last call went the segment path."""
-    layouts = _layouts(state)
+    """Whether every bucket went the segment path (but those whose tensors the engine sends
+    dense, which have nothing to compress)."""
+    dense = state.engine.dense_names
+    layouts = [layout for layout in _layouts(state) if set(layout.names) - dense]
     return bool(layouts) and all(
         layout.segments is not None and layout.segments.calls > 0 for layout in layouts)
 
@@ -65,10 +69,12 @@ def _run(rank: int, spec: str, *, path: str, cap: float, fuse: bool = False,
     model = chain(5)
     ddp = DDP(model, bucket_cap_mb=cap)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    spec, _, feedback = spec.partition("+")  # "+feedback": error feedback switched on
+    # "+feedback": error feedback switched on; "+dense_1d": 1-D tensors sent dense by the engine.
+    spec, *flags = spec.split("+")
     state = gradzip.ddp.register(ddp, spec, optimizer=opt, nonfinite=policy,
                                  fuse_buckets=fuse, overlap=not fuse,
-                                 error_feedback=True if feedback else None)
+                                 error_feedback=True if "feedback" in flags else None,
+                                 dense_1d="dense_1d" in flags)
     state.engine.decide_on = "host" if path == "host" else "device"
     if load is not None:
         model.load_state_dict(load["model"])

@@ -64,9 +64,13 @@ class Segments:
         row: ``[1, N]`` fp32, the gradients in the plan's order (filled at every call).
         pairs: ``(bucket memory, slice of row)`` per run of gradients adjacent both in the
             bucket and in the row.
-        likes: the gradients (worker axis first) in the row's order: the shapes of the
-            row's views.
-        at: for each tensor in the engine's order, its place in the row's order.
+        names: the compressed tensors (all but those the engine sends dense), in the
+            engine's order.
+        compressed: their entries: the row's first part, in the plan's order; the tensors
+            the engine sends dense (``dense_1d``, ``min_numel``) follow, in the engine's order.
+        likes: the compressed gradients (worker axis first) in the row's order: the shapes of
+            the row's views.
+        at: for each compressed tensor in the engine's order, its place in the row's order.
         residuals: the views the last call made of its residual row, in the engine's order
             (the steady state's compensation reads that row, ``last``, without looking at
             each view's memory).
@@ -77,6 +81,8 @@ class Segments:
     plan: SegmentPlan | None
     row: torch.Tensor | None = None
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    compressed: int = 0
     likes: list[torch.Tensor] = field(default_factory=list)
     at: list[int] = field(default_factory=list)
     residuals: list[torch.Tensor] = field(default_factory=list)
@@ -100,35 +106,39 @@ def segments_apply(engine: EngineBase, step: Step, layout: BucketLayout) -> bool
     if seg.plan is None:
         return False
     kept = engine.residuals
-    return not engine.error_feedback or all(n in kept for n in layout.names)
+    return not engine.error_feedback or all(n in kept for n in seg.names)
 
 
 def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int]) -> Segments:
-    # Every tensor alike: each keeps a residual (error feedback), or none does.
-    feedback, dense, keep = engine._feedback, engine.dense_names, engine.error_feedback
-    if any(n in dense or (n in feedback) != keep for n in layout.names):
+    # The compressed tensors alike: each keeps a residual (error feedback), or none does.
+    feedback, keep = engine._feedback, engine.error_feedback
+    where = {n: i for i, n in enumerate(layout.names)}
+    compressed = [n for n in layout.names if n not in engine.dense_names]
+    dense = [where[n] for n in layout.names if n in engine.dense_names]
+    if not compressed or any((n in feedback) != keep for n in compressed):
         return Segments(key, None)
-    plan = engine.compressor.segment_plan(layout.names, layout.sizes, engine.comm.world_size,
-                                          layout.buffer.device)
+    plan = engine.compressor.segment_plan(compressed, [layout.sizes[where[n]] for n in compressed],
+                                          engine.comm.world_size, layout.buffer.device)
     if plan is None:
         return Segments(key, None)
-    order = list(plan.order)
-    assert sorted(order) == list(range(len(layout.names))), "a plan's order is a permutation"
+    assert sorted(plan.order) == list(range(len(compressed))), "a plan's order is a permutation"
+    order = [where[compressed[i]] for i in plan.order]  # bucket tensors, in the row's order
     row = torch.empty(1, layout.numel, dtype=torch.float32, device=layout.buffer.device)
     flat = row.view(-1)
     pairs = [(src, flat[start : start + src.numel()])
-             for src, start in _runs([layout.views[i] for i in order])]
-    at = [0] * len(order)
-    for place, i in enumerate(order):
+             for src, start in _runs([layout.views[i] for i in order + dense])]
+    at = [0] * len(plan.order)
+    for place, i in enumerate(plan.order):
         at[i] = place
-    return Segments(key, plan, row, pairs, [layout.grads[i] for i in order], at)
+    return Segments(key, plan, row, pairs, compressed, sum(layout.sizes[i] for i in order),
+                    [layout.grads[i] for i in order], at)
 
 
-def _residual_row(seg: Segments, engine: EngineBase, layout: BucketLayout) -> torch.Tensor:
-    """``[1, N]``: the residuals of the bucket's tensors in the row's order (the last call's
+def _residual_row(seg: Segments, engine: EngineBase) -> torch.Tensor:
+    """``[1, C]``: the residuals of the compressed tensors in the row's order (the last call's
     row where they are still the views it made, else :func:`~gradzip.ops.flat.pack`'s)."""
     kept = engine.residuals
-    now = [kept[n] for n in layout.names]
+    now = [kept[n] for n in seg.names]
     if seg.last is not None and all(map(operator.is_, now, seg.residuals)):
         return seg.last
     assert seg.plan is not None
@@ -152,28 +162,38 @@ def reduce_segments_on_device(
     seg = layout.segments
     assert seg is not None and seg.row is not None
     seg.calls += 1
-    comm_in, names = engine.comm, layout.names
+    comm_in, names, count = engine.comm, seg.names, seg.compressed
     device, world = seg.row.device, comm_in.world_size
     # DDP orders a bucket by when its gradients became ready, the engine by its parameter
-    # order (the message's layout): one multi-tensor copy puts them in order, one add
-    # compensates them all (elementwise the ordinary path's ``grad + residual``).
+    # order (the message's layout): one multi-tensor copy puts them in the row's order, one
+    # add compensates them all (elementwise the ordinary path's ``grad + residual``).
     torch._foreach_copy_([part for _, part in seg.pairs], [src for src, _ in seg.pairs])
+    grads, dense = seg.row[:, :count], seg.row[:, count:]
     keep = engine.error_feedback
-    previous = _residual_row(seg, engine, layout) if keep else None
+    previous = _residual_row(seg, engine) if keep else None
     # Without error feedback the compressor reads the gradients themselves (what it leaves
     # in the row is dropped); with it, a new row: the residuals will be views of it (memory
     # made in this call, as the residual contract asks).
-    row = seg.row if previous is None else torch.add(seg.row, previous)
-    bad = nonfinite_flag(row).reshape(1)
-    rider = HeaderRider(comm_in, code_of(engine, step, call, layout.set_code), bad,
+    row = grads if previous is None else torch.add(grads, previous)
+    bad = nonfinite_flag(row)
+    if dense.numel():
+        bad = bad | nonfinite_flag(dense)
+    rider = HeaderRider(comm_in, code_of(engine, step, call, layout.set_code), bad.reshape(1),
                         lambda: out_of_step(engine, step, call))
     views: list[torch.Tensor] = []
     if keep:
         in_row = unpack_like(row.view(-1), seg.likes)
         views = [in_row[place] for place in seg.at]  # the engine's order, as the ordinary call's
         inputs = torch._foreach_norm(views)  # the compressor's input, before it overwrites it
+    out = seg.row.view(-1)
+    if dense.numel():
+        # The tensors the engine routes dense first, by one exact all-reduce, as the ordinary
+        # call sends them before the compressor's (the header rides with them); their
+        # averages go where they came from in the row, read by then.
+        torch.div(rider.all_reduce_cat([dense]), world, out=out[count:])
     average = engine.compressor.reduce_segments(row, seg.plan, engine.compressor_state, rider,
                                                 engine._context())
+    out[:count].copy_(average)
     bad = rider.finish_on_device(device)
     if rider.disagree is not None and world > 1:
         step.desync_dev = or_flag(step.desync_dev, rider.disagree)
@@ -184,7 +204,7 @@ def reduce_segments_on_device(
             f"{engine.compressor.spec()} changed its state in a way a device rollback "
             "cannot undo; it must not declare device_decisions"
         )
-    flag = bad | any_nonfinite([average, *changed], device)
+    flag = bad | any_nonfinite([out, *changed], device)
     mask, fill = policy.keep_on_device(engine, step, names if keep else [], views, before,
                                        flag, one_buffer=True)
     if keep:
@@ -197,8 +217,7 @@ def reduce_segments_on_device(
                                  lambda: engine.compressor.tensor_levels(engine.compressor_state))
     if call.finish_step:
         finish_on_device(engine, step, policy, device)
-    average.masked_fill_(mask, fill)
-    # Back into the bucket, run by run: the row buffer is free again, so the average goes
-    # there first and the pairs made once serve (no slice per run per call).
-    seg.row.view(-1).copy_(average)
+    # Back into the bucket, run by run, from the row buffer (the pairs made once serve: no
+    # slice per run per call).
+    out.masked_fill_(mask, fill)
     torch._foreach_copy_([src for src, _ in seg.pairs], [part for _, part in seg.pairs])
