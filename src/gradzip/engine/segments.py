@@ -20,11 +20,12 @@ residuals:
    the bucket.
 
 It applies where the ordinary device path would run (:func:`~gradzip.engine.device.decides_on_device`)
-in a real process group of one worker per process, no tensor of the bucket is routed dense
-by the engine or to a rule's compressor, error feedback is on for all of them or none, and
-the compressor's :meth:`~gradzip.compressors.base.Compressor.segment_plan` has a form for the
-bucket (Top-k, Rand-k, QSGD, Sign and the hard threshold with ``lam`` and a ``capacity``,
-where no tensor takes the sharded exchange).
+in a real process group of one worker per process, no tensor of the bucket goes to a rule's
+compressor, error feedback is on for all its compressed tensors or none, and the compressor's
+:meth:`~gradzip.compressors.base.Compressor.segment_plan` has a form for them (Top-k, Rand-k,
+QSGD, Sign and the hard threshold with ``lam`` and a ``capacity``, where no tensor takes the
+sharded exchange). Tensors the engine sends dense (``dense_1d``, ``min_numel``) follow the
+compressed ones in the row and travel first, by one exact all-reduce, as on the ordinary path.
 Everything else takes the ordinary call. The results, state, counters and compression-error
 sums are the ordinary device path's, bit for bit (tested against it and against the host
 path).
