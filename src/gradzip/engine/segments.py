@@ -63,8 +63,9 @@ class Segments:
         plan: the compressor's :meth:`~gradzip.compressors.base.Compressor.segment_plan`,
             or ``None`` where the bucket takes the ordinary call.
         row: ``[1, N]`` fp32, the gradients in the plan's order (filled at every call).
-        pairs: ``(bucket memory, slice of row)`` per run of gradients adjacent both in the
-            bucket and in the row.
+        sources, parts: per run of gradients adjacent both in the bucket and in the row, its
+            bucket memory and its slice of ``row`` (the two sides of the multi-tensor copies
+            in and out, made once).
         names: the compressed tensors (all but those the engine sends dense), in the
             engine's order.
         compressed: their entries: the row's first part, in the plan's order; the tensors
@@ -81,7 +82,8 @@ class Segments:
     key: tuple[object, int]
     plan: SegmentPlan | None
     row: torch.Tensor | None = None
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    sources: list[torch.Tensor] = field(default_factory=list)
+    parts: list[torch.Tensor] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
     compressed: int = 0
     likes: list[torch.Tensor] = field(default_factory=list)
@@ -126,13 +128,14 @@ def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int]) ->
     order = [where[compressed[i]] for i in plan.order]  # bucket tensors, in the row's order
     row = torch.empty(1, layout.numel, dtype=torch.float32, device=layout.buffer.device)
     flat = row.view(-1)
-    pairs = [(src, flat[start : start + src.numel()])
-             for src, start in _runs([layout.views[i] for i in order + dense])]
+    runs = _runs([layout.views[i] for i in order + dense])
+    sources = [src for src, _ in runs]
+    parts = [flat[start : start + src.numel()] for src, start in runs]
     at = [0] * len(plan.order)
     for place, i in enumerate(plan.order):
         at[i] = place
-    return Segments(key, plan, row, pairs, compressed, sum(layout.sizes[i] for i in order),
-                    [layout.grads[i] for i in order], at)
+    return Segments(key, plan, row, sources, parts, compressed,
+                    sum(layout.sizes[i] for i in order), [layout.grads[i] for i in order], at)
 
 
 def _residual_row(seg: Segments, engine: EngineBase) -> torch.Tensor:
@@ -168,7 +171,7 @@ def reduce_segments_on_device(
     # DDP orders a bucket by when its gradients became ready, the engine by its parameter
     # order (the message's layout): one multi-tensor copy puts them in the row's order, one
     # add compensates them all (elementwise the ordinary path's ``grad + residual``).
-    torch._foreach_copy_([part for _, part in seg.pairs], [src for src, _ in seg.pairs])
+    torch._foreach_copy_(seg.parts, seg.sources)
     grads, dense = seg.row[:, :count], seg.row[:, count:]
     keep = engine.error_feedback
     previous = _residual_row(seg, engine) if keep else None
@@ -218,7 +221,7 @@ def reduce_segments_on_device(
                                  lambda: engine.compressor.tensor_levels(engine.compressor_state))
     if call.finish_step:
         finish_on_device(engine, step, policy, device)
-    # Back into the bucket, run by run, from the row buffer (the pairs made once serve: no
+    # Back into the bucket, run by run, from the row buffer (the slices made once serve: no
     # slice per run per call).
     out.masked_fill_(mask, fill)
-    torch._foreach_copy_([src for src, _ in seg.pairs], [part for _, part in seg.pairs])
+    torch._foreach_copy_(seg.sources, seg.parts)
