@@ -11,6 +11,9 @@ Skipped without a CUDA device. ``benchmarks/gpu_check.sh`` runs this file on a G
   error, both on the compressor alone and through the :class:`~gradzip.Engine`.
 * Every compressor, the sparse ones whose CPU paths go through NumPy included, computes on CUDA
   what it computes on the CPU from the same inputs (to float rounding).
+* A DDP bucket of a compressor with a segment form takes the segment path on CUDA
+  (``gradzip.engine.segments``), issues no host synchronisation in steady state, and leaves
+  what the host path leaves, bit for bit (``tests/test_segments_single.py`` on the CPU).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import test_segments_single as single_bucket
 from gradzip import Engine
 from gradzip.comm.simulated import SimulatedGroup, SingleWorker
 from gradzip.compressors.base import Job, StepContext
@@ -213,3 +217,11 @@ def test_cuda_matches_cpu(spec: str, tol: float | None, workers: int | None) -> 
     assert set(engines["cpu"].residuals) == set(engines["cuda"].residuals)
     for name, rest in engines["cpu"].residuals.items():
         _close(engines["cuda"].residuals[name].cpu(), rest, tol, f"residual of {name}")
+
+
+@pytest.mark.parametrize("spec", single_bucket.SPECS)
+def test_the_segment_path_on_cuda_never_syncs_and_equals_the_host_path(spec: str) -> None:
+    got = single_bucket.run(spec, "auto", device="cuda", steady=_SyncsAreErrors())
+    want = single_bucket.run(spec, "host", device="cuda")
+    assert got["segments"] >= 4 and not want["segments"]
+    assert single_bucket.same(got, want)
