@@ -25,7 +25,11 @@ ops that other devices take in place of the CPU's own (what a GPU run's host doe
 PyTorch's ``powerSGD_hook`` is timed in one bucket, as ``op_counts.py`` counts it (with
 several buckets it can deadlock on gloo).
 
-The machine must be quiet: any other load shows in the figures. Results go to
+The machine must be quiet: any other load shows in the figures. With every scheme built in
+one process the rounds also spread more (on the 2-core machine a step without DDP moved
+between 5.7 and 11.7 ms from round to round, and native DDP's extra time between 1.3 and 2.4
+ms from run to run); with a few schemes (``--only``) rounds agree within a few percent, so
+compare a change that way, or in one process with ``benchmarks/engine_ab.py``. Results go to
 ``host_time.json`` and ``host_time.md`` in ``--out`` (default ``benchmarks/results/``).
 """
 
