@@ -415,17 +415,21 @@ def dense_tail(flat: torch.Tensor, start: int, comm: Collective) -> torch.Tensor
 
 def gathered_or_dense_plan(
     forms: Sequence[str], sizes: Sequence[int], make: Callable[[list[int]], Any],
+    most: int | None = None,
 ) -> SegmentPlan | None:
     """The segment plan of a compressor whose tensors travel in one message (``forms[i]``
-    ``"allgather"``) or dense (``"dense"``); any other form has no segment form (``None``).
-    The row holds the first kind, then the dense tensors, each kind in order; the plan's data
-    is ``(make(the first kind's indices), their entries)``, ``None`` in place of the first
-    where every tensor is dense."""
+    ``"allgather"``) or dense (``"dense"``); any other form has no segment form (``None``),
+    nor does a message of more than ``most`` entries (where its ordinary form would cut the
+    call in pieces: flat positions that must fit int32). The row holds the first kind, then
+    the dense tensors, each kind in order; the plan's data is ``(make(the first kind's
+    indices), their entries)``, ``None`` in place of the first where every tensor is dense."""
     gathered = [i for i, form in enumerate(forms) if form == "allgather"]
     dense = [i for i, form in enumerate(forms) if form == "dense"]
     if not forms or len(gathered) + len(dense) != len(forms):
         return None
     count = sum(sizes[i] for i in gathered)
+    if most is not None and count > most:
+        return None
     return SegmentPlan(tuple(gathered + dense), (make(gathered) if gathered else None, count))
 
 

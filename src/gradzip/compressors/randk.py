@@ -120,15 +120,13 @@ class RandK(Compressor):
         their flat positions fit in one piece (see
         :meth:`~gradzip.compressors.base.Compressor.segment_plan`); else ``None``."""
         forms = ["allgather" if self.k_for(n) < n else "dense" for n in sizes]
-        if sum(n for n, form in zip(sizes, forms, strict=True) if form != "dense") > MAX_ENTRIES:
-            return None
 
         def drawn(picked: list[int]) -> tuple[SegmentLayout, list[str]]:
             numels = [sizes[i] for i in picked]
             return (segment_layout(numels, [self.k_for(n) for n in numels], device),
                     [names[i] for i in picked])
 
-        return gathered_or_dense_plan(forms, sizes, drawn)
+        return gathered_or_dense_plan(forms, sizes, drawn, most=MAX_ENTRIES)
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,

@@ -284,15 +284,13 @@ class HardThreshold(Compressor):
         :meth:`~gradzip.compressors.base.Compressor.segment_plan`); else ``None``."""
         if not self.device_decisions:
             return None
-        forms = [self.exchange_for(n, world_size) for n in sizes]
-        if sum(n for n, form in zip(sizes, forms, strict=True) if form != "dense") > MAX_ENTRIES:
-            return None
 
         def layout(picked: list[int]) -> SegmentLayout:
             numels = [sizes[i] for i in picked]
             return segment_layout(numels, [self.slots_for(n) for n in numels], device)
 
-        return gathered_or_dense_plan(forms, sizes, layout)
+        return gathered_or_dense_plan([self.exchange_for(n, world_size) for n in sizes], sizes,
+                                      layout, most=MAX_ENTRIES)
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Job, give_averages, job_rows
-from gradzip.compressors.sparse import exchange_positions, select_positions
+from gradzip.compressors.base import Job
+from gradzip.compressors.sparse import exchange_positions, gather_flat, select_positions
 from gradzip.ops.flat import cat_rows
 from gradzip.ops.segmented import SegmentLayout, pieces, segment_layout
 
@@ -52,22 +52,30 @@ def _gather_call(jobs: Sequence[Job], lam: float, slots_for: Callable[[int], int
     layout = segment_layout(numels, [slots_for(n) for n in numels], jobs[0].tensor.device)
     # A fresh buffer (it becomes the residuals): the call's tensors laid end to end.
     flat = cat_rows([j.tensor for j in jobs], comm.local_workers)
-    total, sent = gather_row(flat, layout, lam, padded, comm)
-    for job, part in zip(jobs, job_rows(jobs, flat), strict=True):
-        job.keep(part)
-    give_averages(jobs, total.div_(comm.world_size))
-    return sent
+    positions, values, left = _slots(flat, layout, lam)
+    received = gather_flat(jobs, flat, positions, layout, comm, values=values, left=left)
+    return _sent(received, layout, padded, comm.world_size)
 
 
 def gather_row(flat: torch.Tensor, layout: SegmentLayout, lam: float, padded: bool,
                comm: Collective) -> tuple[torch.Tensor, torch.Tensor]:
     """The fixed-capacity all-gather of the tensors laid end to end in the rows of
-    ``flat[L, total]`` (``layout``: each tensor's slots), ``flat`` left with the residuals.
+    ``flat[L, total]`` (``layout``: each tensor's slots), ``flat`` left with the residuals:
+    :func:`reduce_capacity`'s exchange without a job per tensor.
 
     Returns:
         ``(total, sent)``: ``[total]`` the sum over workers of what they sent (a new tensor),
         and the entries counted as sent (a 0-d float64 tensor; see :func:`reduce_capacity`).
     """
+    positions, values, left = _slots(flat, layout, lam)
+    total, received = exchange_positions(flat, positions, layout, comm, values=values, left=left)
+    return total, _sent(received, layout, padded, comm.world_size)
+
+
+def _slots(flat: torch.Tensor, layout: SegmentLayout,
+           lam: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each tensor's slots in the rows of ``flat``: ``(positions, values sent, what the
+    residual keeps there)``."""
     # Each tensor's ``slots`` largest entries: every entry at or above lambda when there are
     # no more of them than slots, else the largest of them. Sizes come from shapes only, so
     # no worker reads a count on the host.
@@ -75,8 +83,12 @@ def gather_row(flat: torch.Tensor, layout: SegmentLayout, lam: float, padded: bo
     picked = flat.gather(1, positions)
     above = picked.abs() >= lam  # NaN never reaches lambda
     values = picked.masked_fill(above.logical_not(), 0.0)  # a slot below lambda: padding
-    total, received = exchange_positions(flat, positions, layout, comm, values=values,
-                                         left=picked.masked_fill(above, 0.0))
-    if padded:  # the wire's volume: every slot of every worker
-        return total, torch.tensor(float(comm.world_size * layout.selected), dtype=torch.float64)
-    return total, received.ne(0).sum(dtype=torch.float64)  # the non-zero values of every message
+    return positions, values, picked.masked_fill(above, 0.0)
+
+
+def _sent(received: torch.Tensor, layout: SegmentLayout, padded: bool, world: int) -> torch.Tensor:
+    """The entries counted as sent: with ``padded`` the wire's volume (every slot of every
+    worker), else the non-zero values of every message (``received``)."""
+    if padded:
+        return torch.tensor(float(world * layout.selected), dtype=torch.float64)
+    return received.ne(0).sum(dtype=torch.float64)

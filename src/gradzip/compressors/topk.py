@@ -117,14 +117,12 @@ class TopK(Compressor):
         the engine's order, as :meth:`reduce` groups them) and the selection's layout, where
         no tensor takes the sharded exchange and flat positions fit (see
         :meth:`Compressor.segment_plan`); else ``None``."""
-        if sum(sizes) > MAX_ENTRIES:
-            return None
         def layout(picked: list[int]) -> SegmentLayout:
             numels = [sizes[i] for i in picked]
             return segment_layout(numels, [self.k_for(n) for n in numels], device)
 
         return gathered_or_dense_plan([self.exchange_for(n, world_size) for n in sizes], sizes,
-                                      layout)
+                                      layout, most=MAX_ENTRIES)
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,

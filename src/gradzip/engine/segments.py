@@ -95,8 +95,9 @@ class Segments:
 
 def segments_apply(engine: EngineBase, step: Step, layout: BucketLayout) -> bool:
     """Whether the bucket's call may take the segment path, the device decision aside (the
-    caller asks :func:`~gradzip.engine.device.decides_on_device` too); builds the layout's
-    :class:`Segments` on first use."""
+    caller asks :func:`~gradzip.engine.device.decides_on_device` too, which also requires a
+    residual for every compressed tensor); builds the layout's :class:`Segments` on first
+    use."""
     comm = engine.comm
     if comm.simulated or comm.local_workers != 1 or engine.rule_compressors:
         return False
@@ -106,10 +107,7 @@ def segments_apply(engine: EngineBase, step: Step, layout: BucketLayout) -> bool
     seg = layout.segments
     if seg is None or seg.key[0] is not compressor or seg.key[1] != world:
         seg = layout.segments = _build(engine, layout, (compressor, world))
-    if seg.plan is None:
-        return False
-    kept = engine.residuals
-    return not engine.error_feedback or all(n in kept for n in seg.names)
+    return seg.plan is not None
 
 
 def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int]) -> Segments:
