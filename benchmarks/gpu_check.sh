@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# GPU check: the CUDA tests, then seconds per DDP training step (benchmarks/gpu_step.py).
+# GPU check: the CUDA tests, the host time a hook adds to a step on the GPU
+# (benchmarks/host_time.py --device cuda), then seconds per DDP training step
+# (benchmarks/gpu_step.py).
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR] [extra gpu_step.py arguments...]
 #   bash benchmarks/gpu_check.sh --dry-run          # what would run; works without a GPU
 #
 # Runs from a copy of the repository (nothing installed: PYTHONPATH=src). OUT_DIR defaults to
 # $OUT when set, else benchmarks/results/. Writes there: pytest_cuda.txt (the tests' full
-# report), gpu_step.json and gpu_step.md (the step times). Finishes in under 8 minutes: the
-# tests get at most TEST_TIMEOUT_S seconds (default 120), the step times --budget-s (default
-# 300 here; no row runs past it). The step table is printed last.
+# report), host_time/host_time.{json,md} (host time per step), gpu_step.json and gpu_step.md
+# (the step times). Finishes in under 9 minutes: the tests get at most TEST_TIMEOUT_S seconds
+# (default 120), the host times HOST_TIMEOUT_S (default 100), the step times --budget-s
+# (default 300 here; no row runs past it). The step table is printed last.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -17,6 +20,8 @@ PY="${PYTHON:-$(command -v python || command -v python3)}"
 if [ "${1:-}" = "--dry-run" ]; then
     shift
     echo "would run: $PY -m pytest -q -rfEs tests/test_cuda.py (timeout ${TEST_TIMEOUT_S:-120} s)"
+    echo "would run: $PY -m benchmarks.host_time --device cuda --paths auto --rounds 5" \
+         "(timeout ${HOST_TIMEOUT_S:-100} s)"
     exec "$PY" -m benchmarks.gpu_step --dry-run --budget-s "${BUDGET_S:-300}" "$@"
 fi
 
@@ -95,8 +100,15 @@ fi
 grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed|error" "$out/pytest_cuda.txt" | tail -n 40
 echo "tests exit code: $test_rc"
 
+echo "== host time per step on the GPU (tiny model: the GPU waits on the host)"
+mkdir -p "$out/host_time"
+timeout -k 10 "${HOST_TIMEOUT_S:-100}" "$PY" -m benchmarks.host_time --device cuda --paths auto \
+    --rounds 5 --out "$out/host_time" 2>&1 | tail -n 45
+host_rc=${PIPESTATUS[0]}
+echo "host time exit code: $host_rc"
+
 echo "== step times"
 "$PY" -m benchmarks.gpu_step --out "$out" --budget-s "${BUDGET_S:-300}" "$@"
 bench_rc=$?
-echo "tests exit code: $test_rc, step times exit code: $bench_rc"
-exit $(( test_rc != 0 || bench_rc != 0 ))
+echo "tests exit code: $test_rc, host time exit code: $host_rc, step times exit code: $bench_rc"
+exit $(( test_rc != 0 || host_rc != 0 || bench_rc != 0 ))

@@ -2,7 +2,7 @@
 
     python -m benchmarks.host_time [--out DIR] [--rounds R] [--steps N] [--warmup N]
                                    [--width W] [--buckets B] [--paths device,auto]
-                                   [--only SCHEME ...]
+                                   [--only SCHEME ...] [--device cpu|cuda]
 
 On a GPU a step of a small-to-medium model is often shorter than the host work a hook does
 to launch it: Python, dispatch, one launch per op. This script measures that host work on
@@ -29,7 +29,12 @@ The machine must be quiet: any other load shows in the figures. With every schem
 one process the rounds also spread more (on the 2-core machine a step without DDP moved
 between 5.7 and 11.7 ms from round to round, and native DDP's extra time between 1.3 and 2.4
 ms from run to run); with a few schemes (``--only``) rounds agree within a few percent, so
-compare a change that way, or in one process with ``benchmarks/engine_ab.py``. Results go to
+compare a change that way, or in one process with ``benchmarks/engine_ab.py``.
+
+``--device cuda`` times the same on a GPU: one NCCL process (world size 1), the model and its
+input on the GPU, each block of steps bracketed by ``torch.cuda.synchronize()``. The model is
+so small that the GPU waits on the host, so a block's time is the host's work, measured where
+it is paid, not estimated from the CPU's forms. Results go to
 ``host_time.json`` and ``host_time.md`` in ``--out`` (default ``benchmarks/results/``).
 """
 
@@ -78,7 +83,7 @@ class Trainer:
     def __init__(self, scheme: str, model_fn: Callable[[], nn.Module], inputs: torch.Tensor,
                  cap_mb: float, path: str) -> None:
         torch.manual_seed(0)
-        model = model_fn()
+        model = model_fn().to(inputs.device)
         self.scheme, self.path, self.inputs = scheme, path, inputs
         self.trained, self.buckets = op_counts._build(scheme, model, cap_mb,
                                                       force_device=path == "device")
@@ -95,20 +100,27 @@ class Trainer:
 
     def block(self, steps: int) -> float:
         """Seconds per step, the mean over ``steps`` steps."""
+        cuda = self.inputs.is_cuda
         with self.forms():
+            if cuda:
+                torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(steps):
                 self.step()
+            if cuda:
+                # Work still queued on the GPU belongs to this block.
+                torch.cuda.synchronize()
             return (time.perf_counter() - start) / steps
 
 
 def measure(schemes: list[str], paths: list[str], *, width: int, buckets: int, rounds: int,
-            steps: int, warmup: int, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+            steps: int, warmup: int, device: str = "cpu",
+            log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Every scheme on every path, interleaved; one row per (path, scheme)."""
-    op_counts._init_group()
+    op_counts._init_group("nccl" if device == "cuda" else "gloo")
     model_fn = _model_fn(width)
     torch.manual_seed(0)
-    inputs = torch.randn(2, 3, 32, 32)
+    inputs = torch.randn(2, 3, 32, 32).to(device)
     cap_mb = op_counts._bucket_cap_mb(model_fn, inputs, buckets)
     trainers = [Trainer(s, model_fn, inputs, cap_mb, p) for p in paths for s in schemes
                 if p == paths[0] or s.startswith("gradzip")]
@@ -171,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=None, metavar="SCHEME",
                         help=f"time only these schemes (repeatable; local and ddp are always "
                              f"timed): {', '.join(SCHEMES)}")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device; none is available")
     if min(args.rounds, args.steps, args.width, args.buckets) < 1 or args.warmup < 1:
         parser.error("--rounds, --steps, --warmup, --width and --buckets must be >= 1")
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -183,10 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     schemes = ["local", "ddp", *[s for s in (args.only or SCHEMES) if s not in ("local", "ddp")]]
     torch.set_num_threads(1)
     rows = measure(schemes, paths, width=args.width, buckets=args.buckets, rounds=args.rounds,
-                   steps=args.steps, warmup=args.warmup)
+                   steps=args.steps, warmup=args.warmup, device=args.device)
     found = verdicts(rows)
     meta = {"torch": torch.__version__, "gradzip": gradzip.__version__, "world_size": 1,
-            "backend": "gloo", "model": f"resnet18 (CIFAR) width {args.width}",
+            "device": args.device, "backend": "nccl" if args.device == "cuda" else "gloo",
+            "model": f"resnet18 (CIFAR) width {args.width}",
             "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
             "buckets": args.buckets, "paths": paths, "overlap": False,
             "command": " ".join(sys.argv)}

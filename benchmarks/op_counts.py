@@ -225,7 +225,7 @@ def _bucket_cap_mb(model_fn: Callable[[], nn.Module], inputs: torch.Tensor, buck
     best = (buckets, total / buckets)
     for factor in (1.001, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 1.1, 1.2, 1.3):
         cap = total / buckets * factor
-        ddp = DistributedDataParallel(model_fn(), bucket_cap_mb=cap)
+        ddp = DistributedDataParallel(model_fn().to(inputs.device), bucket_cap_mb=cap)
         for _ in range(2):  # the first backward rebuilds the buckets
             ddp(inputs).float().sum().backward()
         got = _bucket_count(ddp)
@@ -326,11 +326,11 @@ def count_scheme(scheme: str, model_fn: Callable[[], nn.Module], inputs: torch.T
     }
 
 
-def _init_group() -> None:
+def _init_group(backend: str = "gloo") -> None:
     if dist.is_initialized():
         return
     path = Path(tempfile.mkdtemp(prefix="gradzip-ops-")) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
 
 
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], torch.Tensor]]] = {

@@ -62,6 +62,9 @@ GATHERING = [
     # residuals made on the host and moved at the first call.
     "qsgd:levels=16,exchange=sharded",
     "sign:exchange=sharded",
+    # The hard threshold with a capacity: its message size comes from the shapes, what
+    # overflows the capacity stays in the residual, and its counters live on the device.
+    "threshold:lam=0.05,capacity=0.1",
 ]
 NO_HOST_SYNC = ALLREDUCE_ONLY + GATHERING
 
@@ -225,3 +228,76 @@ def test_the_segment_path_on_cuda_never_syncs_and_equals_the_host_path(spec: str
     want = single_bucket.run(spec, "host", device="cuda")
     assert got["segments"] >= 4 and not want["segments"]
     assert single_bucket.same(got, want)
+
+
+def test_where_many_brings_old_values_from_both_devices() -> None:
+    # State made on the host moves to the GPU piece by piece; a rollback may decide new values
+    # laid out in one GPU buffer whose old values are partly still on the host.
+    from gradzip.engine.deferred import where_many
+
+    before = [torch.tensor([1.0, 2.0]), torch.tensor([3.0], device="cuda")]
+    buffer = torch.tensor([10.0, 20.0, 30.0], device="cuda")
+    after = [buffer[:2], buffer[2:]]
+    for flag, want in ((True, [[1.0, 2.0], [3.0]]), (False, [[10.0, 20.0], [30.0]])):
+        got = where_many(torch.tensor(flag, device="cuda"), before, after)
+        assert [g.device.type for g in got] == ["cuda", "cuda"]
+        assert [g.tolist() for g in got] == want
+
+
+# Every gradzip scheme benchmarks/host_time.py times, as a DDP hook on a CUDA model: per bucket
+# (inline) and fused, through the engine's device path and each compressor's state as it moves
+# from the host (where it is made) to the GPU (where it is used).
+DDP_SPECS = ["none", "fp16", "powersgd:rank=4", "topk:ratio=0.01", "randk:ratio=0.01",
+             "qsgd:levels=16", "sign", "threshold:lam=0.001",
+             "threshold:lam=0.001,capacity=0.05", ACCORDION]
+
+
+def train_ddp(spec: str, device: str, *, fused: bool, steps: int = 5,
+              decide_on: str = "auto") -> torch.nn.Module:
+    """A width-4 ResNet-18 in several DDP buckets with gradzip's hook for ``spec``, trained
+    ``steps`` steps on ``device`` (a process group must be up). The gradients of the step
+    before the last are NaN: the hook must roll its state back and hand back NaN buckets, and
+    the step is skipped as a ``GradScaler`` would skip it; the last step must train again.
+    Returns the model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradzip
+    from gradzip.train.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("resnet18", 10, width=4).to(device)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    state = gradzip.ddp.register(ddp, spec, overlap=False, fuse_buckets=fused, optimizer=opt)
+    state.engine.decide_on = decide_on  # "device": the CUDA path, also on the CPU
+    inputs = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)).to(device)
+    for step in range(steps):
+        poisoned = step == steps - 2
+        opt.zero_grad()
+        loss = ddp(inputs).float().pow(2).mean()
+        (loss * float("nan") if poisoned else loss).backward()
+        finite = all(torch.isfinite(p.grad).all() for p in model.parameters())
+        assert finite != poisoned, (spec, step)
+        if finite:
+            opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters()), spec
+    assert state.stats["skipped_steps"] == 1, spec
+    return model
+
+
+@pytest.fixture(scope="module")
+def nccl_group(tmp_path_factory: pytest.TempPathFactory):
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("nccl") / "store"
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-bucket", "fused"])
+@pytest.mark.parametrize("spec", DDP_SPECS)
+def test_ddp_hook_trains_on_cuda_and_skips_a_nan_step(spec: str, fused: bool,
+                                                      nccl_group: None) -> None:
+    train_ddp(spec, "cuda", fused=fused)

@@ -31,7 +31,7 @@ from gradzip.compressors.sparse import index_bytes
 from gradzip.compressors.threshold_capacity import gather_row, reduce_capacity
 from gradzip.compressors.threshold_law import next_lambda
 from gradzip.compressors.threshold_sized import reduce_sized
-from gradzip.ops.flat import cat_rows
+from gradzip.ops.flat import cat_rows, to_device
 from gradzip.ops.segmented import MAX_ENTRIES, SegmentLayout, segment_layout
 from gradzip.ops.select import topk_abs
 
@@ -433,6 +433,11 @@ def _count(state: dict[str, Any], sent: torch.Tensor | int, offered: int) -> Non
     exchanged-sizes form, which reads its counts on the host anyway) it is read as an int."""
     if isinstance(state["step_sent"], torch.Tensor):
         state["step_sent"] = state["step_sent"] + sent
+        # Both counters follow the messages to their device at the first call (queued, no
+        # host wait): a CPU counter beside a GPU one would split the step's finiteness test
+        # of the state across devices.
+        device = state["step_sent"].device
+        state["step_offered"] = to_device(state["step_offered"], device) + offered
     else:
         state["step_sent"] = state["step_sent"] + int(sent)
-    state["step_offered"] = state["step_offered"] + offered
+        state["step_offered"] = state["step_offered"] + offered

@@ -171,8 +171,14 @@ def where_many(
     for members in groups:
         now = [after[i] for i in members]
         # The old values where the new ones are (a queued copy; only a step that moved
-        # state made elsewhere pays it).
-        old = to_device(pack([before[i] for i in members]), now[0].device)
+        # state made elsewhere pays it). A group's old values need not share a device: state
+        # made on the host moves to the GPU piece by piece, at the call that first uses it,
+        # and a later call may lay pieces of both kinds out in one new buffer.
+        device = now[0].device
+        olds = [before[i] for i in members]
+        if any(o.device != device for o in olds):
+            olds = [to_device(o, device) for o in olds]
+        old = pack(olds)
         whole = pack(now)
         # A view (they tile a buffer) of memory apart from the old values' (a write into
         # memory the old values share would change them).

@@ -27,6 +27,8 @@ from functools import lru_cache
 
 import torch
 
+from gradzip.ops.flat import to_device
+
 __all__ = [
     "SegmentLayout", "in_segments", "pieces", "segment_keys", "segment_layout",
     "segmented_topk", "strided_random",
@@ -196,7 +198,9 @@ def segment_keys(keys: Sequence[int], device: torch.device | str) -> torch.Tenso
     does one multiplication fewer per draw.
     """
     mixed = [_signed(int(k) * _MIX1) for k in keys]
-    return torch.tensor(mixed, dtype=torch.int64).to(device)
+    # Made on the host every call (the keys change with the step): queued from page-locked
+    # memory, since a plain copy to a GPU would make the host wait for it.
+    return to_device(torch.tensor(mixed, dtype=torch.int64), device)
 
 
 def _signed(v: int) -> int:
