@@ -15,7 +15,6 @@ from gradzip.compressors.base import Compressor, Job, StepContext, give_averages
 from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import (
-    aligned_copy,
     aligned_matrices,
     orthogonalize,
     orthonormal,
@@ -65,7 +64,7 @@ def _tops(
     return per_matrix_absmax(region, index, sum(counts)), index
 
 
-def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a[B, x, y] @ b[w]`` for every worker ``w`` of ``b[L, B, y, z]``: ``[L, B, x, z]``,
     each matrix of the result at an aligned place (:func:`~gradzip.ops.lowrank.aligned_matrices`).
 
@@ -75,11 +74,37 @@ def _each_worker(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     results must equal a process group's bit for bit). The BLAS rounds a product differently
     with where its output lies, so the output's place is fixed by the shape alone.
     """
-    (out,) = aligned_matrices((b.shape[0],), [(a.shape[0], a.shape[1], b.shape[-1])],
-                              dtype=a.dtype, device=b.device)
+    if out is None:
+        (out,) = aligned_matrices((b.shape[0],), [_product_shape(a, b)], dtype=a.dtype,
+                                  device=b.device)
+    # ``bmm`` where no matrix dimension is 1: then ``matmul`` of two batches of equal size
+    # reshapes them to themselves and calls the same kernel on the same operands, and skipping
+    # it saves the dozen views its broadcasting logic makes on the host per product. With a
+    # dimension of 1 (rank 1) ``matmul``'s reshapes give that dimension other strides, which
+    # decide the BLAS's layout and so its bits: kept, so that a matrix rounds alike in any batch.
+    product = torch.bmm if 1 not in (*a.shape[-2:], b.shape[-1]) else torch.matmul
     for w in range(b.shape[0]):
-        torch.matmul(a, b[w], out=out[w])
+        product(a, b[w], out=out[w])
     return out
+
+
+def _product_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
+    """``(B, x, z)``: one worker's batch of :func:`_each_worker`'s products of ``a[B, x, y]``
+    and ``b[L, B, y, z]``."""
+    return a.shape[0], a.shape[1], b.shape[-1]
+
+
+def _products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """:func:`_each_worker` of each ``(a, b)``, the outputs placed by one
+    :func:`~gradzip.ops.lowrank.aligned_matrices` call (one allocation and a few views per
+    group, instead of an allocation and its views per product): each matrix still at an
+    aligned place of its own, so each product rounds as it would alone."""
+    if not pairs:
+        return []
+    a0, b0 = pairs[0]
+    outs = aligned_matrices((b0.shape[0],), [_product_shape(a, b) for a, b in pairs],
+                            dtype=a0.dtype, device=b0.device)
+    return [_each_worker(a, b, out) for (a, b), out in zip(pairs, outs, strict=True)]
 
 
 def _group_views(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -231,7 +256,7 @@ class PowerSGD(Compressor):
             # arithmetic, but a GEMM whose *left* operand is the thin r-row factor streams M
             # once at memory speed, while M Q with r columns runs several times slower on CPU
             # BLAS.
-            pt_parts = [_each_worker(qts[k], mats[k].transpose(-1, -2)) for k in keys]
+            pt_parts = _products([(qts[k], mats[k].transpose(-1, -2)) for k in keys])
             riders = list(dense) if iteration == 0 else []
             flat = flatten_workers([j.tensor for j in riders] + pt_parts, workers)
             if riders:
@@ -260,14 +285,18 @@ class PowerSGD(Compressor):
                 ps = {k: orthonormal(piece.reshape(len(groups[k]), k[2], k[0]))
                       for k, piece in zip(keys, scaled.split(sizes[len(riders):]), strict=True)}
             # Round 2: Q = M^T P, summed.
-            qt_local = {k: _each_worker(ps[k].transpose(-1, -2), mats[k]) for k in keys}
+            qt_local = dict(zip(keys, _products([(ps[k].transpose(-1, -2), mats[k])
+                                                  for k in keys]), strict=True))
             flat_q = flatten_workers([qt_local[k] for k in keys], workers)
             if iteration == self.power_iterations - 1:
                 self._settle_residuals(keys, groups, ps, qt_local, workers, mats, flat_q)
             total_q = _mean(comm.all_reduce(flat_q), world)
             sizes_q = [qt_local[k][0].numel() for k in keys]
-            for k, piece in zip(keys, split_flat(total_q, sizes_q), strict=True):
-                qts[k] = aligned_copy(piece.reshape(len(groups[k]), k[2], k[1]))
+            # Copied out of the message to aligned places, all groups in one allocation.
+            placed = aligned_matrices((), [(len(groups[k]), k[2], k[1]) for k in keys],
+                                      dtype=total_q.dtype, device=total_q.device)
+            for k, piece, into in zip(keys, split_flat(total_q, sizes_q), placed, strict=True):
+                qts[k] = into.copy_(piece.reshape(into.shape))
         if not keys:
             return
         new_q = dict(state["q"])
@@ -281,8 +310,9 @@ class PowerSGD(Compressor):
         first = qts[keys[0]]
         blocks = aligned_matrices((), [(len(groups[k]), k[1], k[2]) for k in keys],
                                   dtype=first.dtype, device=first.device, zero=True)
-        for k, shift, block in zip(keys, shifts, blocks, strict=True):
-            approx = _each_worker(ps[k], qts[k].unsqueeze(0))[0]  # [B, rows, cols]
+        approxes = _products([(ps[k], qts[k].unsqueeze(0)) for k in keys])
+        for k, shift, block, approx in zip(keys, shifts, blocks, approxes, strict=True):
+            approx = approx[0]  # [B, rows, cols]
             tamed = torch.mul(qts[k].transpose(-1, -2), shift.reshape(-1, 1, 1), out=block)
             # One unbind per group (views made in one call), not an index per matrix.
             for job, mine, q in zip(groups[k], approx.unbind(0), tamed.unbind(0), strict=True):
@@ -326,10 +356,10 @@ class PowerSGD(Compressor):
         shapes = [(len(groups[k]), k[0], k[1]) for k in keys]
         flat = torch.empty(workers, sum(math.prod(shape) for shape in shapes),
                            dtype=torch.float32, device=device)
-        for k, residual in zip(keys, _group_views(flat, shapes), strict=True):
+        owns = _products([(ps[k], qt_local[k]) for k in keys])  # [L, B, rows, cols] each
+        for k, residual, own in zip(keys, _group_views(flat, shapes), owns, strict=True):
             jobs = groups[k]
             m = mats[k] if mats is not None else stack_matrices([j.tensor for j in jobs], k[0], k[1])
-            own = _each_worker(ps[k], qt_local[k])  # [L, B, rows, cols]
             # One subtraction per group: bit for bit each job's ``tensor - decoded``.
             torch.sub(m, own, out=residual)
             for b, job in enumerate(jobs):
