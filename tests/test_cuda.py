@@ -14,9 +14,16 @@ Skipped without a CUDA device. ``benchmarks/gpu_check.sh`` runs this file on a G
 * A DDP bucket of a compressor with a segment form takes the segment path on CUDA
   (``gradzip.engine.segments``), issues no host synchronisation in steady state, and leaves
   what the host path leaves, bit for bit (``tests/test_segments_single.py`` on the CPU).
+* The DDP hook trains a CUDA model with every scheme ``benchmarks/host_time.py`` times, per
+  bucket and fused, and a NaN step is rolled back and handed on as NaN (one NCCL rank).
+* HSDP on a 1 x 1 CUDA mesh (one NCCL rank): the exchange across replicas makes no host
+  synchronisation in steady state, and a NaN step is skipped.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -301,3 +308,53 @@ def nccl_group(tmp_path_factory: pytest.TempPathFactory):
 def test_ddp_hook_trains_on_cuda_and_skips_a_nan_step(spec: str, fused: bool,
                                                       nccl_group: None) -> None:
     train_ddp(spec, "cuda", fused=fused)
+
+
+def train_fsdp(spec: str, device: str, steady: Any = None) -> Any:
+    """A small MLP under HSDP on a 1 x 1 mesh of ``device`` (a process group of one rank must
+    be up), gradzip's exchange across replicas for ``spec``: 3 finite steps, the third with
+    each exchange inside ``steady`` (a context manager, e.g. syncs as errors), then a step
+    whose gradients hold a NaN (skipped by the policy) and a finite one. Returns the hook's
+    state."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_nets
+    import gradzip
+
+    mesh = init_device_mesh(device, (1, 1), mesh_dim_names=("replicate", "shard"))
+    model = fsdp_nets.sharded(mesh["shard"])
+    state = gradzip.fsdp.register(model, spec, mesh=mesh, nonfinite="skip")
+    exchange = state.exchange
+
+    def guarded(layout: Any, flat: torch.Tensor) -> None:
+        with steady or contextlib.nullcontext():
+            exchange(layout, flat)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(5):
+        x, y = fsdp_nets.batch(step, 0)
+        x, y = x.to(device), y.to(device)
+        if step == 3:
+            x[:, 0] = float("nan")  # reaches the scale's gradient only (see fsdp_nets.Net)
+        if step == 2:
+            state.exchange = guarded  # the hooks look the method up on the state
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        state.exchange = exchange
+        grads = [p.grad.to_local() for p in model.parameters()]
+        assert all(g.device.type == torch.device(device).type for g in grads)
+        if step == 3:
+            assert bool(model.scale.grad.to_local().isnan().all()), spec
+        else:
+            assert all(bool(g.isfinite().all()) for g in grads), (spec, step)
+            opt.step()
+    assert state.stats["skipped_steps"] == 1, spec
+    assert state.stats["steps"] == 5, spec
+    return state
+
+
+@pytest.mark.parametrize("spec", ["none", "powersgd:rank=2", "topk:ratio=0.2", "qsgd:levels=16",
+                                  "sign", "randk:ratio=0.2"])
+def test_hsdp_exchange_on_cuda_never_syncs_and_skips_a_nan_step(spec: str,
+                                                                 nccl_group: None) -> None:
+    train_fsdp(spec, "cuda", steady=_SyncsAreErrors())

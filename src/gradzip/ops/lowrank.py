@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -78,21 +79,33 @@ def aligned_matrices(
     Returns:
         One view per batch.
     """
-    q, per_lead = _quantum(dtype), [(b, _padded(a * c, dtype), a, c) for b, a, c in shapes]
-    width = sum(b * padded for b, padded, _, _ in per_lead)
+    q, width, places = _placement(tuple(shapes), dtype)
     count = math.prod(lead) * width
     make = torch.zeros if zero else torch.empty
     buf = make(count + q, dtype=dtype, device=device)
     shift = (-buf.data_ptr() % ALIGN_BYTES) // buf.element_size()  # 0 from torch's allocators
     rows = buf[shift:shift + count].view(*lead, width)
-    out, start = [], 0
-    for b, padded, a, c in per_lead:
+    out = []
+    for start, stop, b, padded, a, c in places:
         # ``view``, not ``unflatten`` (a Python wrapper of the same view: the same strides,
         # at a third of the host time; this runs several times per group and call).
-        block = rows[..., start:start + b * padded].view(*lead, b, padded)
+        block = rows[..., start:stop].view(*lead, b, padded)
         out.append(block[..., : a * c].view(*lead, b, a, c))
-        start += b * padded
     return out
+
+
+@lru_cache(maxsize=1024)
+def _placement(shapes: tuple[tuple[int, int, int], ...], dtype: torch.dtype
+               ) -> tuple[int, int, tuple[tuple[int, int, int, int, int, int], ...]]:
+    """:func:`aligned_matrices`' layout of ``shapes`` per worker: the quantum, the width and
+    each batch's ``(start, stop, B, padded, a, b)``. Cached: a call's shapes recur every step,
+    and this runs several times per call."""
+    q, places, start = _quantum(dtype), [], 0
+    for b, a, c in shapes:
+        padded = _padded(a * c, dtype)
+        places.append((start, start + b * padded, b, padded, a, c))
+        start += b * padded
+    return q, start, tuple(places)
 
 
 def aligned_copy(x: torch.Tensor) -> torch.Tensor:
