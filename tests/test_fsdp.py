@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 import gradzip
 import gradzip.fsdp
 import shared_launch
+from ddp_helpers import spawn
 from fsdp_nets import Net, refusal
 from fsdp_nets import batch as _batch
 from fsdp_nets import sharded as _sharded
@@ -398,3 +399,37 @@ def test_a_group_layout_views_each_shard_at_its_slot_and_refuses_another_size() 
     assert layout.exchanged
     with pytest.raises(ValueError, match=r"FSDP module 'block' must be a 1-D tensor of 8 elements"):
         layout.views(torch.zeros(9))
+
+
+# -- a PyTorch whose FSDP2 lacks set_reduce_scatter_unused_params (2.11) ------------------------
+def _older_fsdp2_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    mesh = _mesh(world, 1)
+    runs = {}
+    for kind in ("now", "older"):
+        if kind == "older":
+            # As on a PyTorch without the method: gradzip runs, every parameter taking a
+            # gradient in every backward, and gives the same bits.
+            del FSDPModule.set_reduce_scatter_unused_params
+        model = _sharded(mesh["shard"])
+        gradzip.fsdp.register(model, "topk:ratio=0.2", mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        runs[kind] = [_step(model, opt, s, rank) for s in range(3)]
+    out = {"same": all(torch.equal(a[n], b[n]) for a, b in zip(runs["now"], runs["older"],
+                                                                strict=True) for n in a)}
+    del FSDPModule.set_all_reduce_hook  # now a PyTorch too old for the exchange at all
+    try:
+        gradzip.fsdp.register(_sharded(mesh["shard"]), "none", mesh=mesh)
+        out["refused"] = "accepted"
+    except RuntimeError as exc:
+        out["refused"] = f"RuntimeError: {exc}"
+    return out
+
+
+def test_a_pytorch_without_unused_params_runs_and_one_without_the_hook_is_refused(
+        tmp_path: Path) -> None:
+    (out,) = spawn(_older_fsdp2_worker, 1, tmp_path)
+    assert out["same"]
+    assert out["refused"].startswith("RuntimeError: gradzip.fsdp.register needs FSDP2's "
+                                     "FSDPModule.set_all_reduce_hook"), out["refused"]

@@ -17,8 +17,9 @@ and not inside a backward pass.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["GroupLayout", "ShardSlot", "count_optimizer_step", "fsdp2_differs", "fsdp_groups",
-           "one_group_modules", "param_groups", "same_ranks", "split_mesh"]
+           "one_group_modules", "param_groups", "reduce_every_group", "require_fsdp2_method", "same_ranks",
+           "split_mesh"]
+
+log = logging.getLogger("gradzip.fsdp")
 
 
 @dataclass(frozen=True)
@@ -263,3 +267,37 @@ def _fsdp_groups(model: nn.Module, shard_mesh: DeviceMesh) -> list[GroupLayout]:
         if slots:
             out.append(GroupLayout(module_name, module, group, tuple(slots), offset))
     return out
+
+
+def reduce_every_group(owners: Iterable[Any]) -> bool:
+    """Ask FSDP2 to reduce each of ``owners``' parameter groups in every backward, a zero
+    gradient standing in for a parameter that took none (``set_reduce_scatter_unused_params``).
+
+    Why: gradzip's engine finishes a step when every group has been exchanged, so a group
+    FSDP2 leaves out of a backward would leave the step open. PyTorch releases without that
+    method (2.11 has none) reduce a group only where its parameters took a gradient: there
+    every parameter must take one in every backward (as FSDP2 itself then needs wherever
+    ranks would differ), and gradzip still runs, saying so once in the log.
+
+    Returns:
+        Whether FSDP2 has the method (it was turned on for every group).
+    """
+    owners = list(owners)
+    if not all(hasattr(o, "set_reduce_scatter_unused_params") for o in owners):
+        log.warning("this PyTorch's FSDP2 has no set_reduce_scatter_unused_params: every "
+                    "parameter must receive a gradient in every backward")
+        return False
+    for owner in owners:
+        owner.set_reduce_scatter_unused_params(True, recurse=False)
+    return True
+
+
+def require_fsdp2_method(owner: Any, name: str, what: str) -> None:
+    """Refuse, in one line, a PyTorch whose FSDP2 lacks the method ``name`` gradzip plugs into.
+
+    Raises:
+        RuntimeError: ``owner`` has no ``name``.
+    """
+    if not hasattr(owner, name):
+        raise RuntimeError(f"{what} needs FSDP2's FSDPModule.{name}, which this PyTorch "
+                           f"({torch.__version__}) does not have")

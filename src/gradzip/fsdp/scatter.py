@@ -29,7 +29,7 @@ from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.ddp.params import tree_to
 from gradzip.engine import STATS_KEYS, Engine
-from gradzip.fsdp.groups import count_optimizer_step
+from gradzip.fsdp.groups import count_optimizer_step, reduce_every_group, require_fsdp2_method
 from gradzip.fsdp.unsharded import (
     ReduceScatter,
     UnshardedLayout,
@@ -256,7 +256,8 @@ def register_reduce_scatter(model: nn.Module, compressor: Compressor | str, *, m
     unsharded trainable parameters on every rank, the price of compressing before the
     reduction; for replicas of a sharded model, :func:`gradzip.fsdp.register` keeps them
     shard-sized. Turns on ``set_reduce_scatter_unused_params(True)`` so that every group is
-    reduced every step (unused parameters take zero gradients, as under DDP).
+    reduced every step (unused parameters take zero gradients, as under DDP); on a PyTorch
+    without it every parameter must take a gradient in every backward (logged once).
 
     Args:
         model: the root module, ``fully_shard``-ed on ``mesh``.
@@ -273,11 +274,15 @@ def register_reduce_scatter(model: nn.Module, compressor: Compressor | str, *, m
         TypeError, ValueError: invalid arguments, a model not ``fully_shard``-ed on ``mesh``,
             a 2-D mesh (use :func:`gradzip.fsdp.register`), a module with a custom
             reduce-scatter already (registered twice) or a gradient divide factor.
-        RuntimeError: ``torch.distributed`` is not initialised.
+        RuntimeError: ``torch.distributed`` is not initialised, or this PyTorch's FSDP2 has
+            no ``set_custom_reduce_scatter``.
     """
     state = FSDPScatterState(model, compressor, mesh=mesh, options=options, **engine_options)
     for layout in state.layouts:
-        layout.owner.set_reduce_scatter_unused_params(True, recurse=False)
+        require_fsdp2_method(layout.owner, "set_custom_reduce_scatter",
+                             "gradzip.fsdp.register_reduce_scatter")
+    reduce_every_group(layout.owner for layout in state.layouts)
+    for layout in state.layouts:
         layout.owner.set_custom_reduce_scatter(_Comm(state, layout))
         state._modules.append(layout.owner)
     log.debug("registered gradzip %s reduce-scatter on %d parameters (%d shards)",

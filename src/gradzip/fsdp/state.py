@@ -20,7 +20,14 @@ from gradzip.comm.torch_dist import ProcessGroupCollective
 from gradzip.compressors.base import Compressor
 from gradzip.ddp.params import tree_to
 from gradzip.engine import STATS_KEYS, Engine
-from gradzip.fsdp.groups import GroupLayout, count_optimizer_step, fsdp_groups, split_mesh
+from gradzip.fsdp.groups import (
+    GroupLayout,
+    count_optimizer_step,
+    fsdp_groups,
+    reduce_every_group,
+    require_fsdp2_method,
+    split_mesh,
+)
 from gradzip.options import EngineOptions
 
 __all__ = ["FSDPHookState", "register"]
@@ -326,7 +333,8 @@ def register(
     FSDP2's; each group's all-reduce hook then averages this rank's shard over the replicas
     through one :class:`~gradzip.Engine`. Turns on FSDP2's
     ``set_reduce_scatter_unused_params(True)`` so that every group is reduced every step with
-    the same layout (unused parameters take zero gradients, as under DDP).
+    the same layout (unused parameters take zero gradients, as under DDP); on a PyTorch
+    without it every parameter must take a gradient in every backward (logged once).
 
     Args:
         model: the root module, ``fully_shard``-ed on ``mesh[shard_dim]``.
@@ -345,12 +353,15 @@ def register(
         TypeError, ValueError: invalid arguments, a model not ``fully_shard``-ed on
             ``mesh[shard_dim]``, a 1-D mesh or one without the two dimension names, a module
             that already has an all-reduce hook (registered twice).
-        RuntimeError: ``torch.distributed`` is not initialised.
+        RuntimeError: ``torch.distributed`` is not initialised, or this PyTorch's FSDP2 has
+            no ``set_all_reduce_hook``.
     """
     state = FSDPHookState(model, compressor, mesh=mesh, replicate_dim=replicate_dim,
                           shard_dim=shard_dim, options=options, **engine_options)
+    for layout in state.groups:
+        require_fsdp2_method(layout.owner, "set_all_reduce_hook", "gradzip.fsdp.register")
+    reduce_every_group(layout.owner for layout in state.groups)
     for index, layout in enumerate(state.groups):
-        layout.owner.set_reduce_scatter_unused_params(True, recurse=False)
         layout.owner.set_all_reduce_hook(state.hook_for(index))
         state._modules.append(layout.owner)
     log.debug("registered gradzip %s on %d shards (%d x %d mesh)", state.compressor.spec(),

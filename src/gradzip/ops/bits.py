@@ -27,6 +27,7 @@ import torch
 
 from gradzip._validate import check_int
 from gradzip.ops.branches import cpu_form
+from gradzip.ops.flat import to_device
 
 __all__ = [
     "MAX_KEY_WORKERS", "bit_keys", "code_width", "keys_per_byte", "pack_bits", "packed_size",
@@ -105,7 +106,7 @@ def pack_bits(codes: torch.Tensor, bits: int, *, checked: bool = True) -> torch.
 
 @functools.lru_cache(maxsize=64)
 def _shifts_on(count: int, step: int, dtype: torch.dtype, device: str) -> torch.Tensor:
-    return (torch.arange(count, dtype=torch.int64) * step).to(dtype).to(device)
+    return to_device((torch.arange(count, dtype=torch.int64) * step).to(dtype), device)
 
 
 def _shifts(count: int, step: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from gradzip.ops.flat import to_device
 from gradzip.ops.segquant import segment_layout, segment_sums
 
 __all__ = ["BlockLayout", "block_layout", "block_positions", "block_scores", "top_blocks"]
@@ -94,8 +95,8 @@ def _host_layout(numels: tuple[int, ...], block: int, keep: tuple[int, ...]) -> 
 @lru_cache(maxsize=64)
 def _layout_on(layout: BlockLayout, device: str) -> BlockLayout:
     return BlockLayout(layout.numels, layout.block, layout.blocks, layout.keep,
-                       layout.owner.to(device), layout.starts.to(device), layout.ends.to(device),
-                       layout.take.to(device))
+                       to_device(layout.owner, device), to_device(layout.starts, device),
+                       to_device(layout.ends, device), to_device(layout.take, device))
 
 
 def block_layout(numels: Sequence[int], block: int, keep: Sequence[int],

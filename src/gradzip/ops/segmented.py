@@ -111,7 +111,7 @@ def _layout(sizes: tuple[int, ...], picks: tuple[int, ...], device: str) -> Segm
         "owner": (owner_seg + 1).to(torch.int32), "stride_start": starts[:-1].repeat_interleave(picks_t) + lo,
         "stride_len": hi - lo, "key_of": owner_seg, "counter": _counters(within),
     }
-    return SegmentLayout(sizes, picks, **{k: v.to(device) for k, v in tensors.items()})
+    return SegmentLayout(sizes, picks, **{k: to_device(v, device) for k, v in tensors.items()})
 
 
 def _counters(within: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from itertools import accumulate
 
 import torch
 
+from gradzip.ops.flat import to_device
+
 __all__ = ["matrix_index", "per_matrix_absmax"]
 
 
@@ -25,7 +27,9 @@ def _index(sizes: tuple[int, ...], counts: tuple[int, ...], device: str) -> torc
     offsets = [0, *accumulate(counts[:-1])]
     parts = [torch.arange(o, o + c, dtype=torch.int64).repeat_interleave(s // c)
              for s, c, o in zip(sizes, counts, offsets, strict=True)]
-    return torch.cat(parts).to(device)
+    # Queued from page-locked memory: a plain copy to a GPU would make the host wait, and a
+    # call whose shapes are new (a level switch, another bucket) comes here mid-step.
+    return to_device(torch.cat(parts), device)
 
 
 def matrix_index(sizes: Sequence[int], counts: Sequence[int], device: torch.device) -> torch.Tensor:

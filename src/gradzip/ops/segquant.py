@@ -123,11 +123,11 @@ def _local_starts(per_tensor: np.ndarray, size: np.ndarray) -> np.ndarray:
 
 @lru_cache(maxsize=64)
 def _layout_on(layout: SegmentLayout, device: str) -> SegmentLayout:
-    owner = layout.owner.to(device)
-    segment = owner if layout.segment is layout.owner else layout.segment.to(device)
+    owner = to_device(layout.owner, device)
+    segment = owner if layout.segment is layout.owner else to_device(layout.segment, device)
     # Positions stay on the host: only the draws read them, through their hashed copy.
     return SegmentLayout(layout.numels, layout.segments, segment, owner, layout.position,
-                         layout.lengths.to(device), layout.per_tensor)
+                         to_device(layout.lengths, device), layout.per_tensor)
 
 
 def segment_layout(
@@ -238,7 +238,7 @@ def _mixed_positions_host(position: torch.Tensor) -> np.ndarray:
 def _mixed_positions(position: torch.Tensor, device: str) -> torch.Tensor:
     """:func:`_mixed_positions_host` on ``device``, its 32 bits held in int32 (half the
     memory of int64; the hash masks them back to unsigned)."""
-    return torch.from_numpy(_mixed_positions_host(position).view(np.int32)).to(device)
+    return to_device(torch.from_numpy(_mixed_positions_host(position).view(np.int32)), device)
 
 
 def keyed_draws(keys: Sequence[Sequence[int]], layout: SegmentLayout,
