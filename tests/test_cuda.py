@@ -69,6 +69,8 @@ GATHERING = [
     # residuals made on the host and moved at the first call.
     "qsgd:levels=16,exchange=sharded",
     "sign:exchange=sharded",
+    # The sparse sharded exchange: fixed-capacity parts to each owner, no size read on the host.
+    "topk:ratio=0.01,exchange=sharded",
     # The hard threshold with a capacity: its message size comes from the shapes, what
     # overflows the capacity stays in the residual, and its counters live on the device.
     "threshold:lam=0.05,capacity=0.1",

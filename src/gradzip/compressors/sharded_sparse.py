@@ -48,7 +48,7 @@ import torch
 from gradzip.comm.base import Collective, allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.compressors.base import Job
 from gradzip.ops.checks import check_on_device
-from gradzip.ops.flat import reinterpret
+from gradzip.ops.flat import reinterpret, to_device
 
 __all__ = [
     "EXCHANGES", "SLACK", "ShardLayout", "by_form", "choose_exchange", "exchange_forms",
@@ -312,7 +312,7 @@ def sharded_reduce(jobs: Sequence[Job], selected: Sequence[torch.Tensor], kept: 
     layouts = [shard_layout(job.numel, world, k, owner_keep) for job, k in zip(jobs, kept, strict=True)]
     device = jobs[0].tensor.device
     # This process's workers' ranks: worker ``l`` owns part ``ranks[l]``.
-    ranks = torch.tensor(comm.local_ranks, dtype=torch.int64, device=device)
+    ranks = _ranks_on(tuple(comm.local_ranks), str(device))
     rows = torch.arange(workers, device=device)
     rests, own_parts, outgoing = [], [], []
     for job, chosen, lay in zip(jobs, selected, layouts, strict=True):
@@ -413,3 +413,11 @@ def _decode_gathered(gathered: torch.Tensor, offset: int, lay: ShardLayout) -> t
     total = torch.zeros(world * part + 1, dtype=torch.float32, device=gathered.device)
     total.index_add_(0, flat.reshape(-1), values.reshape(-1))
     return offset, total[: lay.numel]
+
+
+@lru_cache(maxsize=64)
+def _ranks_on(ranks: tuple[int, ...], device: str) -> torch.Tensor:
+    """int64 ``[L]``: this process's workers' ranks on ``device``, made once per group and
+    device (a tensor made from a list on a GPU is a copy from pageable memory, which makes the
+    host wait; this one is queued from page-locked memory, and only once)."""
+    return to_device(torch.tensor(ranks, dtype=torch.int64), device)

@@ -42,7 +42,7 @@ from gradzip.ops.bits import (
     unpack_bits,
 )
 from gradzip.ops.branches import cpu_form
-from gradzip.ops.flat import reinterpret
+from gradzip.ops.flat import reinterpret, to_device
 from gradzip.ops.segquant import SegmentLayout, join_rows, segment_layout, segment_sums
 
 __all__ = ["Sign"]
@@ -62,7 +62,7 @@ def _mean_abs(flat: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _counts_on(numels: tuple[int, ...], device: str) -> torch.Tensor:
-    return torch.tensor([max(n, 1) for n in numels], dtype=torch.float64, device=device)
+    return to_device(torch.tensor([max(n, 1) for n in numels], dtype=torch.float64), device)
 
 
 def _counts(numels: tuple[int, ...], device: torch.device) -> torch.Tensor:
