@@ -8,10 +8,12 @@
 #
 # Runs from a copy of the repository (nothing installed: PYTHONPATH=src). OUT_DIR defaults to
 # $OUT when set, else benchmarks/results/. Writes there: pytest_cuda.txt (the tests' full
-# report), host_time/host_time.{json,md} (host time per step), gpu_step.json and gpu_step.md
-# (the step times). Finishes in about 9 minutes at most: the tests get at most TEST_TIMEOUT_S
-# seconds (default 150), the host times HOST_TIMEOUT_S (default 100), the step times
-# --budget-s (default 300 here; no row runs past it). The step table is printed last.
+# report), host_time/host_time.{json,md} (host time per step), gpu_profile.txt (PowerSGD in one
+# bucket against PyTorch's hook, by op), gpu_step.json and gpu_step.md (the step times).
+# Finishes in about 10 minutes at most: the tests get at most TEST_TIMEOUT_S seconds (default
+# 150), the host times HOST_TIMEOUT_S (default 100), the profile PROFILE_TIMEOUT_S (default
+# 60), the step times --budget-s (default 300 here; no row runs past it). The step table is
+# printed last.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
@@ -23,6 +25,8 @@ if [ "${1:-}" = "--dry-run" ]; then
          "(timeout ${TEST_TIMEOUT_S:-150} s)"
     echo "would run: $PY -m benchmarks.host_time --device cuda --paths auto --rounds 5" \
          "(timeout ${HOST_TIMEOUT_S:-100} s)"
+    echo "would run: $PY -m benchmarks.gpu_profile --configs torch-powersgd:rank=4" \
+         "gradzip:powersgd:rank=4 --bucket-cap-mb 1024 (timeout ${PROFILE_TIMEOUT_S:-60} s)"
     exec "$PY" -m benchmarks.gpu_step --dry-run --budget-s "${BUDGET_S:-300}" "$@"
 fi
 
@@ -108,8 +112,16 @@ timeout -k 10 "${HOST_TIMEOUT_S:-100}" "$PY" -m benchmarks.host_time --device cu
 host_rc=${PIPESTATUS[0]}
 echo "host time exit code: $host_rc"
 
+echo "== PowerSGD in one bucket against PyTorch's hook, profiled (gpu_profile.txt)"
+timeout -k 10 "${PROFILE_TIMEOUT_S:-60}" "$PY" -m benchmarks.gpu_profile --out "$out" \
+    --configs torch-powersgd:rank=4 gradzip:powersgd:rank=4 --bucket-cap-mb 1024 >/dev/null 2>&1
+profile_rc=$?
+grep -E "^(##|wall)" "$out/gpu_profile.txt" 2>/dev/null
+echo "profile exit code: $profile_rc"
+
 echo "== step times"
 "$PY" -m benchmarks.gpu_step --out "$out" --budget-s "${BUDGET_S:-300}" "$@"
 bench_rc=$?
-echo "tests exit code: $test_rc, host time exit code: $host_rc, step times exit code: $bench_rc"
-exit $(( test_rc != 0 || host_rc != 0 || bench_rc != 0 ))
+echo "tests exit code: $test_rc, host time exit code: $host_rc, profile exit code: $profile_rc," \
+     "step times exit code: $bench_rc"
+exit $(( test_rc != 0 || host_rc != 0 || profile_rc != 0 || bench_rc != 0 ))

@@ -69,7 +69,9 @@ def test_dry_run_with_two_gpus_uses_nccl_one_gpu_per_rank() -> None:
 def test_shell_script_dry_run() -> None:
     done = _run("--dry-run", "--device", "cuda", "--gpus", "1", script=SCRIPT)
     assert done.returncode == 0, done.stderr
-    assert "tests/test_cuda.py" in done.stdout
+    assert "tests/test_cuda.py tests/test_ddp_async_cuda.py" in done.stdout
+    assert "benchmarks.host_time --device cuda" in done.stdout
+    assert "benchmarks.gpu_profile --configs torch-powersgd:rank=4" in done.stdout
     assert "budget 300 s" in done.stdout
     assert len(_rows(done.stdout)) == 2 * len(EXPECTED)
 
