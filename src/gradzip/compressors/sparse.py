@@ -8,12 +8,24 @@ import numpy as np
 import torch
 
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Job, give_averages, job_rows
+from gradzip.compressors.base import (
+    Job,
+    SegmentPlan,
+    gathered_or_dense_plan,
+    give_averages,
+    job_rows,
+)
 from gradzip.feedback import residual_unsent
 from gradzip.ops.branches import cpu_form
 from gradzip.ops.checks import check_on_device
 from gradzip.ops.flat import cat_rows, reinterpret, to_device
-from gradzip.ops.segmented import SegmentLayout, in_segments, segmented_topk
+from gradzip.ops.segmented import (
+    MAX_ENTRIES,
+    SegmentLayout,
+    in_segments,
+    segment_layout,
+    segmented_topk,
+)
 from gradzip.ops.select import index_dtype, topk_abs
 
 __all__ = ["exchange_positions", "gather_flat", "gather_full", "gather_sparse", "index_bytes",
@@ -265,6 +277,22 @@ def gather_flat(
         job.keep(part)
     give_averages(jobs, total.div_(comm.world_size))
     return received_val
+
+
+def positions_plan(
+    forms: Sequence[str], sizes: Sequence[int], picks_for: Callable[[int], int],
+    device: torch.device,
+) -> SegmentPlan | None:
+    """The segment plan of a sparsifier that sends ``picks_for(n)`` positions of each
+    all-gathered tensor of ``n`` entries (Top-k's ``k``, the threshold's slots): the plan of
+    :func:`~gradzip.compressors.base.gathered_or_dense_plan` whose data is the all-gathered
+    tensors' :class:`~gradzip.ops.segmented.SegmentLayout`, where their flat positions fit
+    int32 (:data:`~gradzip.ops.segmented.MAX_ENTRIES`); else ``None``."""
+    def layout(picked: list[int]) -> SegmentLayout:
+        numels = [sizes[i] for i in picked]
+        return segment_layout(numels, [picks_for(n) for n in numels], device)
+
+    return gathered_or_dense_plan(forms, sizes, layout, most=MAX_ENTRIES)
 
 
 def exchange_positions(

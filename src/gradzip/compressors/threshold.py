@@ -17,7 +17,6 @@ from gradzip.compressors.base import (
     StepContext,
     dense_reduce,
     dense_tail,
-    gathered_or_dense_plan,
 )
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
@@ -27,12 +26,11 @@ from gradzip.compressors.sharded_sparse import (
     shard_layout,
     sharded_reduce,
 )
-from gradzip.compressors.sparse import index_bytes
+from gradzip.compressors.sparse import index_bytes, positions_plan
 from gradzip.compressors.threshold_capacity import gather_row, reduce_capacity
 from gradzip.compressors.threshold_law import next_lambda
 from gradzip.compressors.threshold_sized import reduce_sized
 from gradzip.ops.flat import cat_rows, to_device
-from gradzip.ops.segmented import MAX_ENTRIES, SegmentLayout, segment_layout
 from gradzip.ops.select import topk_abs
 
 __all__ = ["HardThreshold"]
@@ -285,12 +283,8 @@ class HardThreshold(Compressor):
         if not self.device_decisions:
             return None
 
-        def layout(picked: list[int]) -> SegmentLayout:
-            numels = [sizes[i] for i in picked]
-            return segment_layout(numels, [self.slots_for(n) for n in numels], device)
-
-        return gathered_or_dense_plan([self.exchange_for(n, world_size) for n in sizes], sizes,
-                                      layout, most=MAX_ENTRIES)
+        return positions_plan([self.exchange_for(n, world_size) for n in sizes], sizes,
+                              self.slots_for, device)
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,

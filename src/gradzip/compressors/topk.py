@@ -17,7 +17,6 @@ from gradzip.compressors.base import (
     StepContext,
     dense_reduce,
     dense_tail,
-    gathered_or_dense_plan,
 )
 from gradzip.compressors.sharded_sparse import (
     EXCHANGES,
@@ -31,10 +30,11 @@ from gradzip.compressors.sparse import (
     gather_flat,
     gather_full,
     index_bytes,
+    positions_plan,
     select_positions,
 )
 from gradzip.ops.flat import cat_rows
-from gradzip.ops.segmented import MAX_ENTRIES, SegmentLayout, segment_layout
+from gradzip.ops.segmented import MAX_ENTRIES, segment_layout
 from gradzip.ops.select import topk_abs
 
 __all__ = ["TopK"]
@@ -117,12 +117,8 @@ class TopK(Compressor):
         the engine's order, as :meth:`reduce` groups them) and the selection's layout, where
         no tensor takes the sharded exchange and flat positions fit (see
         :meth:`Compressor.segment_plan`); else ``None``."""
-        def layout(picked: list[int]) -> SegmentLayout:
-            numels = [sizes[i] for i in picked]
-            return segment_layout(numels, [self.k_for(n) for n in numels], device)
-
-        return gathered_or_dense_plan([self.exchange_for(n, world_size) for n in sizes], sizes,
-                                      layout, most=MAX_ENTRIES)
+        return positions_plan([self.exchange_for(n, world_size) for n in sizes], sizes,
+                              self.k_for, device)
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
