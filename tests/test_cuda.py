@@ -22,7 +22,6 @@ Skipped without a CUDA device. ``benchmarks/gpu_check.sh`` runs this file on a G
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import pytest
@@ -261,8 +260,7 @@ DDP_SPECS = ["none", "fp16", "powersgd:rank=4", "topk:ratio=0.01", "randk:ratio=
              "threshold:lam=0.001,capacity=0.05", ACCORDION]
 
 
-def train_ddp(spec: str, device: str, *, fused: bool, steps: int = 5,
-              decide_on: str = "auto") -> torch.nn.Module:
+def train_ddp(spec: str, device: str, *, fused: bool, steps: int = 5) -> torch.nn.Module:
     """A width-4 ResNet-18 in several DDP buckets with gradzip's hook for ``spec``, trained
     ``steps`` steps on ``device`` (a process group must be up). The gradients of the step
     before the last are NaN: the hook must roll its state back and hand back NaN buckets, and
@@ -278,7 +276,6 @@ def train_ddp(spec: str, device: str, *, fused: bool, steps: int = 5,
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.05)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     state = gradzip.ddp.register(ddp, spec, overlap=False, fuse_buckets=fused, optimizer=opt)
-    state.engine.decide_on = decide_on  # "device": the CUDA path, also on the CPU
     inputs = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0)).to(device)
     for step in range(steps):
         poisoned = step == steps - 2
@@ -312,7 +309,7 @@ def test_ddp_hook_trains_on_cuda_and_skips_a_nan_step(spec: str, fused: bool,
     train_ddp(spec, "cuda", fused=fused)
 
 
-def train_fsdp(spec: str, device: str, steady: Any = None) -> Any:
+def train_fsdp(spec: str, device: str, steady: Any) -> Any:
     """A small MLP under HSDP on a 1 x 1 mesh of ``device`` (a process group of one rank must
     be up), gradzip's exchange across replicas for ``spec``: 3 finite steps, the third with
     each exchange inside ``steady`` (a context manager, e.g. syncs as errors), then a step
@@ -329,7 +326,7 @@ def train_fsdp(spec: str, device: str, steady: Any = None) -> Any:
     exchange = state.exchange
 
     def guarded(layout: Any, flat: torch.Tensor) -> None:
-        with steady or contextlib.nullcontext():
+        with steady:
             exchange(layout, flat)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05)

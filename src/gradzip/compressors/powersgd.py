@@ -64,9 +64,10 @@ def _tops(
     return per_matrix_absmax(region, index, sum(counts)), index
 
 
-def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``a[B, x, y] @ b[w]`` for every worker ``w`` of ``b[L, B, y, z]``: ``[L, B, x, z]``,
-    each matrix of the result at an aligned place (:func:`~gradzip.ops.lowrank.aligned_matrices`).
+def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``a[B, x, y] @ b[w]`` for every worker ``w`` of ``b[L, B, y, z]``, written into
+    ``out[L, B, x, z]`` (each matrix at an aligned place, see :func:`_products`); returns
+    ``out``.
 
     One batched GEMM per local worker (one in a real process group), never a matmul
     broadcast over the worker axis: that would copy ``a`` into a new layout, and the GEMM
@@ -74,9 +75,6 @@ def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = No
     results must equal a process group's bit for bit). The BLAS rounds a product differently
     with where its output lies, so the output's place is fixed by the shape alone.
     """
-    if out is None:
-        (out,) = aligned_matrices((b.shape[0],), [_product_shape(a, b)], dtype=a.dtype,
-                                  device=b.device)
     # ``bmm`` where no matrix dimension is 1: then ``matmul`` of two batches of equal size
     # reshapes them to themselves and calls the same kernel on the same operands, and skipping
     # it saves the dozen views its broadcasting logic makes on the host per product. With a
@@ -88,21 +86,16 @@ def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = No
     return out
 
 
-def _product_shape(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, int]:
-    """``(B, x, z)``: one worker's batch of :func:`_each_worker`'s products of ``a[B, x, y]``
-    and ``b[L, B, y, z]``."""
-    return a.shape[0], a.shape[1], b.shape[-1]
-
-
 def _products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """:func:`_each_worker` of each ``(a, b)``, the outputs placed by one
-    :func:`~gradzip.ops.lowrank.aligned_matrices` call (one allocation and a few views per
-    group, instead of an allocation and its views per product): each matrix still at an
-    aligned place of its own, so each product rounds as it would alone."""
+    """:func:`_each_worker` of each ``(a[B, x, y], b[L, B, y, z])``, the ``[L, B, x, z]``
+    outputs placed by one :func:`~gradzip.ops.lowrank.aligned_matrices` call (one allocation
+    and a few views per group, instead of an allocation and its views per product): each
+    matrix still at an aligned place of its own, so each product rounds as it would alone."""
     if not pairs:
         return []
     a0, b0 = pairs[0]
-    outs = aligned_matrices((b0.shape[0],), [_product_shape(a, b) for a, b in pairs],
+    outs = aligned_matrices((b0.shape[0],), [(a.shape[0], a.shape[1], b.shape[-1])
+                                             for a, b in pairs],
                             dtype=a0.dtype, device=b0.device)
     return [_each_worker(a, b, out) for (a, b), out in zip(pairs, outs, strict=True)]
 

@@ -29,8 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["GroupLayout", "ShardSlot", "count_optimizer_step", "fsdp2_differs", "fsdp_groups",
-           "one_group_modules", "param_groups", "reduce_every_group", "require_fsdp2_method", "same_ranks",
-           "split_mesh"]
+           "one_group_modules", "param_groups", "reduce_every_group", "require_fsdp2_method",
+           "same_ranks", "split_mesh"]
 
 log = logging.getLogger("gradzip.fsdp")
 
