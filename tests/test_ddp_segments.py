@@ -33,13 +33,14 @@ WORLD = 3
 #: no residual (unbiased: no error feedback by default), the same with one (pinned to the
 #: all-gather: at three workers it shards most of these tensors); the hard threshold with a
 #: capacity keeps counters in its state; with ``dense_1d`` the engine sends the biases dense
-#: itself, beside the compressor's row.
+#: itself, beside the compressor's row; PowerSGD sends its own dense tensors first in the row
+#: and reads its groups of matrices from it.
 SPECS = ("topk:ratio=0.2", "topk:ratio=0.5", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
          "qsgd:exchange=allgather+feedback", "threshold:lam=0.05,capacity=0.2",
-         "topk:ratio=0.2+dense_1d")
+         "topk:ratio=0.2+dense_1d", "powersgd:rank=2")
 #: One of each segment form, for the non-finite scenarios.
 NAN_SPECS = ("topk:ratio=0.2", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
-             "threshold:lam=0.05,capacity=0.2", "topk:ratio=0.2+dense_1d")
+             "threshold:lam=0.05,capacity=0.2", "topk:ratio=0.2+dense_1d", "powersgd:rank=2")
 CAPS = {"one": ONE_BUCKET_MB, "several": TINY_BUCKET_MB}
 
 

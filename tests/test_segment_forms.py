@@ -13,6 +13,7 @@ from gradzip.comm.simulated import SimulatedGroup
 from gradzip.compressors.base import Job, SegmentPlan, StepContext, leftovers
 from gradzip.compressors.topk import TopK
 from gradzip.ops.branches import device_forms
+from gradzip.ops.lowrank import ALIGN_BYTES, stack_region
 from gradzip.ops.segmented import MAX_ENTRIES
 from gradzip.spec import compressor_from_spec
 
@@ -43,7 +44,9 @@ def _tensors(workers: int, seed: int) -> list[torch.Tensor]:
 SEGMENT_SPECS = ("topk:ratio=0.05,exchange=allgather", "topk:ratio=0.3", "topk:ratio=1.0",
                  "sign:exchange=allgather", "sign", "randk:ratio=0.1", "randk:ratio=0.5",
                  "qsgd:exchange=allgather", "qsgd:levels=4,bucket_size=7,exchange=allgather",
-                 "threshold:lam=0.5,capacity=0.2", "threshold:lam=0.5,capacity=0.2,padded=false")
+                 "threshold:lam=0.5,capacity=0.2", "threshold:lam=0.5,capacity=0.2,padded=false",
+                 "powersgd:rank=1", "powersgd:rank=2,power_iterations=2,min_compression_rate=1",
+                 "powersgd:rank=1,warm_start=false", "powersgd:rank=4,min_compression_rate=50")
 
 
 @pytest.mark.parametrize("forms", ["cpu", "device"])
@@ -52,7 +55,8 @@ SEGMENT_SPECS = ("topk:ratio=0.05,exchange=allgather", "topk:ratio=0.3", "topk:r
 def test_segments_equal_reduce(spec: str, workers: int, forms: str) -> None:
     compressor = compressor_from_spec(spec)
     sizes = [torch.Size(s).numel() for s in SHAPES]
-    plan = compressor.segment_plan(_names(sizes), sizes, workers, torch.device("cpu"))
+    plan = compressor.segment_plan(_names(sizes), sizes, workers, torch.device("cpu"),
+                                   shapes=[torch.Size(s) for s in SHAPES])
     assert isinstance(plan, SegmentPlan)
     assert sorted(plan.order) == list(range(len(sizes)))
     tensors = _tensors(workers, seed=len(spec) + workers)
@@ -109,7 +113,19 @@ def test_other_compressors_and_forms_have_no_segment_form(spec: str) -> None:
     assert compressor.segment_plan(["a", "b"], [10, 20], 2, torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("spec", ["none", "fp16", "powersgd:rank=2"])
+def test_powersgd_needs_shapes_for_a_segment_form() -> None:
+    compressor = compressor_from_spec("powersgd:rank=2")
+    assert compressor.segment_plan(["a", "b"], [64, 8], 2, torch.device("cpu")) is None
+    every_dense = compressor.segment_plan(["a", "b"], [64, 8], 2, torch.device("cpu"),
+                                          shapes=[torch.Size([64]), torch.Size([8])])
+    assert every_dense is not None and every_dense.order == (0, 1)
+    plan = compressor.segment_plan(["a", "b", "c"], [8, 64, 64], 2, torch.device("cpu"),
+                                   shapes=[torch.Size([8]), torch.Size([8, 8]),
+                                           torch.Size([8, 2, 4])])
+    assert plan is not None and plan.order == (0, 1, 2)  # dense first, then the 8 x 8 group
+
+
+@pytest.mark.parametrize("spec", ["none", "fp16"])
 def test_the_default_segment_form_refuses(spec: str) -> None:
     with pytest.raises(NotImplementedError, match="no segment form"):
         compressor_from_spec(spec).reduce_segments(
@@ -124,3 +140,50 @@ def test_a_tensor_in_the_sharded_exchange_leaves_no_segment_form(spec: str) -> N
     sizes = [4000, 3000]
     assert compressor.segment_plan(_names(sizes), sizes, 1, torch.device("cpu")) is not None
     assert pinned.segment_plan(_names(sizes), sizes, 8, torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("spec", ["powersgd:rank=1",
+                                  "powersgd:rank=2,power_iterations=2,min_compression_rate=1"])
+def test_powersgd_reads_aligned_matrices_in_the_row_and_writes_residuals_over_them(
+    spec: str, workers: int
+) -> None:
+    # Every matrix 64-byte aligned in the row and no tensor sent dense: the groups' matrices
+    # are views of the row (no copy), and their residuals are written over them.
+    shapes = [torch.Size(s) for s in [(4, 8), (8, 4, 2), (4, 8), (16, 4)]]
+    sizes = [s.numel() for s in shapes]
+    compressor = compressor_from_spec(spec)
+    plan = compressor.segment_plan(_names(sizes), sizes, workers, torch.device("cpu"),
+                                   shapes=shapes)
+    assert plan is not None and plan.order == (0, 2, 1, 3)  # groups (4, 8), (8, 8), (16, 4)
+    g = torch.Generator().manual_seed(workers)
+    tensors = [torch.randn(workers, *s, generator=g) for s in shapes]
+    ctx = StepContext(step=0, ranks=tuple(range(workers)), world_size=workers)
+    named = dict(zip(_names(sizes), shapes, strict=True))
+    jobs = [Job(f"t{i}", t.clone()) for i, t in enumerate(tensors)]
+    ordinary = SimulatedGroup(workers)
+    ordinary_state = compressor.init_group_state(named, workers, workers)
+    compressor.reduce(jobs, ordinary_state, ordinary, ctx)
+    rests = leftovers(jobs)
+    row = torch.cat([tensors[i].reshape(workers, -1) for i in plan.order], dim=1)
+    assert row.data_ptr() % ALIGN_BYTES == 0
+    region = stack_region(row[:, :64], 2, 4, 8)
+    assert region.data_ptr() == row.data_ptr()  # a view, as reduce_segments reads it
+    segmented = SimulatedGroup(workers)
+    segmented_state = compressor.init_group_state(named, workers, workers)
+    average = compressor.reduce_segments(row, plan, segmented_state, segmented, ctx)
+    assert _same_tree(segmented_state, ordinary_state)
+    start = 0
+    for i in plan.order:
+        end = start + sizes[i]
+        assert torch.equal(average[start:end].reshape(shapes[i]), jobs[i].averaged), i
+        assert torch.equal(row[:, start:end].reshape(workers, *shapes[i]), rests[i]), i
+        start = end
+    assert segmented.meter.wire == ordinary.meter.wire
+
+
+def test_stack_region_copies_matrices_that_are_not_aligned() -> None:
+    row = torch.randn(1, 65)
+    region = stack_region(row[:, 1:], 2, 4, 8)  # 4 bytes past an aligned start
+    assert region.data_ptr() != row.data_ptr() + 4 and region.data_ptr() % ALIGN_BYTES == 0
+    assert torch.equal(region.reshape(1, -1), row[:, 1:])

@@ -24,7 +24,7 @@ SHAPES = {"conv.weight": (16, 8, 3, 3), "conv.bias": (16,), "fc.weight": (10, 64
 #: Every segment form (the threshold's with a capacity), and Top-k with the engine sending
 #: 1-D tensors dense.
 SPECS = ["topk:ratio=0.05", "randk:ratio=0.1", "qsgd", "sign", "threshold:lam=0.05,capacity=0.1",
-         "topk:ratio=0.05+dense_1d"]
+         "topk:ratio=0.05+dense_1d", "powersgd:rank=2", "powersgd:rank=1+dense_1d"]
 
 
 def bucket(device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -229,7 +229,8 @@ class Compressor(ABC):
         """
 
     def segment_plan(
-        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
+        shapes: Sequence[torch.Size] | None = None,
     ) -> SegmentPlan | None:
         """This compressor's form of a call of tensors laid end to end in one row
         (:meth:`reduce_segments`), or ``None`` where it has none for such a call (the
@@ -243,6 +244,8 @@ class Compressor(ABC):
             sizes: their entries.
             world_size: workers in the group.
             device: where the tensors are.
+            shapes: their shapes, where the caller knows them (the engine does; a form that
+                needs them, as PowerSGD's matrices do, has none without them).
         """
         return None
 

@@ -11,7 +11,14 @@ import torch
 
 from gradzip._validate import check_bool, check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext, give_averages, job_rows
+from gradzip.compressors.base import (
+    Compressor,
+    Job,
+    SegmentPlan,
+    StepContext,
+    give_averages,
+    job_rows,
+)
 from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import (
@@ -20,6 +27,7 @@ from gradzip.ops.lowrank import (
     orthonormal,
     rescale_exponents,
     stack_matrices,
+    stack_region,
 )
 from gradzip.ops.random import generator_for
 from gradzip.ops.segments import matrix_index, per_matrix_absmax
@@ -182,9 +190,13 @@ class PowerSGD(Compressor):
         return r
 
     def _fresh_q(self, name: str, shape: torch.Size, step: int) -> torch.Tensor:
-        _, cols = _matrix_shape(shape)
+        return self._draw_q(name, _matrix_shape(shape)[1], self.matrix_rank_for(shape), step)
+
+    def _draw_q(self, name: str, cols: int, rank: int, step: int) -> torch.Tensor:
+        """A fresh ``Q`` ``[cols, rank]`` for tensor ``name`` at ``step``, the same on every
+        worker."""
         gen = generator_for("powersgd-q", self.seed, name, step)
-        return torch.randn(cols, self.matrix_rank_for(shape), generator=gen)
+        return torch.randn(cols, rank, generator=gen)
 
     def init_state(self, shapes: Mapping[str, torch.Size]) -> dict[str, Any]:
         return {
@@ -211,17 +223,18 @@ class PowerSGD(Compressor):
                 dense.append(job)
         return dense, sorted(groups), groups  # sorted: identical order on every worker
 
-    def _warm_starts(self, jobs: list[Job], state: dict[str, Any], ctx: StepContext,
-                     device: torch.device) -> torch.Tensor:
-        """``Q^T`` of a group's matrices, ``[B, r, cols]``: the stored warm starts (without a
-        copy when they are still where ``reduce`` stored them) or fresh draws. Either way a
-        transposed view of ``[B, cols, r]``, the layout of a checkpoint's ``Q``, each matrix
-        at an aligned place, so that the products round the same after a resume."""
+    def _warm_starts(self, names: Sequence[str], key: tuple[int, int, int],
+                     state: dict[str, Any], ctx: StepContext, device: torch.device) -> torch.Tensor:
+        """``Q^T`` of a group's matrices (``names``, group ``key``), ``[B, r, cols]``: the
+        stored warm starts (without a copy when they are still where ``reduce`` stored them)
+        or fresh draws. Either way a transposed view of ``[B, cols, r]``, the layout of a
+        checkpoint's ``Q``, each matrix at an aligned place, so that the products round the
+        same after a resume."""
+        _, cols, r = key
         if self.warm_start:
-            stored = [to_device(state["q"][j.name], device) for j in jobs]
+            stored = [to_device(state["q"][name], device) for name in names]
         else:
-            stored = [to_device(self._fresh_q(j.name, j.shape, ctx.step), device) for j in jobs]
-        cols, r = stored[0].shape
+            stored = [to_device(self._draw_q(name, cols, r, ctx.step), device) for name in names]
         # A view where they lie at aligned places one step apart (as reduce stores them),
         # else one copy.
         return stack_matrices([q.unsqueeze(0) for q in stored], cols, r)[0].transpose(-1, -2)
@@ -229,7 +242,6 @@ class PowerSGD(Compressor):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        workers, world = comm.local_workers, comm.world_size
         dense, keys, groups = self._groups(jobs)
         # Each group of same-shape matrices as one [L, B, rows, cols] batch (a view where the
         # gradients already lie at aligned places one after another, else one copy): every
@@ -239,8 +251,106 @@ class PowerSGD(Compressor):
         # matrix's bits must not depend on the tensors it shares a call with (DDP's buckets,
         # a resume, a process group against the simulator group them differently).
         mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
-        qts = {k: self._warm_starts(groups[k], state, ctx, mats[k].device) for k in keys}
-        counts = [len(groups[k]) for k in keys]
+        names = {k: [j.name for j in groups[k]] for k in keys}
+        # All residuals of the call in one buffer: one finiteness test for all of them.
+        device = jobs[0].tensor.device if jobs else torch.device("cpu")
+        residuals = torch.empty(comm.local_workers, sum(j.numel for k in keys for j in groups[k]),
+                                dtype=torch.float32, device=device)
+        out = self._exchange(keys, names, mats, [j.tensor for j in dense], residuals, state,
+                             comm, ctx)
+        if dense:
+            for job, rest in zip(dense, job_rows(dense, out.dense_rest), strict=True):
+                job.keep(rest)
+            give_averages(dense, out.dense_average)
+            for job in dense:
+                job.decoded = job.tensor
+        for k, own, rest, approx in zip(keys, out.owns, out.rests, out.approxes, strict=True):
+            # One unbind per group (views made in one call), not an index per matrix.
+            for b, (job, mine) in enumerate(zip(groups[k], approx.unbind(0), strict=True)):
+                job.decoded = own[:, b].reshape(job.tensor.shape)
+                job.keep(rest[:, b].reshape(job.tensor.shape))
+                job.averaged = mine.reshape(job.shape)
+
+    # -- the call as one row (the engine's segment path) ----------------------------------
+    def segment_plan(
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
+        shapes: Sequence[torch.Size] | None = None,
+    ) -> SegmentPlan | None:
+        """The row's order: the tensors sent dense first (in the engine's order, as
+        :meth:`reduce` sends them first), then each group of same-shape matrices, the groups
+        in :meth:`reduce`'s order and each group's tensors in the engine's (see
+        :meth:`~gradzip.compressors.base.Compressor.segment_plan`). ``None`` without the
+        tensors' ``shapes`` (a matrix's rows and columns are not in its size)."""
+        if shapes is None or len(shapes) != len(names):
+            return None
+        dense: list[int] = []
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, shape in enumerate(shapes):
+            r = self.matrix_rank_for(torch.Size(shape))
+            if r:
+                groups.setdefault((*_matrix_shape(torch.Size(shape)), r), []).append(i)
+            else:
+                dense.append(i)
+        keys = tuple(sorted(groups))
+        order = tuple(dense) + tuple(i for k in keys for i in groups[k])
+        return SegmentPlan(order, _RowPlan(
+            dense=sum(sizes[i] for i in dense), keys=keys,
+            names=tuple(tuple(names[i] for i in groups[k]) for k in keys)))
+
+    def reduce_segments(
+        self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
+        ctx: StepContext,
+    ) -> torch.Tensor:
+        """:meth:`reduce` on tensors already laid end to end in ``plan``'s order (see
+        :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the same messages,
+        state and bits, each group's matrices read from the row (viewed where they lie at
+        aligned places, else one copy per group) and its residuals written back into it."""
+        rows: _RowPlan = plan.data
+        workers = flat.shape[0]
+        average = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
+        mats, start = {}, rows.dense
+        for k, names in zip(rows.keys, rows.names, strict=True):
+            size = len(names) * k[0] * k[1]
+            mats[k] = stack_region(flat[:, start:start + size], len(names), k[0], k[1])
+            start += size
+        lead = [flat[:, :rows.dense]] if rows.dense else []
+        out = self._exchange(list(rows.keys), dict(zip(rows.keys, rows.names, strict=True)), mats,
+                             lead, flat[:, rows.dense:], state, comm, ctx)
+        if rows.dense:
+            flat[:, :rows.dense].copy_(out.dense_rest.view(workers, -1))
+            average[:rows.dense].copy_(out.dense_average)
+        start = rows.dense
+        for approx in out.approxes:
+            size = approx.numel()
+            average[start:start + size].view(approx.shape).copy_(approx)
+            start += size
+        return average
+
+    # -- the algorithm on groups of matrices (both forms) ---------------------------------
+    def _exchange(
+        self, keys: list[tuple[int, int, int]], names: dict[tuple[int, int, int], list[str]],
+        mats: dict[tuple[int, int, int], torch.Tensor], riders: list[torch.Tensor],
+        residuals: torch.Tensor, state: dict[str, Any], comm: Collective, ctx: StepContext,
+    ) -> _Exchanged:
+        """The power iteration of a call, its two all-reduces and its new warm starts
+        (stored in ``state``).
+
+        Args:
+            keys: the groups ``(rows, cols, rank)``, in the order every worker uses.
+            names: each group's tensors, in call order.
+            mats: each group's matrices, ``[L, B, rows, cols]``, each at an aligned place.
+            riders: the tensors sent dense (``[L, ...]`` each), riding in the first message.
+            residuals: ``[L, sum of the groups' entries]``, where each group's residuals are
+                written, the groups one after another (may be the memory ``mats`` views: each
+                group's residual is written when nothing reads its matrices any more).
+            state, comm, ctx: as :meth:`reduce`'s.
+        """
+        workers, world = comm.local_workers, comm.world_size
+        qts = {k: self._warm_starts(names[k], k, state, ctx, mats[k].device) for k in keys}
+        counts = [len(names[k]) for k in keys]
+        dense_count = sum(t[0].numel() for t in riders)
+        dense_rest = dense_average = None
+        owns: list[torch.Tensor] = []
         ps: dict[tuple[int, int, int], torch.Tensor] = {}  # [B, rows, r] per group
         for iteration in range(self.power_iterations):
             # Round 1: P = M Q, summed. Dense tensors ride along in the first round's buffer.
@@ -250,48 +360,46 @@ class PowerSGD(Compressor):
             # once at memory speed, while M Q with r columns runs several times slower on CPU
             # BLAS.
             pt_parts = _products([(qts[k], mats[k].transpose(-1, -2)) for k in keys])
-            riders = list(dense) if iteration == 0 else []
-            flat = flatten_workers([j.tensor for j in riders] + pt_parts, workers)
-            if riders:
+            ride = riders if iteration == 0 else []
+            flat = flatten_workers(ride + pt_parts, workers)
+            lead = sum(t[0].numel() for t in ride)
+            if ride:
                 # What error feedback keeps of a tensor sent dense, ``tensor - tensor`` (zero,
                 # NaN where not finite), for all of them in one op, before the all-reduce
                 # (which may sum in place).
-                lead = flat[:, : sum(j.numel for j in riders)]
-                for job, rest in zip(riders, job_rows(riders, torch.sub(lead, lead)), strict=True):
-                    job.keep(rest)
+                dense_rest = torch.sub(flat[:, :lead], flat[:, :lead])
             total = _mean(comm.all_reduce(flat), world)
-            sizes = [j.numel for j in riders] + [p[0].numel() for p in pt_parts]
-            if riders:
-                give_averages(riders, total[: sum(sizes[: len(riders)])])
-                for job in riders:
-                    job.decoded = job.tensor
+            if ride:
+                dense_average = total[:dense_count]
+            sizes = [p[0].numel() for p in pt_parts]
             # P^T travels as [B, r, rows]; orthogonalised matrix by matrix into [B, rows, r],
             # all groups' rescaling exponents computed together (bit for bit what each
             # matrix alone would use).
+            # The rescaling of every matrix (see gradzip.ops.lowrank.orthogonalize) applied
+            # to the whole region of P^T factors at once: a power of two per matrix,
+            # gathered per entry, elementwise the same product as matrix by matrix.
             if keys:
-                # The rescaling of every matrix (see gradzip.ops.lowrank.orthogonalize) applied
-                # to the whole region of P^T factors at once: a power of two per matrix,
-                # gathered per entry, elementwise the same product as matrix by matrix.
-                region = total[sum(sizes[: len(riders)]):]
-                tops, index = _tops(region, sizes[len(riders):], counts)
+                region = total[lead:]
+                tops, index = _tops(region, sizes, counts)
                 scaled = region * torch.exp2(rescale_exponents(tops)).index_select(0, index)
-                ps = {k: orthonormal(piece.reshape(len(groups[k]), k[2], k[0]))
-                      for k, piece in zip(keys, scaled.split(sizes[len(riders):]), strict=True)}
+                ps = {k: orthonormal(piece.reshape(len(names[k]), k[2], k[0]))
+                      for k, piece in zip(keys, scaled.split(sizes), strict=True)}
             # Round 2: Q = M^T P, summed.
             qt_local = dict(zip(keys, _products([(ps[k].transpose(-1, -2), mats[k])
                                                   for k in keys]), strict=True))
             flat_q = flatten_workers([qt_local[k] for k in keys], workers)
-            if iteration == self.power_iterations - 1:
-                self._settle_residuals(keys, groups, ps, qt_local, workers, mats, flat_q)
+            if iteration == self.power_iterations - 1 and keys:
+                owns = _settle(keys, ps, qt_local, mats, residuals, workers, flat_q)
             total_q = _mean(comm.all_reduce(flat_q), world)
             sizes_q = [qt_local[k][0].numel() for k in keys]
             # Copied out of the message to aligned places, all groups in one allocation.
-            placed = aligned_matrices((), [(len(groups[k]), k[2], k[1]) for k in keys],
+            placed = aligned_matrices((), [(len(names[k]), k[2], k[1]) for k in keys],
                                       dtype=total_q.dtype, device=total_q.device)
             for k, piece, into in zip(keys, split_flat(total_q, sizes_q), placed, strict=True):
                 qts[k] = into.copy_(piece.reshape(into.shape))
+        rests = _group_views(residuals, [(len(names[k]), k[0], k[1]) for k in keys])
         if not keys:
-            return
+            return _Exchanged(dense_rest, dense_average, [], [], [])
         new_q = dict(state["q"])
         # Warm starts are stored per name as contiguous [cols, r] slices of one tamed
         # [B, cols, r] block per group (the layout of a checkpoint's), each at an aligned
@@ -301,17 +409,15 @@ class PowerSGD(Compressor):
         # together.
         shifts = _tame_shifts(_tops(total_q, sizes_q, counts)[0]).split(counts)
         first = qts[keys[0]]
-        blocks = aligned_matrices((), [(len(groups[k]), k[1], k[2]) for k in keys],
+        blocks = aligned_matrices((), [(len(names[k]), k[1], k[2]) for k in keys],
                                   dtype=first.dtype, device=first.device, zero=True)
-        approxes = _products([(ps[k], qts[k].unsqueeze(0)) for k in keys])
-        for k, shift, block, approx in zip(keys, shifts, blocks, approxes, strict=True):
-            approx = approx[0]  # [B, rows, cols]
+        approxes = [a[0] for a in _products([(ps[k], qts[k].unsqueeze(0)) for k in keys])]
+        for k, shift, block in zip(keys, shifts, blocks, strict=True):
             tamed = torch.mul(qts[k].transpose(-1, -2), shift.reshape(-1, 1, 1), out=block)
             # One unbind per group (views made in one call), not an index per matrix.
-            for job, mine, q in zip(groups[k], approx.unbind(0), tamed.unbind(0), strict=True):
-                job.averaged = mine.reshape(job.shape)
-                new_q[job.name] = q
+            new_q.update(zip(names[k], tamed.unbind(0), strict=True))
         state["q"] = new_q
+        return _Exchanged(dense_rest, dense_average, owns, rests, approxes)
 
     @staticmethod
     def _settle_residuals(
@@ -320,48 +426,85 @@ class PowerSGD(Compressor):
         ps: dict[tuple[int, int, int], torch.Tensor],
         qt_local: dict[tuple[int, int, int], torch.Tensor],
         workers: int,
-        mats: dict[tuple[int, int, int], torch.Tensor] | None = None,
-        flat_q: torch.Tensor | None = None,
     ) -> None:
-        """Decode each worker's own message and its residual *before* the last all-reduce,
-        and make a worker whose residual is not finite send NaN in its ``Q`` factor.
-
-        A worker's decoded message ``P Q_w^T`` and residual ``M - P Q_w^T`` can overflow on
-        that worker alone while the average stays finite; poisoning its ``Q`` makes the summed
-        ``Q`` (hence the average, tested by the engine on every worker alike) non-finite, so
-        every worker applies the non-finite policy instead of one keeping a poisoned residual.
-
-        Args:
-            keys: the groups, in order.
-            groups: the jobs of each group.
-            ps: ``P`` per group, ``[B, rows, r]``.
-            qt_local: each worker's ``Q^T`` per group, ``[L, B, r, cols]``; poisoned in place.
-            workers: ``L``.
-            mats: the groups' matrices ``[L, B, rows, cols]`` (stacked from the jobs if
-                ``None``).
-            flat_q: the ``[L, total]`` message made of ``qt_local``'s tensors, if it is made
-                already (then it is poisoned instead, with one op).
-        """
+        """:func:`_settle` for groups of jobs: each job's ``decoded`` and residual (through
+        :meth:`~gradzip.compressors.base.Job.keep`) set, a worker whose residual is not
+        finite made to send NaN in ``qt_local``."""
         if not keys:
             return
-        device = ps[keys[0]].device
-        # All residuals of the call in one buffer: one finiteness test for all of them.
-        shapes = [(len(groups[k]), k[0], k[1]) for k in keys]
-        flat = torch.empty(workers, sum(math.prod(shape) for shape in shapes),
-                           dtype=torch.float32, device=device)
-        owns = _products([(ps[k], qt_local[k]) for k in keys])  # [L, B, rows, cols] each
-        for k, residual, own in zip(keys, _group_views(flat, shapes), owns, strict=True):
-            jobs = groups[k]
-            m = mats[k] if mats is not None else stack_matrices([j.tensor for j in jobs], k[0], k[1])
-            # One subtraction per group: bit for bit each job's ``tensor - decoded``.
-            torch.sub(m, own, out=residual)
-            for b, job in enumerate(jobs):
+        mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
+        residuals = torch.empty(workers, sum(m[0].numel() for m in mats.values()),
+                                dtype=torch.float32, device=ps[keys[0]].device)
+        owns = _settle(keys, ps, qt_local, mats, residuals, workers, None)
+        rests = _group_views(residuals, [tuple(m.shape[1:]) for m in mats.values()])
+        for k, own, rest in zip(keys, owns, rests, strict=True):
+            for b, job in enumerate(groups[k]):
                 job.decoded = own[:, b].reshape(job.tensor.shape)
-                job.keep(residual[:, b].reshape(job.tensor.shape))
-        # On the device, no host synchronisation: NaN where a worker's residual is not finite.
-        bad = ~finite_rows([flat], workers)
-        for target in [flat_q] if flat_q is not None else [qt_local[k] for k in keys]:
-            target.masked_fill_(bad.reshape(workers, *([1] * (target.dim() - 1))), float("nan"))
+                job.keep(rest[:, b].reshape(job.tensor.shape))
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    """PowerSGD's segment plan's data: the entries sent dense (the row's first part), then
+    the groups ``(rows, cols, rank)`` and each group's tensors, in the row's order."""
+
+    dense: int
+    keys: tuple[tuple[int, int, int], ...]
+    names: tuple[tuple[str, ...], ...]
+
+
+@dataclass
+class _Exchanged:
+    """What :meth:`PowerSGD._exchange` leaves for its caller to hand out: the tensors sent
+    dense (their residual ``[L, d]`` and average ``[d]``, ``None`` without them), and per
+    group each worker's own decoded message and residual ``[L, B, rows, cols]`` and the
+    average ``[B, rows, cols]``."""
+
+    dense_rest: torch.Tensor | None
+    dense_average: torch.Tensor | None
+    owns: list[torch.Tensor]
+    rests: list[torch.Tensor]
+    approxes: list[torch.Tensor]
+
+
+def _settle(
+    keys: list[tuple[int, int, int]], ps: dict[tuple[int, int, int], torch.Tensor],
+    qt_local: dict[tuple[int, int, int], torch.Tensor],
+    mats: dict[tuple[int, int, int], torch.Tensor], residuals: torch.Tensor, workers: int,
+    flat_q: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """Decode each worker's own message and its residual *before* the last all-reduce,
+    and make a worker whose residual is not finite send NaN in its ``Q`` factor.
+
+    A worker's decoded message ``P Q_w^T`` and residual ``M - P Q_w^T`` can overflow on
+    that worker alone while the average stays finite; poisoning its ``Q`` makes the summed
+    ``Q`` (hence the average, tested by the engine on every worker alike) non-finite, so
+    every worker applies the non-finite policy instead of one keeping a poisoned residual.
+
+    Args:
+        keys: the groups, in order.
+        ps: ``P`` per group, ``[B, rows, r]``.
+        qt_local: each worker's ``Q^T`` per group, ``[L, B, r, cols]``; poisoned in place.
+        mats: the groups' matrices ``[L, B, rows, cols]``.
+        residuals: ``[L, total]``: each group's ``M - P Q_w^T`` written there, the groups one
+            after another (it may be the memory a group's ``mats`` views).
+        workers: ``L``.
+        flat_q: the ``[L, total]`` message made of ``qt_local``'s tensors, if it is made
+            already (then it is poisoned instead, with one op).
+
+    Returns:
+        Each group's decoded messages, ``[L, B, rows, cols]``.
+    """
+    shapes = [tuple(mats[k].shape[1:]) for k in keys]
+    owns = _products([(ps[k], qt_local[k]) for k in keys])  # [L, B, rows, cols] each
+    for k, residual, own in zip(keys, _group_views(residuals, shapes), owns, strict=True):
+        # One subtraction per group: bit for bit each job's ``tensor - decoded``.
+        torch.sub(mats[k], own, out=residual)
+    # On the device, no host synchronisation: NaN where a worker's residual is not finite.
+    bad = ~finite_rows([residuals], workers)
+    for target in [flat_q] if flat_q is not None else [qt_local[k] for k in keys]:
+        target.masked_fill_(bad.reshape(workers, *([1] * (target.dim() - 1))), float("nan"))
+    return owns
 
 
 def _reduce_per_matrix(

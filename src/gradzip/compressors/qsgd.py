@@ -302,7 +302,8 @@ class QSGD(ExchangeStateCheck, Compressor):
         return decoded, self._decode_sum_whole(all_norms, codes, layout, comm.world_size, out)
 
     def segment_plan(
-        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
+        shapes: Sequence[torch.Size] | None = None,
     ) -> SegmentPlan | None:
         """The row's order (the all-gathered tensors, then those sent dense, each kind in
         the engine's order, as :meth:`reduce` groups them), their layout and names, where no

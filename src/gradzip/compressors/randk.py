@@ -113,7 +113,8 @@ class RandK(Compressor):
         flat.index_fill_(1, where, 0.0)
 
     def segment_plan(
-        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
+        shapes: Sequence[torch.Size] | None = None,
     ) -> SegmentPlan | None:
         """The row's order (the tensors that send a draw, then those sent whole, each kind in
         the engine's order, as :meth:`reduce` groups them), their layout and names, where

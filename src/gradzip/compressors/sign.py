@@ -170,7 +170,8 @@ class Sign(ExchangeStateCheck, Compressor):
         give_averages(jobs, averaged)
 
     def segment_plan(
-        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
+        shapes: Sequence[torch.Size] | None = None,
     ) -> SegmentPlan | None:
         """The row's order (the all-gathered tensors, then those sent dense, each kind in
         the engine's order, as :meth:`reduce` groups them) and the layout of the

@@ -273,7 +273,8 @@ class HardThreshold(Compressor):
             state["exchange"] = {f: state["exchange"][f] + taken[f] for f in _FORMS}
 
     def segment_plan(
-        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
+        shapes: Sequence[torch.Size] | None = None,
     ) -> SegmentPlan | None:
         """With ``lam`` and a ``capacity`` (the form whose decisions stay on the device): the
         row's order (the all-gathered tensors, then those sent dense, each kind in the

@@ -24,7 +24,8 @@ in a real process group of one worker per process, no tensor of the bucket goes 
 compressor, error feedback is on for all its compressed tensors or none, and the compressor's
 :meth:`~gradzip.compressors.base.Compressor.segment_plan` has a form for them (Top-k, Rand-k,
 QSGD, Sign and the hard threshold with ``lam`` and a ``capacity``, where no tensor takes the
-sharded exchange). Tensors the engine sends dense (``dense_1d``, ``min_numel``) follow the
+sharded exchange; PowerSGD, whose groups of same-shape matrices follow its dense tensors in
+the row and are read from it in place where they lie at aligned places). Tensors the engine sends dense (``dense_1d``, ``min_numel``) follow the
 compressed ones in the row and travel first, by one exact all-reduce, as on the ordinary path.
 Everything else takes the ordinary call. The results, state, counters and compression-error
 sums are the ordinary device path's, bit for bit (tested against it and against the host
@@ -118,8 +119,9 @@ def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int]) ->
     dense = [where[n] for n in layout.names if n in engine.dense_names]
     if not compressed or any((n in feedback) != keep for n in compressed):
         return Segments(key, None)
-    plan = engine.compressor.segment_plan(compressed, [layout.sizes[where[n]] for n in compressed],
-                                          engine.comm.world_size, layout.buffer.device)
+    plan = engine.compressor.segment_plan(
+        compressed, [layout.sizes[where[n]] for n in compressed], engine.comm.world_size,
+        layout.buffer.device, shapes=[layout.grads[where[n]].shape[1:] for n in compressed])
     if plan is None:
         return Segments(key, None)
     assert sorted(plan.order) == list(range(len(compressed))), "a plan's order is a permutation"

@@ -9,7 +9,7 @@ from functools import lru_cache
 import torch
 
 __all__ = ["ALIGN_BYTES", "aligned_copy", "aligned_matrices", "orthogonalize", "orthonormal",
-           "rescale_exponents", "stack_matrices"]
+           "rescale_exponents", "stack_matrices", "stack_region"]
 
 
 # Columns whose largest entry lies outside [_LOW, _HIGH] are rescaled by a power of two before
@@ -80,18 +80,27 @@ def aligned_matrices(
         One view per batch.
     """
     q, width, places = _placement(tuple(shapes), dtype)
+    lead = tuple(lead)
     count = math.prod(lead) * width
     make = torch.zeros if zero else torch.empty
     buf = make(count + q, dtype=dtype, device=device)
     shift = (-buf.data_ptr() % ALIGN_BYTES) // buf.element_size()  # 0 from torch's allocators
-    rows = buf[shift:shift + count].view(*lead, width)
-    out = []
-    for start, stop, b, padded, a, c in places:
-        # ``view``, not ``unflatten`` (a Python wrapper of the same view: the same strides,
-        # at a third of the host time; this runs several times per group and call).
-        block = rows[..., start:stop].view(*lead, b, padded)
-        out.append(block[..., : a * c].view(*lead, b, a, c))
-    return out
+    # Each batch made by one ``as_strided`` of the buffer (the strides and offset that
+    # slicing the rows and viewing them would give, in one call instead of four: this runs
+    # several times per group and call, and each view costs the host about a microsecond).
+    lead_strides = _lead_strides(lead, width)
+    return [buf.as_strided((*lead, b, a, c), (*lead_strides, padded, c, 1), shift + start)
+            for start, _, b, padded, a, c in places]
+
+
+@lru_cache(maxsize=64)
+def _lead_strides(lead: tuple[int, ...], width: int) -> tuple[int, ...]:
+    """The strides of contiguous leading dimensions ``lead`` over rows of ``width`` entries."""
+    strides, step = [], width
+    for size in reversed(lead):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 @lru_cache(maxsize=1024)
@@ -247,3 +256,22 @@ def _aligned_view(
             return None
     return first.as_strided((workers, len(tensors), rows, cols), (stride, step, cols, 1),
                             first.storage_offset())
+
+
+def stack_region(region: torch.Tensor, count: int, rows: int, cols: int) -> torch.Tensor:
+    """``[L, B, rows, cols]``: :func:`stack_matrices` of ``count`` matrices lying end to end
+    in each row of ``region`` (``[L, count * rows * cols]``, each row contiguous), without a
+    view per matrix: the region itself, viewed, where every matrix starts at a multiple of
+    :data:`ALIGN_BYTES`; else one copy into :func:`aligned_matrices`' layout. The same
+    matrices, at aligned places either way, as :func:`stack_matrices` of their views gives.
+    """
+    workers, size = region.shape[0], rows * cols
+    item = region.element_size()
+    if (not region.data_ptr() % ALIGN_BYTES and not (size * item) % ALIGN_BYTES
+            and (workers == 1 or not (region.stride(0) * item) % ALIGN_BYTES)
+            and region.stride(-1) == 1):
+        return region.view(workers, count, rows, cols)
+    (out,) = aligned_matrices((workers,), [(count, rows, cols)], dtype=region.dtype,
+                              device=region.device)
+    return out.copy_(region.view(workers, count, rows, cols))
+
