@@ -122,7 +122,13 @@ def test_powersgd_needs_shapes_for_a_segment_form() -> None:
     plan = compressor.segment_plan(["a", "b", "c"], [8, 64, 64], 2, torch.device("cpu"),
                                    shapes=[torch.Size([8]), torch.Size([8, 8]),
                                            torch.Size([8, 2, 4])])
-    assert plan is not None and plan.order == (0, 1, 2)  # dense first, then the 8 x 8 group
+    assert plan is not None and plan.order == (1, 2, 0)  # the 8 x 8 group, then the dense one
+    # Groups whose matrices are not whole multiples of 64 bytes go after those that are (in
+    # the row only: the message keeps the groups' sorted order).
+    odd = compressor_from_spec("powersgd:rank=1,min_compression_rate=1").segment_plan(
+        ["a", "b", "c"], [15, 4, 32], 2, torch.device("cpu"),
+        shapes=[torch.Size([3, 5]), torch.Size([4]), torch.Size([4, 8])])
+    assert odd is not None and odd.order == (2, 0, 1)
 
 
 @pytest.mark.parametrize("spec", ["none", "fp16"])

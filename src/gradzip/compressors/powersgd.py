@@ -22,6 +22,7 @@ from gradzip.compressors.base import (
 from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import (
+    ALIGN_BYTES,
     aligned_matrices,
     orthogonalize,
     orthonormal,
@@ -94,18 +95,26 @@ def _each_worker(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.T
     return out
 
 
-def _products(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+def _products(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    given: Sequence[torch.Tensor | None] | None = None,
+) -> list[torch.Tensor]:
     """:func:`_each_worker` of each ``(a[B, x, y], b[L, B, y, z])``, the ``[L, B, x, z]``
     outputs placed by one :func:`~gradzip.ops.lowrank.aligned_matrices` call (one allocation
     and a few views per group, instead of an allocation and its views per product): each
-    matrix still at an aligned place of its own, so each product rounds as it would alone."""
+    matrix still at an aligned place of its own, so each product rounds as it would alone.
+    ``given[i]``, where not ``None``, is the output of pair ``i`` instead (its matrices laid
+    out as those of ``aligned_matrices``, at aligned places: the same bits)."""
     if not pairs:
         return []
+    given = given if given is not None else [None] * len(pairs)
     a0, b0 = pairs[0]
-    outs = aligned_matrices((b0.shape[0],), [(a.shape[0], a.shape[1], b.shape[-1])
-                                             for a, b in pairs],
-                            dtype=a0.dtype, device=b0.device)
-    return [_each_worker(a, b, out) for (a, b), out in zip(pairs, outs, strict=True)]
+    wanted = [(a.shape[0], a.shape[1], b.shape[-1])
+              for (a, b), out in zip(pairs, given, strict=True) if out is None]
+    made = iter(aligned_matrices((b0.shape[0],), wanted, dtype=a0.dtype, device=b0.device)
+                if wanted else [])
+    return [_each_worker(a, b, out if out is not None else next(made))
+            for (a, b), out in zip(pairs, given, strict=True)]
 
 
 def _group_views(flat: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
@@ -256,8 +265,9 @@ class PowerSGD(Compressor):
         device = jobs[0].tensor.device if jobs else torch.device("cpu")
         residuals = torch.empty(comm.local_workers, sum(j.numel for k in keys for j in groups[k]),
                                 dtype=torch.float32, device=device)
-        out = self._exchange(keys, names, mats, [j.tensor for j in dense], residuals, state,
-                             comm, ctx)
+        rests = _group_views(residuals, [(len(groups[k]), k[0], k[1]) for k in keys])
+        out = self._exchange(keys, names, mats, [j.tensor for j in dense], residuals, rests,
+                             state, comm, ctx)
         if dense:
             for job, rest in zip(dense, job_rows(dense, out.dense_rest), strict=True):
                 job.keep(rest)
@@ -276,11 +286,14 @@ class PowerSGD(Compressor):
         self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
         shapes: Sequence[torch.Size] | None = None,
     ) -> SegmentPlan | None:
-        """The row's order: the tensors sent dense first (in the engine's order, as
-        :meth:`reduce` sends them first), then each group of same-shape matrices, the groups
-        in :meth:`reduce`'s order and each group's tensors in the engine's (see
-        :meth:`~gradzip.compressors.base.Compressor.segment_plan`). ``None`` without the
-        tensors' ``shapes`` (a matrix's rows and columns are not in its size)."""
+        """The row's order (see :meth:`~gradzip.compressors.base.Compressor.segment_plan`):
+        each group of same-shape matrices, its tensors in the engine's order, then the
+        tensors sent dense. The groups whose matrices fill whole multiples of
+        :data:`~gradzip.ops.lowrank.ALIGN_BYTES` come first, so that each of their matrices
+        lies at an aligned place in the row and is read, and averaged, in place; the others
+        follow (each read from one copy). Only their places in the row differ from
+        :meth:`reduce`: the messages keep its order. ``None`` without the tensors' ``shapes``
+        (a matrix's rows and columns are not in its size)."""
         if shapes is None or len(shapes) != len(names):
             return None
         dense: list[int] = []
@@ -292,10 +305,17 @@ class PowerSGD(Compressor):
             else:
                 dense.append(i)
         keys = tuple(sorted(groups))
-        order = tuple(dense) + tuple(i for k in keys for i in groups[k])
+        quantum = ALIGN_BYTES // 4  # fp32 entries
+        placed = sorted(keys, key=lambda k: (k[0] * k[1]) % quantum != 0)  # stable
+        starts, at = {}, 0
+        for k in placed:
+            starts[k] = at
+            at += len(groups[k]) * k[0] * k[1]
+        order = tuple(i for k in placed for i in groups[k]) + tuple(dense)
         return SegmentPlan(order, _RowPlan(
-            dense=sum(sizes[i] for i in dense), keys=keys,
-            names=tuple(tuple(names[i] for i in groups[k]) for k in keys)))
+            dense=sum(sizes[i] for i in dense), matrices=at, keys=keys,
+            names=tuple(tuple(names[i] for i in groups[k]) for k in keys),
+            starts=tuple(starts[k] for k in keys)))
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
@@ -306,31 +326,42 @@ class PowerSGD(Compressor):
         state and bits, each group's matrices read from the row (viewed where they lie at
         aligned places, else one copy per group) and its residuals written back into it."""
         rows: _RowPlan = plan.data
-        workers = flat.shape[0]
         average = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
-        mats, start = {}, rows.dense
-        for k, names in zip(rows.keys, rows.names, strict=True):
+        # A group whose matrices lie at aligned places in the row is read in place, and its
+        # average computed in place too where the same region of ``average`` is aligned (it
+        # is laid out as the row, from an aligned start: it is when the row's is). Any other
+        # group is read from one copy, and its average copied in.
+        mats, rests, into = {}, [], []
+        for k, names, start in zip(rows.keys, rows.names, rows.starts, strict=True):
             size = len(names) * k[0] * k[1]
-            mats[k] = stack_region(flat[:, start:start + size], len(names), k[0], k[1])
-            start += size
-        lead = [flat[:, :rows.dense]] if rows.dense else []
+            region = flat[:, start:start + size]
+            mats[k] = stack_region(region, len(names), k[0], k[1])
+            rests.append(region.view(flat.shape[0], len(names), k[0], k[1]))
+            there = average[start:start + size].view(len(names), k[0], k[1])
+            in_place = (mats[k].data_ptr() == region.data_ptr()
+                        and not there.data_ptr() % ALIGN_BYTES)
+            into.append(there if in_place else None)
+        end = rows.matrices + rows.dense
+        lead = [flat[:, rows.matrices:end]] if rows.dense else []
+        # The riders' residual is written over them once the message holds them.
         out = self._exchange(list(rows.keys), dict(zip(rows.keys, rows.names, strict=True)), mats,
-                             lead, flat[:, rows.dense:], state, comm, ctx)
+                             lead, flat[:, :rows.matrices], rests, state, comm, ctx,
+                             dense_out=lead[0] if lead else None, averages=into)
         if rows.dense:
-            flat[:, :rows.dense].copy_(out.dense_rest.view(workers, -1))
-            average[:rows.dense].copy_(out.dense_average)
-        start = rows.dense
-        for approx in out.approxes:
-            size = approx.numel()
-            average[start:start + size].view(approx.shape).copy_(approx)
-            start += size
+            average[rows.matrices:end].copy_(out.dense_average)
+        for approx, placed, start in zip(out.approxes, into, rows.starts, strict=True):
+            if placed is None:
+                average[start:start + approx.numel()].view(approx.shape).copy_(approx)
         return average
 
     # -- the algorithm on groups of matrices (both forms) ---------------------------------
     def _exchange(
         self, keys: list[tuple[int, int, int]], names: dict[tuple[int, int, int], list[str]],
         mats: dict[tuple[int, int, int], torch.Tensor], riders: list[torch.Tensor],
-        residuals: torch.Tensor, state: dict[str, Any], comm: Collective, ctx: StepContext,
+        residuals: torch.Tensor, rests: list[torch.Tensor], state: dict[str, Any],
+        comm: Collective, ctx: StepContext,
+        dense_out: torch.Tensor | None = None,
+        averages: list[torch.Tensor | None] | None = None,
     ) -> _Exchanged:
         """The power iteration of a call, its two all-reduces and its new warm starts
         (stored in ``state``).
@@ -340,10 +371,16 @@ class PowerSGD(Compressor):
             names: each group's tensors, in call order.
             mats: each group's matrices, ``[L, B, rows, cols]``, each at an aligned place.
             riders: the tensors sent dense (``[L, ...]`` each), riding in the first message.
-            residuals: ``[L, sum of the groups' entries]``, where each group's residuals are
-                written, the groups one after another (may be the memory ``mats`` views: each
-                group's residual is written when nothing reads its matrices any more).
+            residuals: ``[L, sum of the groups' entries]``, every group's residual (tested
+                for finiteness as one tensor).
+            rests: per group, the ``[L, B, rows, cols]`` view of ``residuals`` where its
+                residual is written (may be the memory its ``mats`` views: it is written
+                when nothing reads them any more).
             state, comm, ctx: as :meth:`reduce`'s.
+            dense_out: ``[L, d]``, where the riders' residual is written (else a new tensor).
+            averages: per group, ``[B, rows, cols]`` where its average is computed (its
+                matrices at aligned places, laid out as :func:`aligned_matrices` lays them
+                out), or ``None`` for a new buffer.
         """
         workers, world = comm.local_workers, comm.world_size
         qts = {k: self._warm_starts(names[k], k, state, ctx, mats[k].device) for k in keys}
@@ -367,7 +404,7 @@ class PowerSGD(Compressor):
                 # What error feedback keeps of a tensor sent dense, ``tensor - tensor`` (zero,
                 # NaN where not finite), for all of them in one op, before the all-reduce
                 # (which may sum in place).
-                dense_rest = torch.sub(flat[:, :lead], flat[:, :lead])
+                dense_rest = torch.sub(flat[:, :lead], flat[:, :lead], out=dense_out)
             total = _mean(comm.all_reduce(flat), world)
             if ride:
                 dense_average = total[:dense_count]
@@ -389,7 +426,7 @@ class PowerSGD(Compressor):
                                                   for k in keys]), strict=True))
             flat_q = flatten_workers([qt_local[k] for k in keys], workers)
             if iteration == self.power_iterations - 1 and keys:
-                owns = _settle(keys, ps, qt_local, mats, residuals, workers, flat_q)
+                owns = _settle(keys, ps, qt_local, mats, residuals, rests, workers, flat_q)
             total_q = _mean(comm.all_reduce(flat_q), world)
             sizes_q = [qt_local[k][0].numel() for k in keys]
             # Copied out of the message to aligned places, all groups in one allocation.
@@ -397,7 +434,6 @@ class PowerSGD(Compressor):
                                       dtype=total_q.dtype, device=total_q.device)
             for k, piece, into in zip(keys, split_flat(total_q, sizes_q), placed, strict=True):
                 qts[k] = into.copy_(piece.reshape(into.shape))
-        rests = _group_views(residuals, [(len(names[k]), k[0], k[1]) for k in keys])
         if not keys:
             return _Exchanged(dense_rest, dense_average, [], [], [])
         new_q = dict(state["q"])
@@ -411,7 +447,9 @@ class PowerSGD(Compressor):
         first = qts[keys[0]]
         blocks = aligned_matrices((), [(len(names[k]), k[1], k[2]) for k in keys],
                                   dtype=first.dtype, device=first.device, zero=True)
-        approxes = [a[0] for a in _products([(ps[k], qts[k].unsqueeze(0)) for k in keys])]
+        approxes = [a[0] for a in _products([(ps[k], qts[k].unsqueeze(0)) for k in keys],
+                                            [None if into is None else into.unsqueeze(0)
+                                             for into in (averages or [None] * len(keys))])]
         for k, shift, block in zip(keys, shifts, blocks, strict=True):
             tamed = torch.mul(qts[k].transpose(-1, -2), shift.reshape(-1, 1, 1), out=block)
             # One unbind per group (views made in one call), not an index per matrix.
@@ -435,8 +473,8 @@ class PowerSGD(Compressor):
         mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
         residuals = torch.empty(workers, sum(m[0].numel() for m in mats.values()),
                                 dtype=torch.float32, device=ps[keys[0]].device)
-        owns = _settle(keys, ps, qt_local, mats, residuals, workers, None)
         rests = _group_views(residuals, [tuple(m.shape[1:]) for m in mats.values()])
+        owns = _settle(keys, ps, qt_local, mats, residuals, rests, workers, None)
         for k, own, rest in zip(keys, owns, rests, strict=True):
             for b, job in enumerate(groups[k]):
                 job.decoded = own[:, b].reshape(job.tensor.shape)
@@ -445,12 +483,15 @@ class PowerSGD(Compressor):
 
 @dataclass(frozen=True)
 class _RowPlan:
-    """PowerSGD's segment plan's data: the entries sent dense (the row's first part), then
-    the groups ``(rows, cols, rank)`` and each group's tensors, in the row's order."""
+    """PowerSGD's segment plan's data: the groups ``(rows, cols, rank)`` in :meth:`reduce`'s
+    order, each group's tensors and its first entry in the row; the entries of all the
+    groups (the row's first part) and of the tensors sent dense (which follow)."""
 
     dense: int
+    matrices: int
     keys: tuple[tuple[int, int, int], ...]
     names: tuple[tuple[str, ...], ...]
+    starts: tuple[int, ...]
 
 
 @dataclass
@@ -470,8 +511,8 @@ class _Exchanged:
 def _settle(
     keys: list[tuple[int, int, int]], ps: dict[tuple[int, int, int], torch.Tensor],
     qt_local: dict[tuple[int, int, int], torch.Tensor],
-    mats: dict[tuple[int, int, int], torch.Tensor], residuals: torch.Tensor, workers: int,
-    flat_q: torch.Tensor | None,
+    mats: dict[tuple[int, int, int], torch.Tensor], residuals: torch.Tensor,
+    rests: list[torch.Tensor], workers: int, flat_q: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """Decode each worker's own message and its residual *before* the last all-reduce,
     and make a worker whose residual is not finite send NaN in its ``Q`` factor.
@@ -486,8 +527,9 @@ def _settle(
         ps: ``P`` per group, ``[B, rows, r]``.
         qt_local: each worker's ``Q^T`` per group, ``[L, B, r, cols]``; poisoned in place.
         mats: the groups' matrices ``[L, B, rows, cols]``.
-        residuals: ``[L, total]``: each group's ``M - P Q_w^T`` written there, the groups one
-            after another (it may be the memory a group's ``mats`` views).
+        residuals: ``[L, total]``, every group's residual (tested as one tensor).
+        rests: per group, the ``[L, B, rows, cols]`` view of ``residuals`` where its
+            ``M - P Q_w^T`` is written (it may be the memory the group's ``mats`` views).
         workers: ``L``.
         flat_q: the ``[L, total]`` message made of ``qt_local``'s tensors, if it is made
             already (then it is poisoned instead, with one op).
@@ -495,9 +537,8 @@ def _settle(
     Returns:
         Each group's decoded messages, ``[L, B, rows, cols]``.
     """
-    shapes = [tuple(mats[k].shape[1:]) for k in keys]
     owns = _products([(ps[k], qt_local[k]) for k in keys])  # [L, B, rows, cols] each
-    for k, residual, own in zip(keys, _group_views(residuals, shapes), owns, strict=True):
+    for k, residual, own in zip(keys, rests, owns, strict=True):
         # One subtraction per group: bit for bit each job's ``tensor - decoded``.
         torch.sub(mats[k], own, out=residual)
     # On the device, no host synchronisation: NaN where a worker's residual is not finite.

@@ -143,8 +143,10 @@ def orthonormal(pt: torch.Tensor) -> torch.Tensor:
         return pt.transpose(-1, -2).clone()
     batch = pt.reshape(-1, r, n)
     n_pad = _padded(n, pt.dtype)
+    # The padding rows must be zero; where ``n`` needs none, the copy fills every entry the
+    # factorisation reads, and zeroing the buffer first would be one more op per group.
     (padded,) = aligned_matrices((), [(batch.shape[0], r, n_pad)], dtype=pt.dtype,
-                                 device=pt.device, zero=True)
+                                 device=pt.device, zero=n_pad != n)
     padded[..., :n].copy_(batch)
     p = padded.transpose(-1, -2)  # [B, n_pad, r], column-major per matrix: LAPACK's layout
     if r == 1:
