@@ -49,39 +49,49 @@ SEGMENT_SPECS = ("topk:ratio=0.05,exchange=allgather", "topk:ratio=0.3", "topk:r
                  "powersgd:rank=1,warm_start=false", "powersgd:rank=4,min_compression_rate=50")
 
 
+def _both_forms(compressor: object, plan: SegmentPlan, shapes: list[torch.Size],
+                tensors: list[torch.Tensor], workers: int) -> torch.Tensor:
+    """Reduce ``tensors`` by ``compressor.reduce`` and by its segment form on a row laid out
+    in ``plan``'s order; check the averages, residuals, state and bytes alike bit for bit.
+    Returns the row (the residuals after the segment form)."""
+    ctx = StepContext(step=0, ranks=tuple(range(workers)), world_size=workers)
+    named = {f"t{i}": s for i, s in enumerate(shapes)}
+    jobs = [Job(f"t{i}", t.clone()) for i, t in enumerate(tensors)]
+    ordinary = SimulatedGroup(workers)
+    ordinary_state = compressor.init_group_state(named, workers, workers)  # type: ignore[attr-defined]
+    compressor.reduce(jobs, ordinary_state, ordinary, ctx)  # type: ignore[attr-defined]
+    rests = leftovers(jobs)
+    row = torch.cat([tensors[i].reshape(workers, -1) for i in plan.order], dim=1)
+    segmented = SimulatedGroup(workers)
+    segmented_state = compressor.init_group_state(named, workers, workers)  # type: ignore[attr-defined]
+    average = compressor.reduce_segments(  # type: ignore[attr-defined]
+        row, plan, segmented_state, segmented, ctx)
+    assert _same_tree(segmented_state, ordinary_state)
+    start = 0
+    for i in plan.order:
+        end = start + shapes[i].numel()
+        assert torch.equal(average[start:end].reshape(shapes[i]), jobs[i].averaged), i
+        assert torch.equal(row[:, start:end].reshape(workers, *shapes[i]), rests[i]), i
+        start = end
+    assert segmented.meter.payload == ordinary.meter.payload
+    assert segmented.meter.wire == ordinary.meter.wire
+    return row
+
+
 @pytest.mark.parametrize("forms", ["cpu", "device"])
 @pytest.mark.parametrize("workers", [1, 3])
 @pytest.mark.parametrize("spec", SEGMENT_SPECS)
 def test_segments_equal_reduce(spec: str, workers: int, forms: str) -> None:
     compressor = compressor_from_spec(spec)
-    sizes = [torch.Size(s).numel() for s in SHAPES]
+    shapes = [torch.Size(s) for s in SHAPES]
+    sizes = [s.numel() for s in shapes]
     plan = compressor.segment_plan(_names(sizes), sizes, workers, torch.device("cpu"),
-                                   shapes=[torch.Size(s) for s in SHAPES])
+                                   shapes=shapes)
     assert isinstance(plan, SegmentPlan)
     assert sorted(plan.order) == list(range(len(sizes)))
-    tensors = _tensors(workers, seed=len(spec) + workers)
-    ctx = StepContext(step=0, ranks=tuple(range(workers)), world_size=workers)
-    shapes = {f"t{i}": torch.Size(s) for i, s in enumerate(SHAPES)}
     with device_forms() if forms == "device" else contextlib.nullcontext():
-        jobs = [Job(f"t{i}", t.clone()) for i, t in enumerate(tensors)]
-        ordinary = SimulatedGroup(workers)
-        ordinary_state = compressor.init_group_state(shapes, workers, workers)
-        compressor.reduce(jobs, ordinary_state, ordinary, ctx)
-        rests = leftovers(jobs)
-        row = torch.cat([tensors[i].reshape(workers, -1) for i in plan.order], dim=1)
-        segmented = SimulatedGroup(workers)
-        segmented_state = compressor.init_group_state(shapes, workers, workers)
-        average = compressor.reduce_segments(row, plan, segmented_state, segmented, ctx)
-    assert _same_tree(segmented_state, ordinary_state)
-    starts = [0]
-    for i in plan.order:
-        starts.append(starts[-1] + sizes[i])
-    for place, i in enumerate(plan.order):
-        a, b = starts[place], starts[place + 1]
-        assert torch.equal(average[a:b].reshape(SHAPES[i]), jobs[i].averaged), i
-        assert torch.equal(row[:, a:b].reshape(workers, *SHAPES[i]), rests[i]), i
-    assert segmented.meter.payload == ordinary.meter.payload
-    assert segmented.meter.wire == ordinary.meter.wire
+        _both_forms(compressor, plan, shapes, _tensors(workers, seed=len(spec) + workers),
+                    workers)
 
 
 def test_dense_tensors_go_last_in_the_engine_order() -> None:
@@ -164,28 +174,10 @@ def test_powersgd_reads_aligned_matrices_in_the_row_and_writes_residuals_over_th
     assert plan is not None and plan.order == (0, 2, 1, 3)  # groups (4, 8), (8, 8), (16, 4)
     g = torch.Generator().manual_seed(workers)
     tensors = [torch.randn(workers, *s, generator=g) for s in shapes]
-    ctx = StepContext(step=0, ranks=tuple(range(workers)), world_size=workers)
-    named = dict(zip(_names(sizes), shapes, strict=True))
-    jobs = [Job(f"t{i}", t.clone()) for i, t in enumerate(tensors)]
-    ordinary = SimulatedGroup(workers)
-    ordinary_state = compressor.init_group_state(named, workers, workers)
-    compressor.reduce(jobs, ordinary_state, ordinary, ctx)
-    rests = leftovers(jobs)
     row = torch.cat([tensors[i].reshape(workers, -1) for i in plan.order], dim=1)
-    assert row.data_ptr() % ALIGN_BYTES == 0
-    region = stack_region(row[:, :64], 2, 4, 8)
-    assert region.data_ptr() == row.data_ptr()  # a view, as reduce_segments reads it
-    segmented = SimulatedGroup(workers)
-    segmented_state = compressor.init_group_state(named, workers, workers)
-    average = compressor.reduce_segments(row, plan, segmented_state, segmented, ctx)
-    assert _same_tree(segmented_state, ordinary_state)
-    start = 0
-    for i in plan.order:
-        end = start + sizes[i]
-        assert torch.equal(average[start:end].reshape(shapes[i]), jobs[i].averaged), i
-        assert torch.equal(row[:, start:end].reshape(workers, *shapes[i]), rests[i]), i
-        start = end
-    assert segmented.meter.wire == ordinary.meter.wire
+    assert row.data_ptr() % ALIGN_BYTES == 0  # as _both_forms lays it out
+    assert stack_region(row[:, :64], 2, 4, 8).data_ptr() == row.data_ptr()  # read in place
+    _both_forms(compressor, plan, shapes, tensors, workers)
 
 
 def test_stack_region_copies_matrices_that_are_not_aligned() -> None:
