@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import gradzip
 from conformance import SHAPES, SPECS, make_grads
+from gradzip.compressors.powersgd import _settle
 from gradzip.statecheck import check_tree, first_nonfinite
 
 STATELESS = [("none", None), ("fp16", None), ("bf16", None), ("qsgd:levels=4", None),
@@ -91,16 +92,16 @@ def test_powersgd_poisons_the_message_of_a_worker_whose_residual_overflows() -> 
     overflows, while the other worker's opposite ``Q`` would make the average finite. That
     worker's ``Q`` factor is replaced by NaN before it is summed, so every worker's average
     turns non-finite and the engine applies the policy everywhere."""
-    comp = gradzip.PowerSGD(matrix_rank=2, min_compression_rate=1)
-    job = gradzip.compressors.base.Job("w", torch.zeros(2, 2, 2))
     key = (2, 2, 2)
+    mats = {key: torch.zeros(2, 1, 2, 2)}  # [L, B, rows, cols]
     ps = {key: torch.full((1, 2, 2), 0.7071)}  # [B, rows, r]
     qt = torch.full((2, 1, 2, 2), 3e38)  # [L, B, r, cols]
     qt[1] = -1.0  # summed with worker 0's factor: finite
-    comp._settle_residuals([key], {key: [job]}, ps, {key: qt}, 2)
+    residuals = torch.empty(2, 4)
+    _settle([key], ps, {key: qt}, mats, residuals, [residuals.view(2, 1, 2, 2)], 2, None)
     assert bool(torch.isnan(qt[0]).all())
     assert torch.equal(qt[1], torch.full((1, 2, 2), -1.0))
-    assert not bool(torch.isfinite(job.residual[0]).all())
+    assert not bool(torch.isfinite(residuals[0]).all())
     engine = gradzip.Engine({"w": torch.Size([4, 4])}, "powersgd:rank=2,min_compression_rate=1",
                             collective=gradzip.SimulatedGroup(2))
     engine.reduce({"w": torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(1))})

@@ -457,29 +457,6 @@ class PowerSGD(Compressor):
         state["q"] = new_q
         return _Exchanged(dense_rest, dense_average, owns, rests, approxes)
 
-    @staticmethod
-    def _settle_residuals(
-        keys: list[tuple[int, int, int]],
-        groups: dict[tuple[int, int, int], list[Job]],
-        ps: dict[tuple[int, int, int], torch.Tensor],
-        qt_local: dict[tuple[int, int, int], torch.Tensor],
-        workers: int,
-    ) -> None:
-        """:func:`_settle` for groups of jobs: each job's ``decoded`` and residual (through
-        :meth:`~gradzip.compressors.base.Job.keep`) set, a worker whose residual is not
-        finite made to send NaN in ``qt_local``."""
-        if not keys:
-            return
-        mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
-        residuals = torch.empty(workers, sum(m[0].numel() for m in mats.values()),
-                                dtype=torch.float32, device=ps[keys[0]].device)
-        rests = _group_views(residuals, [tuple(m.shape[1:]) for m in mats.values()])
-        owns = _settle(keys, ps, qt_local, mats, residuals, rests, workers, None)
-        for k, own, rest in zip(keys, owns, rests, strict=True):
-            for b, job in enumerate(groups[k]):
-                job.decoded = own[:, b].reshape(job.tensor.shape)
-                job.keep(rest[:, b].reshape(job.tensor.shape))
-
 
 @dataclass(frozen=True)
 class _RowPlan:
