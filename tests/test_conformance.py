@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 
 import pytest
@@ -214,6 +215,40 @@ def test_seeded_determinism(spec: str) -> None:
     for x, y in zip(a, b, strict=True):
         for name in SHAPES:
             assert torch.equal(x[name], y[name])
+
+
+def _lists_in(tree: object, out: list[list[object]]) -> list[list[object]]:
+    """Every list object in a state tree (dicts searched, lists taken whole)."""
+    if isinstance(tree, dict):
+        for value in tree.values():
+            _lists_in(value, out)
+    elif isinstance(tree, list):
+        out.append(tree)
+    return out
+
+
+def _same_value(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN equals NaN here
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_lists_in_state_are_replaced_never_changed_in_place(spec: str) -> None:
+    # The engine's restore point of every step shares the lists of a state tree
+    # (gradzip.statecheck.snapshot_tree): a list changed in place, or a record in it,
+    # would change the snapshot too, and a skipped step could not be undone.
+    engine = engine_for(spec)
+    for step in range(6):
+        lists = _lists_in(engine.compressor_state, [])
+        before = [copy.deepcopy(x) for x in lists]
+        engine.reduce(make_grads(4, step))
+        for now, then in zip(lists, before, strict=True):
+            assert _same_value(now, then), (spec, step)
 
 
 @pytest.mark.parametrize("spec", SPECS)

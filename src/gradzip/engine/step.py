@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gradzip.statecheck import copy_tree
+from gradzip.statecheck import snapshot_tree
 
 __all__ = ["ResidualRow", "Saved", "SkipCount", "Step", "or_flag"]
 
@@ -27,8 +27,9 @@ __all__ = ["ResidualRow", "Saved", "SkipCount", "Step", "or_flag"]
 class Saved:
     """Every compressor's state and every residual at one moment.
 
-    The trees' structure is copied and their tensors shared: state is replaced, never
-    mutated in place, so a shared tensor never changes under a copy.
+    The trees' dicts are copied and their tensors (and lists) shared: state is replaced,
+    never mutated in place, so a shared tensor never changes under a copy (see
+    :func:`~gradzip.statecheck.snapshot_tree`).
 
     Attributes:
         states: every compressor's state, the main one first (see
@@ -42,7 +43,7 @@ class Saved:
     @classmethod
     def take(cls, states: list[Any], residuals: dict[str, torch.Tensor]) -> Saved:
         """A copy of ``states`` and ``residuals`` that later replacements leave unchanged."""
-        return cls(copy_tree(states), dict(residuals))
+        return cls([snapshot_tree(state) for state in states], dict(residuals))
 
     def copy(self) -> Saved:
         """A copy to restore from (the engine writes into what it restores)."""
