@@ -167,3 +167,73 @@ def test_engine_runs_bucketed_differently_are_identical() -> None:
         other = _engine_run(split)
         for step, (a, b) in enumerate(zip(one, other, strict=True)):
             assert [n for n in NAMES if not torch.equal(a[n], b[n])] == [], step
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_two_ranks_in_one_exchange_equal_each_rank_alone(workers: int) -> None:
+    # PowerSGD at two ranks (a two-level controller's levels) reduce their jobs in one
+    # exchange: every average, residual and warm start as each level's own reduce gives it,
+    # in two all-reduces instead of four, with the same payload.
+    from gradzip.compressors.powersgd import reduce_together
+
+    low, high = PowerSGD(matrix_rank=1), PowerSGD(matrix_rank=4, min_compression_rate=1.5)
+    assert low.shares_exchange(high) and not low.shares_exchange(PowerSGD(power_iterations=2))
+    names = {"low": NAMES[::2], "high": NAMES[1::2]}
+    shapes = {n: torch.Size(SHAPES[n]) for n in NAMES}
+    ctx = StepContext(step=0, ranks=tuple(range(workers)), world_size=workers)
+    g = torch.Generator().manual_seed(workers)
+    grads = {n: torch.randn(workers, *shapes[n], generator=g) for n in NAMES}
+    apart_states = [c.init_group_state({n: shapes[n] for n in names[key]}, workers, workers)
+                    for c, key in ((low, "low"), (high, "high"))]
+    joint_states = [c.init_group_state({n: shapes[n] for n in names[key]}, workers, workers)
+                    for c, key in ((low, "low"), (high, "high"))]
+    for step in range(3):
+        ctx = StepContext(step=step, ranks=tuple(range(workers)), world_size=workers)
+        apart = {key: [Job(n, grads[n] * (step + 1)) for n in names[key]] for key in names}
+        joint = {key: [Job(n, grads[n] * (step + 1)) for n in names[key]] for key in names}
+        comm_apart, comm_joint = SimulatedGroup(workers), SimulatedGroup(workers)
+        low.reduce(apart["low"], apart_states[0], comm_apart, ctx)
+        high.reduce(apart["high"], apart_states[1], comm_apart, ctx)
+        reduce_together([(low, joint["low"], joint_states[0]),
+                         (high, joint["high"], joint_states[1])], comm_joint, ctx)
+        for key in names:
+            for a, b in zip(apart[key], joint[key], strict=True):
+                assert torch.equal(a.averaged, b.averaged), (step, a.name)
+                assert torch.equal(a.leftover(), b.leftover()), (step, a.name)
+        for a_state, b_state in zip(apart_states, joint_states, strict=True):
+            assert a_state["q"].keys() == b_state["q"].keys()
+            assert all(torch.equal(a_state["q"][n], b_state["q"][n]) for n in a_state["q"])
+        assert comm_joint.meter.payload == comm_apart.meter.payload
+        assert comm_joint.meter.calls * 2 == comm_apart.meter.calls
+
+
+def test_accordion_with_powersgd_levels_takes_one_exchange_per_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The same run with the levels' joint exchange and without it: the same bits and level
+    # counts, half the collectives in calls where both levels hold tensors.
+    spec = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=4,interval=2,eta=0.3)"
+
+    def run() -> tuple[list[dict[str, torch.Tensor]], Engine]:
+        engine = Engine({n: torch.Size(s) for n, s in SHAPES.items()}, spec,
+                        collective=SimulatedGroup(2))
+        g = torch.Generator().manual_seed(0)
+        outs = []
+        for step in range(8):
+            grads = {n: torch.randn(2, *s, generator=g) * (1 + 3 * (step % 3 == 0))
+                     for n, s in SHAPES.items()}
+            outs.append(engine.reduce(grads))
+        return outs, engine
+
+    joint, joint_engine = run()
+    monkeypatch.setattr(PowerSGD, "shares_exchange", lambda self, other: False)
+    apart, apart_engine = run()
+    for a, b in zip(apart, joint, strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in SHAPES)
+    assert all(torch.equal(apart_engine.residuals[n], joint_engine.residuals[n])
+               for n in apart_engine.residuals)
+    counts = joint_engine.compressor.counts(joint_engine.compressor_state)
+    assert counts == apart_engine.compressor.counts(apart_engine.compressor_state)
+    assert counts["steady_steps"] > 0 and counts["critical_steps"] > 0
+    assert joint_engine.stats["collective_calls"] < apart_engine.stats["collective_calls"]
+    assert joint_engine.stats["payload_bytes"] == apart_engine.stats["payload_bytes"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from gradzip.ops.lowrank import (
 from gradzip.ops.random import generator_for
 from gradzip.ops.segments import matrix_index, per_matrix_absmax
 
-__all__ = ["PowerSGD"]
+__all__ = ["PowerSGD", "reduce_together"]
 
 
 # A warm start whose largest entry exceeds this is scaled down by a power of two (see _tame).
@@ -239,7 +240,7 @@ class PowerSGD(Compressor):
         or fresh draws. Either way a transposed view of ``[B, cols, r]``, the layout of a
         checkpoint's ``Q``, each matrix at an aligned place, so that the products round the
         same after a resume."""
-        _, cols, r = key
+        cols, r = key[1], key[2]
         if self.warm_start:
             stored = [to_device(state["q"][name], device) for name in names]
         else:
@@ -251,35 +252,15 @@ class PowerSGD(Compressor):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
-        dense, keys, groups = self._groups(jobs)
-        # Each group of same-shape matrices as one [L, B, rows, cols] batch (a view where the
-        # gradients already lie at aligned places one after another, else one copy): every
-        # product below is one batched GEMM per group, whatever the number of tensors. Every
-        # matrix a product reads or writes starts at an aligned place (see
-        # gradzip.ops.lowrank.aligned_matrices): the BLAS rounds with the alignment, and a
-        # matrix's bits must not depend on the tensors it shares a call with (DDP's buckets,
-        # a resume, a process group against the simulator group them differently).
-        mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
-        names = {k: [j.name for j in groups[k]] for k in keys}
-        # All residuals of the call in one buffer: one finiteness test for all of them.
-        device = jobs[0].tensor.device if jobs else torch.device("cpu")
-        residuals = torch.empty(comm.local_workers, sum(j.numel for k in keys for j in groups[k]),
-                                dtype=torch.float32, device=device)
-        rests = _group_views(residuals, [(len(groups[k]), k[0], k[1]) for k in keys])
-        out = self._exchange(keys, names, mats, [j.tensor for j in dense], residuals, rests,
-                             state, comm, ctx)
-        if dense:
-            for job, rest in zip(dense, job_rows(dense, out.dense_rest), strict=True):
-                job.keep(rest)
-            give_averages(dense, out.dense_average)
-            for job in dense:
-                job.decoded = job.tensor
-        for k, own, rest, approx in zip(keys, out.owns, out.rests, out.approxes, strict=True):
-            # One unbind per group (views made in one call), not an index per matrix.
-            for b, (job, mine) in enumerate(zip(groups[k], approx.unbind(0), strict=True)):
-                job.decoded = own[:, b].reshape(job.tensor.shape)
-                job.keep(rest[:, b].reshape(job.tensor.shape))
-                job.averaged = mine.reshape(job.shape)
+        reduce_together([(self, jobs, state)], comm, ctx)
+
+    def shares_exchange(self, other: Compressor) -> bool:
+        """Whether ``other`` is a PowerSGD that may reduce its jobs in one exchange with this
+        one (:func:`reduce_together`): the same but for ``matrix_rank`` and
+        ``min_compression_rate``, which only decide each tensor's group."""
+        return isinstance(other, PowerSGD) and dataclasses.replace(
+            other, matrix_rank=self.matrix_rank,
+            min_compression_rate=self.min_compression_rate) == self
 
     # -- the call as one row (the engine's segment path) ----------------------------------
     def segment_plan(
@@ -345,7 +326,8 @@ class PowerSGD(Compressor):
         lead = [flat[:, rows.matrices:end]] if rows.dense else []
         # The riders' residual is written over them once the message holds them.
         out = self._exchange(list(rows.keys), dict(zip(rows.keys, rows.names, strict=True)), mats,
-                             lead, flat[:, :rows.matrices], rests, state, comm, ctx,
+                             lead, flat[:, :rows.matrices], rests,
+                             dict.fromkeys(rows.keys, state), comm, ctx,
                              dense_out=lead[0] if lead else None, averages=into)
         if rows.dense:
             average[rows.matrices:end].copy_(out.dense_average)
@@ -358,13 +340,13 @@ class PowerSGD(Compressor):
     def _exchange(
         self, keys: list[tuple[int, int, int]], names: dict[tuple[int, int, int], list[str]],
         mats: dict[tuple[int, int, int], torch.Tensor], riders: list[torch.Tensor],
-        residuals: torch.Tensor, rests: list[torch.Tensor], state: dict[str, Any],
-        comm: Collective, ctx: StepContext,
+        residuals: torch.Tensor, rests: list[torch.Tensor],
+        states: Mapping[Any, dict[str, Any]], comm: Collective, ctx: StepContext,
         dense_out: torch.Tensor | None = None,
         averages: list[torch.Tensor | None] | None = None,
     ) -> _Exchanged:
         """The power iteration of a call, its two all-reduces and its new warm starts
-        (stored in ``state``).
+        (stored in each group's state).
 
         Args:
             keys: the groups ``(rows, cols, rank)``, in the order every worker uses.
@@ -376,14 +358,16 @@ class PowerSGD(Compressor):
             rests: per group, the ``[L, B, rows, cols]`` view of ``residuals`` where its
                 residual is written (may be the memory its ``mats`` views: it is written
                 when nothing reads them any more).
-            state, comm, ctx: as :meth:`reduce`'s.
+            states: per group, the state that holds its warm starts (where its new ones are
+                stored).
+            comm, ctx: as :meth:`reduce`'s.
             dense_out: ``[L, d]``, where the riders' residual is written (else a new tensor).
             averages: per group, ``[B, rows, cols]`` where its average is computed (its
                 matrices at aligned places, laid out as :func:`aligned_matrices` lays them
                 out), or ``None`` for a new buffer.
         """
         workers, world = comm.local_workers, comm.world_size
-        qts = {k: self._warm_starts(names[k], k, state, ctx, mats[k].device) for k in keys}
+        qts = {k: self._warm_starts(names[k], k, states[k], ctx, mats[k].device) for k in keys}
         counts = [len(names[k]) for k in keys]
         dense_count = sum(t[0].numel() for t in riders)
         dense_rest = dense_average = None
@@ -436,7 +420,7 @@ class PowerSGD(Compressor):
                 qts[k] = into.copy_(piece.reshape(into.shape))
         if not keys:
             return _Exchanged(dense_rest, dense_average, [], [], [])
-        new_q = dict(state["q"])
+        new_qs: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # per state: (it, new q)
         # Warm starts are stored per name as contiguous [cols, r] slices of one tamed
         # [B, cols, r] block per group (the layout of a checkpoint's), each at an aligned
         # place, the groups one after another in one buffer for the call: the next step
@@ -453,9 +437,67 @@ class PowerSGD(Compressor):
         for k, shift, block in zip(keys, shifts, blocks, strict=True):
             tamed = torch.mul(qts[k].transpose(-1, -2), shift.reshape(-1, 1, 1), out=block)
             # One unbind per group (views made in one call), not an index per matrix.
-            new_q.update(zip(names[k], tamed.unbind(0), strict=True))
-        state["q"] = new_q
+            state = states[k]
+            if id(state) not in new_qs:
+                new_qs[id(state)] = (state, dict(state["q"]))
+            new_qs[id(state)][1].update(zip(names[k], tamed.unbind(0), strict=True))
+        for state, new_q in new_qs.values():
+            state["q"] = new_q
         return _Exchanged(dense_rest, dense_average, owns, rests, approxes)
+
+
+def reduce_together(
+    parts: Sequence[tuple[PowerSGD, Sequence[Job], dict[str, Any]]], comm: Collective,
+    ctx: StepContext,
+) -> None:
+    """:meth:`PowerSGD.reduce` of every part's jobs, each part with its own configuration and
+    state, in one exchange: two all-reduces for all of them (a two-level controller's levels,
+    PowerSGD at two ranks, take two instead of four). Every part must
+    :meth:`~PowerSGD.shares_exchange` with the first, whose power iterations, warm start and
+    seed serve all. Each group of matrices is one part's (its key carries the part), so
+    every matrix's products, warm start and residual are what its part's own ``reduce``
+    gives; the messages hold every part's factors, the parts' dense tensors first."""
+    lead = parts[0][0]
+    dense: list[Job] = []
+    groups: dict[tuple[int, ...], list[Job]] = {}
+    states: dict[tuple[int, ...], dict[str, Any]] = {}
+    for at, (compressor, jobs, state) in enumerate(parts):
+        assert at == 0 or lead.shares_exchange(compressor), compressor
+        some_dense, keys, some = compressor._groups(jobs)
+        dense += some_dense
+        for k in keys:
+            groups[(*k, at)] = some[k]
+            states[(*k, at)] = state
+    keys = sorted(groups)  # identical order on every worker
+    # Each group of same-shape matrices as one [L, B, rows, cols] batch (a view where the
+    # gradients already lie at aligned places one after another, else one copy): every
+    # product below is one batched GEMM per group, whatever the number of tensors. Every
+    # matrix a product reads or writes starts at an aligned place (see
+    # gradzip.ops.lowrank.aligned_matrices): the BLAS rounds with the alignment, and a
+    # matrix's bits must not depend on the tensors it shares a call with (DDP's buckets,
+    # a resume, a process group against the simulator group them differently).
+    mats = {k: stack_matrices([j.tensor for j in groups[k]], k[0], k[1]) for k in keys}
+    names = {k: [j.name for j in groups[k]] for k in keys}
+    # All residuals of the call in one buffer: one finiteness test for all of them.
+    first = next((jobs[0] for _, jobs, _ in parts if jobs), None)
+    device = first.tensor.device if first is not None else torch.device("cpu")
+    residuals = torch.empty(comm.local_workers, sum(j.numel for k in keys for j in groups[k]),
+                            dtype=torch.float32, device=device)
+    rests = _group_views(residuals, [(len(groups[k]), k[0], k[1]) for k in keys])
+    out = lead._exchange(keys, names, mats, [j.tensor for j in dense], residuals, rests,
+                         states, comm, ctx)
+    if dense:
+        for job, rest in zip(dense, job_rows(dense, out.dense_rest), strict=True):
+            job.keep(rest)
+        give_averages(dense, out.dense_average)
+        for job in dense:
+            job.decoded = job.tensor
+    for k, own, rest, approx in zip(keys, out.owns, out.rests, out.approxes, strict=True):
+        # One unbind per group (views made in one call), not an index per matrix.
+        for b, (job, mine) in enumerate(zip(groups[k], approx.unbind(0), strict=True)):
+            job.decoded = own[:, b].reshape(job.tensor.shape)
+            job.keep(rest[:, b].reshape(job.tensor.shape))
+            job.averaged = mine.reshape(job.shape)
 
 
 @dataclass(frozen=True)

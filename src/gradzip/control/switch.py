@@ -23,6 +23,7 @@ import torch
 from gradzip.comm.base import Collective
 from gradzip.compressors.base import Compressor, Job, StepContext
 from gradzip.compressors.none import NoCompression
+from gradzip.compressors.powersgd import PowerSGD, reduce_together
 from gradzip.control.records import controller
 from gradzip.control.rule import CRITICAL, STEADY
 from gradzip.spec import compressor_from_spec, controller_from_spec
@@ -188,10 +189,16 @@ class TwoLevel(Compressor):
         # and issues the same collectives in the same order.
         low = [j for j in jobs if level[j.name] == STEADY]
         high = [j for j in jobs if level[j.name] != STEADY]
-        if low:
-            steady.reduce(low, state[STEADY], comm, ctx)
-        if high:
-            critical.reduce(high, state[CRITICAL], comm, ctx)
+        if low and high and isinstance(steady, PowerSGD) and steady.shares_exchange(critical):
+            # PowerSGD at two ranks: both levels' factors in the same two all-reduces (each
+            # matrix computed as its level's own reduce computes it), not two of each.
+            reduce_together([(steady, low, state[STEADY]), (critical, high, state[CRITICAL])],
+                            comm, ctx)
+        else:
+            if low:
+                steady.reduce(low, state[STEADY], comm, ctx)
+            if high:
+                critical.reduce(high, state[CRITICAL], comm, ctx)
         dense = sum(level[j.name] == DENSE for j in jobs)
         self._count_levels(ctrl, {"steady_steps": len(low), "critical_steps": len(high) - dense,
                                   "dense_steps": dense}, jobs[0].tensor.device if jobs else None)
