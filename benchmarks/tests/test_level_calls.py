@@ -1,0 +1,32 @@
+"""benchmarks/level_calls.py: the joint and the separate exchange of PowerSGD levels compared."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import level_calls
+from gradzip.compressors.powersgd import PowerSGD
+
+
+def test_a_small_run_compares_both_ways_and_restores_the_classes(tmp_path) -> None:
+    shares, levels = PowerSGD.shares_exchange, level_calls.gradzip.Accordion._run_levels
+    assert level_calls.main(["--out", str(tmp_path), "--workers", "2", "--width", "4",
+                             "--steps", "30"]) == 0
+    assert PowerSGD.shares_exchange is shares
+    assert level_calls.gradzip.Accordion._run_levels is levels
+    result = json.loads((tmp_path / "level_calls.json").read_text())
+    joint, apart = result["joint"], result["apart"]
+    assert result["same_bits"] and joint["calls"] == apart["calls"] == 30
+    assert joint["payload_bytes_per_step"] == apart["payload_bytes_per_step"]
+    # Every call holding both levels saves two all-reduces.
+    saved = apart["collective_calls_per_step"] - joint["collective_calls_per_step"]
+    assert saved * 30 == pytest.approx(2 * joint["calls_with_both_levels"])
+    assert joint["calls_with_both_levels"] > 0
+    assert "| together |" in (tmp_path / "level_calls.md").read_text()
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(SystemExit):
+        level_calls.main(["--steps", "0"])
