@@ -127,7 +127,7 @@ def netem_steps(name: str, cache: TimingCache) -> list[dict[str, Any]]:
 
 
 def _mix(tensor_share: float, measured_wire: float | None, steady: float, critical: float,
-         steady_wire: float, critical_wire: float, extra: dict[str, Any]) -> tuple[float, None]:
+         steady_wire: float, critical_wire: float, extra: dict[str, Any]) -> float:
     """An Accordion row's prediction: the mix of its two levels' step times, weighted by the
     share of the run's traffic that went at the critical level (from the measured wire bytes
     per step between the two levels' predicted ones, clamped to [0, 1]), where it was
@@ -137,10 +137,10 @@ def _mix(tensor_share: float, measured_wire: float | None, steady: float, critic
     by_tensors = tensor_share * critical + (1 - tensor_share) * steady
     extra["predicted_ms_by_tensor_share"] = by_tensors
     if measured_wire is None or critical_wire == steady_wire:
-        return by_tensors, None
+        return by_tensors
     share = min(1.0, max(0.0, (measured_wire - steady_wire) / (critical_wire - steady_wire)))
     extra["critical_share_of_traffic"] = share
-    return share * critical + (1 - share) * steady, None
+    return share * critical + (1 - share) * steady
 
 
 def netem(name: str, cache: TimingCache) -> list[dict[str, Any]]:
@@ -164,8 +164,9 @@ def netem(name: str, cache: TimingCache) -> list[dict[str, Any]]:
         if method.startswith("accordion"):
             steady, steady_wire = model.predict_ms(args["steady"], setting)
             critical, critical_wire = model.predict_ms(args["critical"], setting)
-            pred, wire = _mix(s["critical_fraction"], s["wire_bytes_per_step"], steady,
-                              critical, steady_wire, critical_wire, extra)
+            wire = None  # Accordion is not a plan candidate: no traffic of its own predicted
+            pred = _mix(s["critical_fraction"], s["wire_bytes_per_step"], steady, critical,
+                        steady_wire, critical_wire, extra)
         else:
             pred, wire = model.predict_ms(NETEM_SPECS[method], setting, native=method == "native")
         out.append(_row(name, method, link, pred, 1e3 * s["median_step_seconds"],

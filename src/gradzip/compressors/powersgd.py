@@ -419,7 +419,7 @@ class PowerSGD(Compressor):
             for k, piece, into in zip(keys, split_flat(total_q, sizes_q), placed, strict=True):
                 qts[k] = into.copy_(piece.reshape(into.shape))
         if not keys:
-            return _Exchanged(dense_rest, dense_average, [], [], [])
+            return _Exchanged(dense_rest, dense_average, [], [])
         new_qs: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # per state: (it, new q)
         # Warm starts are stored per name as contiguous [cols, r] slices of one tamed
         # [B, cols, r] block per group (the layout of a checkpoint's), each at an aligned
@@ -443,7 +443,7 @@ class PowerSGD(Compressor):
             new_qs[id(state)][1].update(zip(names[k], tamed.unbind(0), strict=True))
         for state, new_q in new_qs.values():
             state["q"] = new_q
-        return _Exchanged(dense_rest, dense_average, owns, rests, approxes)
+        return _Exchanged(dense_rest, dense_average, owns, approxes)
 
 
 def reduce_together(
@@ -492,7 +492,7 @@ def reduce_together(
         give_averages(dense, out.dense_average)
         for job in dense:
             job.decoded = job.tensor
-    for k, own, rest, approx in zip(keys, out.owns, out.rests, out.approxes, strict=True):
+    for k, own, rest, approx in zip(keys, out.owns, rests, out.approxes, strict=True):
         # One unbind per group (views made in one call), not an index per matrix.
         for b, (job, mine) in enumerate(zip(groups[k], approx.unbind(0), strict=True)):
             job.decoded = own[:, b].reshape(job.tensor.shape)
@@ -517,13 +517,12 @@ class _RowPlan:
 class _Exchanged:
     """What :meth:`PowerSGD._exchange` leaves for its caller to hand out: the tensors sent
     dense (their residual ``[L, d]`` and average ``[d]``, ``None`` without them), and per
-    group each worker's own decoded message and residual ``[L, B, rows, cols]`` and the
-    average ``[B, rows, cols]``."""
+    group each worker's own decoded message ``[L, B, rows, cols]`` and the average
+    ``[B, rows, cols]`` (the residuals are where the caller's ``rests`` put them)."""
 
     dense_rest: torch.Tensor | None
     dense_average: torch.Tensor | None
     owns: list[torch.Tensor]
-    rests: list[torch.Tensor]
     approxes: list[torch.Tensor]
 
 

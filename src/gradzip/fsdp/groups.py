@@ -292,12 +292,12 @@ def reduce_every_group(owners: Iterable[Any]) -> bool:
     return True
 
 
-def require_fsdp2_method(owner: Any, name: str, what: str) -> None:
+def require_fsdp2_method(owners: Iterable[Any], name: str, what: str) -> None:
     """Refuse, in one line, a PyTorch whose FSDP2 lacks the method ``name`` gradzip plugs into.
 
     Raises:
-        RuntimeError: ``owner`` has no ``name``.
+        RuntimeError: one of ``owners`` has no ``name``.
     """
-    if not hasattr(owner, name):
+    if not all(hasattr(owner, name) for owner in owners):
         raise RuntimeError(f"{what} needs FSDP2's FSDPModule.{name}, which this PyTorch "
                            f"({torch.__version__}) does not have")

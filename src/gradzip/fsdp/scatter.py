@@ -278,9 +278,8 @@ def register_reduce_scatter(model: nn.Module, compressor: Compressor | str, *, m
             no ``set_custom_reduce_scatter``.
     """
     state = FSDPScatterState(model, compressor, mesh=mesh, options=options, **engine_options)
-    for layout in state.layouts:
-        require_fsdp2_method(layout.owner, "set_custom_reduce_scatter",
-                             "gradzip.fsdp.register_reduce_scatter")
+    require_fsdp2_method((layout.owner for layout in state.layouts), "set_custom_reduce_scatter",
+                         "gradzip.fsdp.register_reduce_scatter")
     reduce_every_group(layout.owner for layout in state.layouts)
     for layout in state.layouts:
         layout.owner.set_custom_reduce_scatter(_Comm(state, layout))

@@ -358,8 +358,8 @@ def register(
     """
     state = FSDPHookState(model, compressor, mesh=mesh, replicate_dim=replicate_dim,
                           shard_dim=shard_dim, options=options, **engine_options)
-    for layout in state.groups:
-        require_fsdp2_method(layout.owner, "set_all_reduce_hook", "gradzip.fsdp.register")
+    require_fsdp2_method((layout.owner for layout in state.groups), "set_all_reduce_hook",
+                         "gradzip.fsdp.register")
     reduce_every_group(layout.owner for layout in state.groups)
     for index, layout in enumerate(state.groups):
         layout.owner.set_all_reduce_hook(state.hook_for(index))

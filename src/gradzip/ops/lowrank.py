@@ -276,4 +276,3 @@ def stack_region(region: torch.Tensor, count: int, rows: int, cols: int) -> torc
     (out,) = aligned_matrices((workers,), [(count, rows, cols)], dtype=region.dtype,
                               device=region.device)
     return out.copy_(region.view(workers, count, rows, cols))
-
