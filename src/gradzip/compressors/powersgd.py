@@ -26,11 +26,12 @@ from gradzip.ops.lowrank import (
     ALIGN_BYTES,
     aligned_matrices,
     orthogonalize,
-    orthonormal,
+    orthonormal_many,
     rescale_exponents,
     stack_matrices,
     stack_region,
 )
+from gradzip.ops.multi import copy_many, sub_many_
 from gradzip.ops.random import generator_for
 from gradzip.ops.segments import matrix_index, per_matrix_absmax
 
@@ -403,8 +404,9 @@ class PowerSGD(Compressor):
                 region = total[lead:]
                 tops, index = _tops(region, sizes, counts)
                 scaled = region * torch.exp2(rescale_exponents(tops)).index_select(0, index)
-                ps = {k: orthonormal(piece.reshape(len(names[k]), k[2], k[0]))
-                      for k, piece in zip(keys, scaled.split(sizes), strict=True)}
+                ps = dict(zip(keys, orthonormal_many(
+                    [piece.reshape(len(names[k]), k[2], k[0])
+                     for k, piece in zip(keys, scaled.split(sizes), strict=True)]), strict=True))
             # Round 2: Q = M^T P, summed.
             qt_local = dict(zip(keys, _products([(ps[k].transpose(-1, -2), mats[k])
                                                   for k in keys]), strict=True))
@@ -413,11 +415,13 @@ class PowerSGD(Compressor):
                 owns = _settle(keys, ps, qt_local, mats, residuals, rests, workers, flat_q)
             total_q = _mean(comm.all_reduce(flat_q), world)
             sizes_q = [qt_local[k][0].numel() for k in keys]
-            # Copied out of the message to aligned places, all groups in one allocation.
+            # Copied out of the message to aligned places, all groups in one allocation and
+            # one multi-tensor copy where the device takes them in one launch.
             placed = aligned_matrices((), [(len(names[k]), k[2], k[1]) for k in keys],
                                       dtype=total_q.dtype, device=total_q.device)
-            for k, piece, into in zip(keys, split_flat(total_q, sizes_q), placed, strict=True):
-                qts[k] = into.copy_(piece.reshape(into.shape))
+            copy_many(placed, [piece.reshape(into.shape) for piece, into
+                               in zip(split_flat(total_q, sizes_q), placed, strict=True)])
+            qts = dict(zip(keys, placed, strict=True))
         if not keys:
             return _Exchanged(dense_rest, dense_average, [], [])
         new_qs: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # per state: (it, new q)
@@ -556,14 +560,30 @@ def _settle(
         Each group's decoded messages, ``[L, B, rows, cols]``.
     """
     owns = _products([(ps[k], qt_local[k]) for k in keys])  # [L, B, rows, cols] each
+    # Bit for bit each job's ``tensor - decoded``. A group whose residual is written over its
+    # matrices (the segment path's groups read in place) subtracts in place, all such groups
+    # in one multi-tensor op where the device takes them in one launch (one row each: the
+    # worker axis of one is dropped, as its stride differs between the two sides); any other
+    # group, one subtraction into its residual.
+    over, at = [], []
     for k, residual, own in zip(keys, rests, owns, strict=True):
-        # One subtraction per group: bit for bit each job's ``tensor - decoded``.
-        torch.sub(mats[k], own, out=residual)
+        if _same_memory(residual, mats[k]):
+            over.append(residual[0] if workers == 1 else residual)
+            at.append(own[0] if workers == 1 else own)
+        else:
+            torch.sub(mats[k], own, out=residual)
+    sub_many_(over, at)
     # On the device, no host synchronisation: NaN where a worker's residual is not finite.
     bad = ~finite_rows([residuals], workers)
     for target in [flat_q] if flat_q is not None else [qt_local[k] for k in keys]:
         target.masked_fill_(bad.reshape(workers, *([1] * (target.dim() - 1))), float("nan"))
     return owns
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` view the very same entries in the same places."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
 
 
 def _reduce_per_matrix(

@@ -8,8 +8,10 @@ from functools import lru_cache
 
 import torch
 
+from gradzip.ops.multi import copy_many
+
 __all__ = ["ALIGN_BYTES", "aligned_copy", "aligned_matrices", "orthogonalize", "orthonormal",
-           "rescale_exponents", "stack_matrices", "stack_region"]
+           "orthonormal_many", "rescale_exponents", "stack_matrices", "stack_region"]
 
 
 # Columns whose largest entry lies outside [_LOW, _HIGH] are rescaled by a power of two before
@@ -138,34 +140,70 @@ def orthonormal(pt: torch.Tensor) -> torch.Tensor:
         ``P``'s orthonormal columns, ``[..., n, r]``: a view of an aligned buffer (each matrix's
         columns ``n_padded`` entries apart). An empty ``pt`` gives an empty result.
     """
-    *lead, r, n = pt.shape
-    if pt.numel() == 0:
-        return pt.transpose(-1, -2).clone()
-    batch = pt.reshape(-1, r, n)
-    n_pad = _padded(n, pt.dtype)
-    # The padding rows must be zero; where ``n`` needs none, the copy fills every entry the
-    # factorisation reads, and zeroing the buffer first would be one more op per group.
-    (padded,) = aligned_matrices((), [(batch.shape[0], r, n_pad)], dtype=pt.dtype,
-                                 device=pt.device, zero=n_pad != n)
-    padded[..., :n].copy_(batch)
+    return orthonormal_many([pt])[0]
+
+
+def orthonormal_many(pts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`orthonormal` of each of ``pts`` (of one dtype and device), bit for bit: the
+    padded copies the factorisations read made in one allocation, by one multi-tensor copy
+    where the device takes them in one launch (see :mod:`gradzip.ops.multi`), instead of an
+    allocation and a copy per batch (PowerSGD factorises one batch per group of same-shape
+    matrices, a dozen per call under Accordion)."""
+    out: list[torch.Tensor | None] = [None] * len(pts)
+    todo = []
+    for i, pt in enumerate(pts):
+        if pt.numel() == 0:
+            out[i] = pt.transpose(-1, -2).clone()
+        else:
+            todo.append(i)
+    if todo:
+        first = pts[todo[0]]
+        batches = [pts[i].reshape(-1, *pts[i].shape[-2:]) for i in todo]
+        widths = [_padded(b.shape[-1], first.dtype) for b in batches]
+        # The padding rows must be zero; where no ``n`` needs any, the copies fill every entry
+        # the factorisations read, and zeroing the buffer first would be one more op.
+        padded = aligned_matrices(
+            (), [(b.shape[0], b.shape[1], w) for b, w in zip(batches, widths, strict=True)],
+            dtype=first.dtype, device=first.device,
+            zero=any(w != b.shape[-1] for b, w in zip(batches, widths, strict=True)))
+        copy_many([p[..., :b.shape[-1]] for p, b in zip(padded, batches, strict=True)], batches)
+        for i, p, b in zip(todo, padded, batches, strict=True):
+            out[i] = _factorise(p, b.shape[-1]).reshape(*pts[i].shape[:-2], b.shape[-1],
+                                                        b.shape[-2])
+    return [o for o in out if o is not None]
+
+
+def _factorise(padded: torch.Tensor, n: int) -> torch.Tensor:
+    """The orthonormal columns of the batch ``padded`` (``[B, r, n_pad]``, each matrix ``P^T``
+    at an aligned place, zero past column ``n``): ``[B, n, r]``, a view of an aligned buffer."""
+    count, r, n_pad = padded.shape
     p = padded.transpose(-1, -2)  # [B, n_pad, r], column-major per matrix: LAPACK's layout
     if r == 1:
-        (out,) = aligned_matrices((), [(batch.shape[0], 1, n_pad)], dtype=pt.dtype,
-                                  device=pt.device)
+        (out,) = aligned_matrices((), [(count, 1, n_pad)], dtype=padded.dtype,
+                                  device=padded.device)
         out = out.transpose(-1, -2)
         norm = p.norm(dim=-2, keepdim=True)
-        unit = torch.zeros_like(p)
-        unit[..., 0, :] = 1.0
+        positive = norm > 0
         # A zero P (a zero gradient) gives a unit vector rather than NaN or zero, so a
         # warm-started power iteration recovers as soon as the gradient is non-zero again.
-        torch.where(norm > 0, p / torch.where(norm > 0, norm, 1.0), unit, out=out)
+        torch.where(positive, p / torch.where(positive, norm, 1.0),
+                    _unit(count, n_pad, padded.dtype, padded.device), out=out)
     else:
         out, _ = torch.linalg.qr(p, mode="reduced")  # column-major per matrix, a new buffer
         if out.data_ptr() % ALIGN_BYTES or (out.stride(0) * out.element_size()) % ALIGN_BYTES:
-            (placed,) = aligned_matrices((), [(batch.shape[0], r, n_pad)], dtype=pt.dtype,
-                                         device=pt.device)
+            (placed,) = aligned_matrices((), [(count, r, n_pad)], dtype=padded.dtype,
+                                         device=padded.device)
             out = placed.transpose(-1, -2).copy_(out)  # never on torch's own allocators
-    return out[:, :n, :].reshape(*lead, n, r)
+    return out[:, :n, :]
+
+
+@lru_cache(maxsize=64)
+def _unit(count: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[count, n, 1]``, each column the first unit vector: what a zero ``P`` of rank 1
+    becomes. Made once per shape (two ops fewer per batch and call) and only ever read."""
+    unit = torch.zeros(count, n, 1, dtype=dtype, device=device)
+    unit[:, 0, :] = 1.0
+    return unit
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
