@@ -34,13 +34,16 @@ WORLD = 3
 #: all-gather: at three workers it shards most of these tensors); the hard threshold with a
 #: capacity keeps counters in its state; with ``dense_1d`` the engine sends the biases dense
 #: itself, beside the compressor's row; PowerSGD sends its own dense tensors first in the row
-#: and reads its groups of matrices from it.
+#: and reads its groups of matrices from it; Accordion with PowerSGD at both levels lays the
+#: row out by the tensors' levels, a new plan after each decision that changes one.
+ACCORDION = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.5,interval=2)"
 SPECS = ("topk:ratio=0.2", "topk:ratio=0.5", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
          "qsgd:exchange=allgather+feedback", "threshold:lam=0.05,capacity=0.2",
-         "topk:ratio=0.2+dense_1d", "powersgd:rank=2")
+         "topk:ratio=0.2+dense_1d", "powersgd:rank=2", ACCORDION)
 #: One of each segment form, for the non-finite scenarios.
 NAN_SPECS = ("topk:ratio=0.2", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
-             "threshold:lam=0.05,capacity=0.2", "topk:ratio=0.2+dense_1d", "powersgd:rank=2")
+             "threshold:lam=0.05,capacity=0.2", "topk:ratio=0.2+dense_1d", "powersgd:rank=2",
+             ACCORDION)
 CAPS = {"one": ONE_BUCKET_MB, "several": TINY_BUCKET_MB}
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -230,14 +230,16 @@ class Compressor(ABC):
 
     def segment_plan(
         self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
-        shapes: Sequence[torch.Size] | None = None,
+        shapes: Sequence[torch.Size] | None = None, *, state: Mapping[str, Any] | None = None,
     ) -> SegmentPlan | None:
         """This compressor's form of a call of tensors laid end to end in one row
         (:meth:`reduce_segments`), or ``None`` where it has none for such a call (the
         default: the engine then calls :meth:`reduce`).
 
-        The engine asks once per layout of a DDP bucket and keeps the answer, so it must
-        depend on the arguments and the configuration only (every worker gets the same).
+        The engine asks once per layout of a DDP bucket and per value of
+        :meth:`segment_key`, and keeps the answer, so it must depend on the arguments, the
+        configuration and what :meth:`segment_key` reads of the state only (every worker
+        gets the same).
 
         Args:
             names: the tensors' names, in the engine's order (what keys a random draw).
@@ -246,12 +248,20 @@ class Compressor(ABC):
             device: where the tensors are.
             shapes: their shapes, where the caller knows them (the engine does; a form that
                 needs them, as PowerSGD's matrices do, has none without them).
+            state: the compressor's state, for a form that depends on it (a two-level
+                controller's levels decide which matrices share a group).
         """
+        return None
+
+    def segment_key(self, state: Mapping[str, Any]) -> Hashable:
+        """What of ``state`` :meth:`segment_plan` depends on: the engine asks for a new plan
+        when it changes (``None``, the default: nothing, the plan holds for good). Called
+        at every call that may take the segment path, so it must be cheap."""
         return None
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
-        ctx: StepContext,
+        ctx: StepContext, raw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce` of a call whose compensated tensors lie end to end in one row, in
         ``plan.order``: the same collectives, bytes and bits, without a :class:`Job` per
@@ -260,8 +270,11 @@ class Compressor(ABC):
         Called by the engine only with a ``plan`` :meth:`segment_plan` gave for this call's
         sizes. ``flat`` (``[1, N]`` float32, made in the call) is overwritten with the
         residuals (each tensor's ``tensor - decoded``, what :meth:`Job.keep` would record);
-        the return value is the ``[N]`` average in the same order (a new tensor). Every
-        contract of :meth:`reduce` holds.
+        the return value is the ``[N]`` average in the same order (a new tensor). ``raw``,
+        where given, is the row's compressed part before error feedback (``[1, C]``, what
+        :attr:`Job.raw` holds per tensor; read only, and before ``flat`` is written: without
+        error feedback it is ``flat`` itself), for compressors that judge the gradients as
+        they came (Accordion). Every contract of :meth:`reduce` holds.
         """
         raise NotImplementedError(f"{type(self).__name__} has no segment form")
 

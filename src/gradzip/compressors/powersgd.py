@@ -35,7 +35,7 @@ from gradzip.ops.multi import copy_many, sub_many_
 from gradzip.ops.random import generator_for
 from gradzip.ops.segments import matrix_index, per_matrix_absmax
 
-__all__ = ["PowerSGD", "reduce_together"]
+__all__ = ["PowerSGD", "reduce_row", "reduce_together", "row_plan"]
 
 
 # A warm start whose largest entry exceeds this is scaled down by a power of two (see _tame).
@@ -234,7 +234,7 @@ class PowerSGD(Compressor):
                 dense.append(job)
         return dense, sorted(groups), groups  # sorted: identical order on every worker
 
-    def _warm_starts(self, names: Sequence[str], key: tuple[int, int, int],
+    def _warm_starts(self, names: Sequence[str], key: tuple[int, ...],
                      state: dict[str, Any], ctx: StepContext, device: torch.device) -> torch.Tensor:
         """``Q^T`` of a group's matrices (``names``, group ``key``), ``[B, r, cols]``: the
         stored warm starts (without a copy when they are still where ``reduce`` stored them)
@@ -266,7 +266,7 @@ class PowerSGD(Compressor):
     # -- the call as one row (the engine's segment path) ----------------------------------
     def segment_plan(
         self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
-        shapes: Sequence[torch.Size] | None = None,
+        shapes: Sequence[torch.Size] | None = None, *, state: Mapping[str, Any] | None = None,
     ) -> SegmentPlan | None:
         """The row's order (see :meth:`~gradzip.compressors.base.Compressor.segment_plan`):
         each group of same-shape matrices, its tensors in the engine's order, then the
@@ -278,69 +278,22 @@ class PowerSGD(Compressor):
         (a matrix's rows and columns are not in its size)."""
         if shapes is None or len(shapes) != len(names):
             return None
-        dense: list[int] = []
-        groups: dict[tuple[int, int, int], list[int]] = {}
-        for i, shape in enumerate(shapes):
-            r = self.matrix_rank_for(torch.Size(shape))
-            if r:
-                groups.setdefault((*_matrix_shape(torch.Size(shape)), r), []).append(i)
-            else:
-                dense.append(i)
-        keys = tuple(sorted(groups))
-        quantum = ALIGN_BYTES // 4  # fp32 entries
-        placed = sorted(keys, key=lambda k: (k[0] * k[1]) % quantum != 0)  # stable
-        starts, at = {}, 0
-        for k in placed:
-            starts[k] = at
-            at += len(groups[k]) * k[0] * k[1]
-        order = tuple(i for k in placed for i in groups[k]) + tuple(dense)
-        return SegmentPlan(order, _RowPlan(
-            dense=sum(sizes[i] for i in dense), matrices=at, keys=keys,
-            names=tuple(tuple(names[i] for i in groups[k]) for k in keys),
-            starts=tuple(starts[k] for k in keys)))
+        return row_plan([self], [0] * len(names), names, sizes, shapes)
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
-        ctx: StepContext,
+        ctx: StepContext, raw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce` on tensors already laid end to end in ``plan``'s order (see
         :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the same messages,
         state and bits, each group's matrices read from the row (viewed where they lie at
         aligned places, else one copy per group) and its residuals written back into it."""
-        rows: _RowPlan = plan.data
-        average = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
-        # A group whose matrices lie at aligned places in the row is read in place, and its
-        # average computed in place too where the same region of ``average`` is aligned (it
-        # is laid out as the row, from an aligned start: it is when the row's is). Any other
-        # group is read from one copy, and its average copied in.
-        mats, rests, into = {}, [], []
-        for k, names, start in zip(rows.keys, rows.names, rows.starts, strict=True):
-            size = len(names) * k[0] * k[1]
-            region = flat[:, start:start + size]
-            mats[k] = stack_region(region, len(names), k[0], k[1])
-            rests.append(region.view(flat.shape[0], len(names), k[0], k[1]))
-            there = average[start:start + size].view(len(names), k[0], k[1])
-            in_place = (mats[k].data_ptr() == region.data_ptr()
-                        and not there.data_ptr() % ALIGN_BYTES)
-            into.append(there if in_place else None)
-        end = rows.matrices + rows.dense
-        lead = [flat[:, rows.matrices:end]] if rows.dense else []
-        # The riders' residual is written over them once the message holds them.
-        out = self._exchange(list(rows.keys), dict(zip(rows.keys, rows.names, strict=True)), mats,
-                             lead, flat[:, :rows.matrices], rests,
-                             dict.fromkeys(rows.keys, state), comm, ctx,
-                             dense_out=lead[0] if lead else None, averages=into)
-        if rows.dense:
-            average[rows.matrices:end].copy_(out.dense_average)
-        for approx, placed, start in zip(out.approxes, into, rows.starts, strict=True):
-            if placed is None:
-                average[start:start + approx.numel()].view(approx.shape).copy_(approx)
-        return average
+        return reduce_row(self, flat, plan.data, [state], comm, ctx)
 
     # -- the algorithm on groups of matrices (both forms) ---------------------------------
     def _exchange(
-        self, keys: list[tuple[int, int, int]], names: dict[tuple[int, int, int], list[str]],
-        mats: dict[tuple[int, int, int], torch.Tensor], riders: list[torch.Tensor],
+        self, keys: list[tuple[int, ...]], names: dict[tuple[int, ...], list[str]],
+        mats: dict[tuple[int, ...], torch.Tensor], riders: list[torch.Tensor],
         residuals: torch.Tensor, rests: list[torch.Tensor],
         states: Mapping[Any, dict[str, Any]], comm: Collective, ctx: StepContext,
         dense_out: torch.Tensor | None = None,
@@ -373,7 +326,7 @@ class PowerSGD(Compressor):
         dense_count = sum(t[0].numel() for t in riders)
         dense_rest = dense_average = None
         owns: list[torch.Tensor] = []
-        ps: dict[tuple[int, int, int], torch.Tensor] = {}  # [B, rows, r] per group
+        ps: dict[tuple[int, ...], torch.Tensor] = {}  # [B, rows, r] per group
         for iteration in range(self.power_iterations):
             # Round 1: P = M Q, summed. Dense tensors ride along in the first round's buffer.
             # Both products are computed transposed, P^T = Q^T M^T and Q^T = P^T M, and the
@@ -504,15 +457,90 @@ def reduce_together(
             job.averaged = mine.reshape(job.shape)
 
 
+def row_plan(
+    parts: Sequence[PowerSGD], part_of: Sequence[int], names: Sequence[str],
+    sizes: Sequence[int], shapes: Sequence[torch.Size],
+) -> SegmentPlan:
+    """The segment plan of a call whose tensor ``i`` is reduced by ``parts[part_of[i]]``,
+    all parts in one exchange as :func:`reduce_together` makes it (one part: what
+    :meth:`PowerSGD.reduce` makes). Each group of same-shape matrices of one part, its
+    tensors in the engine's order, then the tensors sent dense, part by part. The groups
+    whose matrices fill whole multiples of :data:`~gradzip.ops.lowrank.ALIGN_BYTES` come
+    first, so that each of their matrices lies at an aligned place in the row and is read,
+    and averaged, in place; the others follow (each read from one copy). Only their places
+    in the row differ from :func:`reduce_together`: the messages keep its order (groups by
+    ``(rows, cols, rank, part)``, the dense tensors first, part by part)."""
+    dense: list[int] = []
+    groups: dict[tuple[int, int, int, int], list[int]] = {}
+    for i, shape in enumerate(shapes):
+        r = parts[part_of[i]].matrix_rank_for(torch.Size(shape))
+        if r:
+            groups.setdefault((*_matrix_shape(torch.Size(shape)), r, part_of[i]), []).append(i)
+        else:
+            dense.append(i)
+    dense.sort(key=lambda i: part_of[i])  # stable: each part's in the engine's order
+    keys = tuple(sorted(groups))
+    quantum = ALIGN_BYTES // 4  # fp32 entries
+    placed = sorted(keys, key=lambda k: (k[0] * k[1]) % quantum != 0)  # stable
+    starts, at = {}, 0
+    for k in placed:
+        starts[k] = at
+        at += len(groups[k]) * k[0] * k[1]
+    order = tuple(i for k in placed for i in groups[k]) + tuple(dense)
+    return SegmentPlan(order, _RowPlan(
+        dense=sum(sizes[i] for i in dense), matrices=at, keys=keys,
+        names=tuple(tuple(names[i] for i in groups[k]) for k in keys),
+        starts=tuple(starts[k] for k in keys)))
+
+
+def reduce_row(
+    lead: PowerSGD, flat: torch.Tensor, rows: _RowPlan, states: Sequence[dict[str, Any]],
+    comm: Collective, ctx: StepContext,
+) -> torch.Tensor:
+    """The exchange of a row laid out by :func:`row_plan` (``flat``, ``[1, N]``, overwritten
+    with the residuals), ``states[p]`` the state of part ``p``, ``lead`` the first part (whose
+    power iterations, warm start and seed serve all, as in :func:`reduce_together`): the
+    ``[N]`` average in the row's order, a new tensor."""
+    average = torch.empty(flat.shape[1], dtype=torch.float32, device=flat.device)
+    # A group whose matrices lie at aligned places in the row is read in place, and its
+    # average computed in place too where the same region of ``average`` is aligned (it
+    # is laid out as the row, from an aligned start: it is when the row's is). Any other
+    # group is read from one copy, and its average copied in.
+    mats, rests, into = {}, [], []
+    for k, names, start in zip(rows.keys, rows.names, rows.starts, strict=True):
+        size = len(names) * k[0] * k[1]
+        region = flat[:, start:start + size]
+        mats[k] = stack_region(region, len(names), k[0], k[1])
+        rests.append(region.view(flat.shape[0], len(names), k[0], k[1]))
+        there = average[start:start + size].view(len(names), k[0], k[1])
+        in_place = (mats[k].data_ptr() == region.data_ptr()
+                    and not there.data_ptr() % ALIGN_BYTES)
+        into.append(there if in_place else None)
+    end = rows.matrices + rows.dense
+    lead_dense = [flat[:, rows.matrices:end]] if rows.dense else []
+    # The riders' residual is written over them once the message holds them.
+    out = lead._exchange(list(rows.keys), dict(zip(rows.keys, rows.names, strict=True)), mats,
+                         lead_dense, flat[:, :rows.matrices], rests,
+                         {k: states[k[3]] for k in rows.keys}, comm, ctx,
+                         dense_out=lead_dense[0] if lead_dense else None, averages=into)
+    if rows.dense:
+        average[rows.matrices:end].copy_(out.dense_average)
+    for approx, placed, start in zip(out.approxes, into, rows.starts, strict=True):
+        if placed is None:
+            average[start:start + approx.numel()].view(approx.shape).copy_(approx)
+    return average
+
+
 @dataclass(frozen=True)
 class _RowPlan:
-    """PowerSGD's segment plan's data: the groups ``(rows, cols, rank)`` in :meth:`reduce`'s
-    order, each group's tensors and its first entry in the row; the entries of all the
-    groups (the row's first part) and of the tensors sent dense (which follow)."""
+    """PowerSGD's segment plan's data: the groups ``(rows, cols, rank, part)`` in
+    :func:`reduce_together`'s order, each group's tensors and its first entry in the row;
+    the entries of all the groups (the row's first part) and of the tensors sent dense
+    (which follow)."""
 
     dense: int
     matrices: int
-    keys: tuple[tuple[int, int, int], ...]
+    keys: tuple[tuple[int, int, int, int], ...]
     names: tuple[tuple[str, ...], ...]
     starts: tuple[int, ...]
 
@@ -531,9 +559,9 @@ class _Exchanged:
 
 
 def _settle(
-    keys: list[tuple[int, int, int]], ps: dict[tuple[int, int, int], torch.Tensor],
-    qt_local: dict[tuple[int, int, int], torch.Tensor],
-    mats: dict[tuple[int, int, int], torch.Tensor], residuals: torch.Tensor,
+    keys: list[tuple[int, ...]], ps: dict[tuple[int, ...], torch.Tensor],
+    qt_local: dict[tuple[int, ...], torch.Tensor],
+    mats: dict[tuple[int, ...], torch.Tensor], residuals: torch.Tensor,
     rests: list[torch.Tensor], workers: int, flat_q: torch.Tensor | None,
 ) -> list[torch.Tensor]:
     """Decode each worker's own message and its residual *before* the last all-reduce,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -114,7 +114,7 @@ class RandK(Compressor):
 
     def segment_plan(
         self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
-        shapes: Sequence[torch.Size] | None = None,
+        shapes: Sequence[torch.Size] | None = None, *, state: Mapping[str, Any] | None = None,
     ) -> SegmentPlan | None:
         """The row's order (the tensors that send a draw, then those sent whole, each kind in
         the engine's order, as :meth:`reduce` groups them), their layout and names, where
@@ -131,7 +131,7 @@ class RandK(Compressor):
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
-        ctx: StepContext,
+        ctx: StepContext, raw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce` on tensors already laid end to end (see
         :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the whole tensors'

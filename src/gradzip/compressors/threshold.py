@@ -274,7 +274,7 @@ class HardThreshold(Compressor):
 
     def segment_plan(
         self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
-        shapes: Sequence[torch.Size] | None = None,
+        shapes: Sequence[torch.Size] | None = None, *, state: Mapping[str, Any] | None = None,
     ) -> SegmentPlan | None:
         """With ``lam`` and a ``capacity`` (the form whose decisions stay on the device): the
         row's order (the all-gathered tensors, then those sent dense, each kind in the
@@ -289,7 +289,7 @@ class HardThreshold(Compressor):
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
-        ctx: StepContext,
+        ctx: StepContext, raw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce` on tensors already laid end to end (see
         :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the dense tensors'

@@ -112,7 +112,7 @@ class TopK(Compressor):
 
     def segment_plan(
         self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
-        shapes: Sequence[torch.Size] | None = None,
+        shapes: Sequence[torch.Size] | None = None, *, state: Mapping[str, Any] | None = None,
     ) -> SegmentPlan | None:
         """The row's order (the all-gathered tensors, then those sent dense, each kind in
         the engine's order, as :meth:`reduce` groups them) and the selection's layout, where
@@ -123,7 +123,7 @@ class TopK(Compressor):
 
     def reduce_segments(
         self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
-        ctx: StepContext,
+        ctx: StepContext, raw: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`reduce` on tensors already laid end to end (see
         :meth:`Compressor.reduce_segments`): the dense tensors' all-reduce first, then the

@@ -32,7 +32,7 @@ import torch
 
 from gradzip._validate import check_bool, check_choice, check_int, check_real
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.base import Compressor, Job, SegmentPlan, StepContext
 from gradzip.control.accordion_state import (
     TALLY,
     add_tally,
@@ -54,6 +54,7 @@ from gradzip.control.records import (
 from gradzip.control.rule import CRITICAL, LR_HOLDS, decide, is_lr_drop
 from gradzip.control.state_values import accordion_problem
 from gradzip.control.switch import TwoLevel, build_levels
+from gradzip.ops.flat import unpack
 from gradzip.spec import format_call, register_controller
 
 __all__ = ["LOG_POINTS", "MODEL", "SIGNALS", "LR_HOLDS", "Accordion"]
@@ -294,22 +295,68 @@ class Accordion(TwoLevel):
         if ctx.step - ctrl["offset"] >= ctrl["next"] - self.window:
             self._accumulate(ctrl, jobs, device)
 
+    # -- a call as one row (the engine's segment path; PowerSGD at both levels) -----------
+    def segment_key(self, state: Mapping[str, Any]) -> Any:
+        """Every tensor's level, where both levels are PowerSGD that exchange together (see
+        :meth:`~gradzip.control.switch.TwoLevel._levels_key`)."""
+        return self._levels_key(state)
+
+    def segment_plan(
+        self, names: Sequence[str], sizes: Sequence[int], world_size: int, device: torch.device,
+        shapes: Sequence[torch.Size] | None = None, *, state: Mapping[str, Any] | None = None,
+    ) -> SegmentPlan | None:
+        """Both levels' PowerSGD groups in one row, at the tensors' present levels (see
+        :meth:`~gradzip.control.switch.TwoLevel._levels_row_plan`)."""
+        return self._levels_row_plan(names, sizes, shapes, state)
+
+    def reduce_segments(
+        self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any], comm: Collective,
+        ctx: StepContext, raw: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`reduce` of a row (see
+        :meth:`~gradzip.compressors.base.Compressor.reduce_segments`): the same exchange,
+        window sums, counts and bits, each tensor's signal a view of ``raw`` (read before the
+        exchange writes the row: without error feedback ``raw`` is the row) or of the
+        average."""
+        ctrl = state["controller"]
+        if self.host_call(state, ctx, finish_step=False):
+            ctrl["host_step"] = ctx.step  # as in reduce (the engine keeps such calls off rows)
+        if ctrl["step"].device != flat.device:
+            ctrl["step"] = ctrl["step"].to(flat.device)
+        data = plan.data
+        inside = ctx.step - ctrl["offset"] >= ctrl["next"] - self.window
+        if inside and self.signal == "raw":
+            # [1, *shape] views, as a job's raw gradient carries its worker axis.
+            source = raw if raw is not None else flat
+            self._accumulate_values(ctrl, data.names, unpack(
+                source.reshape(-1), [torch.Size((1, *s)) for s in data.shapes]))
+        average = self._reduce_levels_row(flat, plan, state, comm, ctx)
+        if inside and self.signal != "raw":
+            self._accumulate_values(ctrl, data.names, unpack(average, data.shapes))
+        return average
+
     def _accumulate(self, ctrl: dict[str, Any], jobs: Sequence[Job], device: torch.device) -> None:
         """Add this call's tensors to the window sums where the counted step lies in the
         window (decided on the device: the host's guess may run ahead of it)."""
-        names, values = [], []
+        values = []
         for job in jobs:
-            if job.name not in ctrl["acc"]:
-                continue  # sent dense at both levels: no decision to take
             if self.signal == "raw":
                 value = job.raw if job.raw is not None else job.tensor
             else:
                 assert job.averaged is not None, job.name
                 value = job.averaged
-            names.append(job.name)
-            values.append(value.detach().to(torch.float32))
-        if not names:
+            values.append(value)
+        self._accumulate_values(ctrl, [j.name for j in jobs], values)
+
+    def _accumulate_values(self, ctrl: dict[str, Any], names: Sequence[str],
+                           values: Sequence[torch.Tensor]) -> None:
+        """:meth:`_accumulate` of the tensors ``names`` judged by ``values`` (each tensor's
+        signal)."""
+        kept = [(n, v.detach().to(torch.float32)) for n, v in zip(names, values, strict=True)
+                if n in ctrl["acc"]]  # the others are sent dense at both levels: no decision
+        if not kept:
             return
+        names, values = [n for n, _ in kept], [v for _, v in kept]
         inside = (ctrl["step"] >= ctrl["next"] - self.window).to(torch.float32)
         acc = dict(ctrl["acc"])
         summed = weighted_sums([acc[n] for n in names], values, inside)

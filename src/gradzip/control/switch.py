@@ -16,14 +16,15 @@ of gentle tensors without changing a byte.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
 
 from gradzip.comm.base import Collective
-from gradzip.compressors.base import Compressor, Job, StepContext
+from gradzip.compressors.base import Compressor, Job, SegmentPlan, StepContext
 from gradzip.compressors.none import NoCompression
-from gradzip.compressors.powersgd import PowerSGD, reduce_together
+from gradzip.compressors.powersgd import PowerSGD, reduce_row, reduce_together, row_plan
 from gradzip.control.records import controller
 from gradzip.control.rule import CRITICAL, STEADY
 from gradzip.spec import compressor_from_spec, controller_from_spec
@@ -203,6 +204,57 @@ class TwoLevel(Compressor):
         self._count_levels(ctrl, {"steady_steps": len(low), "critical_steps": len(high) - dense,
                                   "dense_steps": dense}, jobs[0].tensor.device if jobs else None)
 
+    # -- a call as one row (the engine's segment path) ------------------------------------
+    def _levels_share_row(self) -> bool:
+        """Whether the levels are PowerSGD at two ranks that exchange together (the only
+        pair with a one-row form: :func:`~gradzip.compressors.powersgd.row_plan`)."""
+        steady, critical = self.level_compressors
+        return isinstance(steady, PowerSGD) and steady.shares_exchange(critical)
+
+    def _levels_key(self, state: Mapping[str, Any]) -> Any:
+        """What the row's plan depends on: every tensor's level (a decision changes it, and
+        the engine then asks for a new plan); ``None`` where the levels have no row form."""
+        if not self._levels_share_row():
+            return None
+        return tuple(state["controller"]["level"].items())
+
+    def _levels_row_plan(
+        self, names: Sequence[str], sizes: Sequence[int], shapes: Sequence[torch.Size] | None,
+        state: Mapping[str, Any] | None,
+    ) -> SegmentPlan | None:
+        """The row of a call at the tensors' present levels (see
+        :meth:`~gradzip.compressors.base.Compressor.segment_plan`): PowerSGD's groups of both
+        levels in one row, laid out as :func:`~gradzip.compressors.powersgd.row_plan` lays
+        out the exchange :meth:`_run_levels` makes. ``None`` where the levels have no row
+        form, or a tensor has no level (the ordinary call then says why)."""
+        if shapes is None or state is None or not self._levels_share_row():
+            return None
+        level = state["controller"]["level"]
+        if any(n not in level for n in names):
+            return None
+        steady, critical = self.level_compressors
+        part_of = [0 if level[n] == STEADY else 1 for n in names]
+        plan = row_plan([cast(PowerSGD, steady), cast(PowerSGD, critical)], part_of, names,
+                        sizes, shapes)
+        dense = sum(level[n] == DENSE for n in names)
+        low = part_of.count(0)
+        return SegmentPlan(plan.order, _LevelsRow(
+            plan.data, tuple(names[i] for i in plan.order),
+            tuple(torch.Size(shapes[i]) for i in plan.order),
+            {"steady_steps": low, "critical_steps": len(names) - low - dense,
+             "dense_steps": dense}))
+
+    def _reduce_levels_row(self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any],
+                           comm: Collective, ctx: StepContext) -> torch.Tensor:
+        """:meth:`_run_levels` of a row laid out by :meth:`_levels_row_plan`: the same
+        exchange, state, counts and bits; the ``[N]`` average in the row's order."""
+        data: _LevelsRow = plan.data
+        steady, _ = self.level_compressors
+        average = reduce_row(cast(PowerSGD, steady), flat, data.rows,
+                             [state[STEADY], state[CRITICAL]], comm, ctx)
+        self._count_levels(state["controller"], data.added, flat.device)
+        return average
+
     def _count_levels(self, ctrl: dict[str, Any], added: Mapping[str, int],
                       device: torch.device | None) -> None:
         """Count the tensor-steps a call reduced at each level (plain counts here)."""
@@ -307,3 +359,15 @@ class TwoLevel(Compressor):
         # host read each, here only.
         tally = {k: int(v) for k, v in ctrl.get("tally", {}).items()}
         return {**counts, **tally, "reasons": dict(counts["reasons"])}
+
+
+@dataclass(frozen=True)
+class _LevelsRow:
+    """A two-level controller's segment plan's data: PowerSGD's row plan of both levels
+    (``rows``), the row's tensors (names and shapes, in the row's order) and the tensor-steps
+    the call adds at each level."""
+
+    rows: Any
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    added: dict[str, int]

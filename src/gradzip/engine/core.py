@@ -250,10 +250,14 @@ class Engine(EngineBase):
             on_device = decides_on_device(self, self._step, call)
             # A host decision after device ones must first settle them: the ordinary path.
             flat = on_device or not self._step.decided_on_device
-        if not flat and segments_apply(self, self._step, layout):
+        if not flat:
             try:
-                self._begin()  # the device decision reads where the step began
-                segmented = decides_on_device(self, self._step, call)
+                # Begun first: the device decision reads where the step began, and the
+                # segment plan may depend on state the step's beginning changes (a decision
+                # of Accordion's changes levels, and with them the row's groups).
+                self._begin()
+                segmented = (segments_apply(self, self._step, layout)
+                             and decides_on_device(self, self._step, call))
             except BaseException:
                 self._roll_back()
                 raise

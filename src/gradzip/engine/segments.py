@@ -60,7 +60,8 @@ class Segments:
     """A bucket layout's segment form, built once per layout, compressor and world size.
 
     Attributes:
-        key: what it was built for: ``(compressor, world size)``.
+        key: what it was built for: ``(compressor, world size, what the plan depends on
+            in the compressor's state)`` (see :meth:`~gradzip.compressors.base.Compressor.segment_key`).
         plan: the compressor's :meth:`~gradzip.compressors.base.Compressor.segment_plan`,
             or ``None`` where the bucket takes the ordinary call.
         row: ``[1, N]`` fp32, the gradients in the plan's order (filled at every call).
@@ -80,7 +81,7 @@ class Segments:
         calls: the calls that took this path.
     """
 
-    key: tuple[object, int]
+    key: tuple[object, int, object]
     plan: SegmentPlan | None
     row: torch.Tensor | None = None
     sources: list[torch.Tensor] = field(default_factory=list)
@@ -105,13 +106,17 @@ def segments_apply(engine: EngineBase, step: Step, layout: BucketLayout) -> bool
     if step.poisoned or not layout.views:
         return False
     compressor, world = engine.compressor, comm.world_size
+    # What the plan depends on in the state (a two-level controller's levels): a new plan
+    # when it changes, e.g. after a decision (the same on every worker: levels are).
+    depends = compressor.segment_key(engine.compressor_state)
     seg = layout.segments
-    if seg is None or seg.key[0] is not compressor or seg.key[1] != world:
-        seg = layout.segments = _build(engine, layout, (compressor, world))
+    if (seg is None or seg.key[0] is not compressor or seg.key[1] != world
+            or seg.key[2] != depends):
+        seg = layout.segments = _build(engine, layout, (compressor, world, depends))
     return seg.plan is not None
 
 
-def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int]) -> Segments:
+def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int, object]) -> Segments:
     # The compressed tensors alike: each keeps a residual (error feedback), or none does.
     feedback, keep = engine._feedback, engine.error_feedback
     where = {n: i for i, n in enumerate(layout.names)}
@@ -121,7 +126,8 @@ def _build(engine: EngineBase, layout: BucketLayout, key: tuple[object, int]) ->
         return Segments(key, None)
     plan = engine.compressor.segment_plan(
         compressed, [layout.sizes[where[n]] for n in compressed], engine.comm.world_size,
-        layout.buffer.device, shapes=[layout.grads[where[n]].shape[1:] for n in compressed])
+        layout.buffer.device, shapes=[layout.grads[where[n]].shape[1:] for n in compressed],
+        state=engine.compressor_state)
     if plan is None:
         return Segments(key, None)
     assert sorted(plan.order) == list(range(len(compressed))), "a plan's order is a permutation"
@@ -196,7 +202,7 @@ def reduce_segments_on_device(
         # averages go where they came from in the row, read by then.
         torch.div(rider.all_reduce_cat([dense]), world, out=out[count:])
     average = engine.compressor.reduce_segments(row, seg.plan, engine.compressor_state, rider,
-                                                engine._context())
+                                                engine._context(), raw=grads)
     out[:count].copy_(average)
     bad = rider.finish_on_device(device)
     if rider.disagree is not None and world > 1:
