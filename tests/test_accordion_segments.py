@@ -25,11 +25,11 @@ SHAPES = {"a.weight": (16, 32), "b.weight": (16, 32), "c.weight": (24, 8, 3, 3),
           "d.weight": (6, 5), "a.bias": (16,), "c.bias": (24,)}
 
 
-def _bucket() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _bucket(device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """A flat buffer and its views, in reverse of the engine's order (as DDP lays out a
     bucket in the order gradients become ready)."""
     sizes = {n: math.prod(s) for n, s in SHAPES.items()}
-    buffer = torch.zeros(sum(sizes.values()))
+    buffer = torch.zeros(sum(sizes.values()), device=device)
     views, start = {}, 0
     for name in reversed(list(SHAPES)):
         views[name] = buffer[start : start + sizes[name]].view(SHAPES[name])
@@ -47,26 +47,22 @@ def _scale(name: str, step: int) -> float:
     return 1.0
 
 
-def _run(spec: str, decide_on: str, *, nan_at: int | None = None, steps: int = 16,
-         error_feedback: bool = True) -> dict[str, Any]:
+def run(spec: str, decide_on: str, *, nan_at: int | None = None, steps: int = 16,
+         error_feedback: bool = True, device: str = "cpu") -> dict[str, Any]:
     engine = Engine({n: torch.Size(s) for n, s in SHAPES.items()}, spec,
                     collective=SingleWorker(), decide_on=decide_on,
                     error_feedback=error_feedback)
-    buffer, views = _bucket()
+    buffer, views = _bucket(device)
     layout = engine.bucket_layout(views, buffer)
-    averages, plans, rows = [], 0, 0
+    averages = []
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         for name, view in views.items():
-            view.copy_(torch.randn(view.shape, generator=gen) * _scale(name, step))
+            view.copy_((torch.randn(view.shape, generator=gen) * _scale(name, step)).to(device))
         if step == nan_at:
             views["b.weight"][3, 5] = float("nan")
         engine.reduce_bucket(layout, finish_step=True, step=step)
-        averages.append(buffer.clone())
-        seg = layout.segments
-        if seg is not None and seg.calls:
-            rows += seg.calls if id(seg) != plans else 0
-            plans = id(seg)
+        averages.append(buffer.cpu().clone())
     segs = layout.segments
     return {"averages": torch.stack(averages), "state": engine.state_dict(),
             "stats": engine.stats, "error": engine.compression_error(),
@@ -74,24 +70,25 @@ def _run(spec: str, decide_on: str, *, nan_at: int | None = None, steps: int = 1
             "segment_calls": segs.calls if segs is not None else 0}
 
 
-def _equal(a: Any, b: Any) -> bool:
+def equal(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
                 and torch.equal(a.cpu().nan_to_num(7.0), b.cpu().nan_to_num(7.0)))
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return (isinstance(b, (list, tuple)) and len(a) == len(b)
-                and all(_equal(x, y) for x, y in zip(a, b, strict=True)))
+                and all(equal(x, y) for x, y in zip(a, b, strict=True)))
     if isinstance(a, float) and isinstance(b, float) and math.isnan(a):
         return math.isnan(b)
     return bool(a == b)
 
 
-def _ordinary(spec: str, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> dict[str, Any]:
+def ordinary(spec: str, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> dict[str, Any]:
+    """The run with the segment path switched off (the ordinary device call)."""
     with monkeypatch.context() as m:
         m.setattr(gradzip.engine.core, "segments_apply", lambda *args: False)
-        return _run(spec, "device", **kwargs)
+        return run(spec, "device", **kwargs)
 
 
 SPECS = [
@@ -107,16 +104,16 @@ SPECS = [
 def test_the_segment_path_equals_the_ordinary_call_across_decisions(
     spec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    got = _run(spec, "device")
-    want = _ordinary(spec, monkeypatch)
-    host = _run(spec, "host")
+    got = run(spec, "device")
+    want = ordinary(spec, monkeypatch)
+    host = run(spec, "host")
     assert want["segment_calls"] == 0 and got["segment_calls"] > 0
     # Levels went both ways during the run (the plan was rebuilt), and both levels served.
     log = got["state"]["compressor_state"]["controller"]["log"]
     assert {r["level"] for r in log} >= {"steady", "critical"}, log
     for other in (want, host):
-        assert _equal(got["averages"], other["averages"])
-        assert _equal(got["state"], other["state"])
+        assert equal(got["averages"], other["averages"])
+        assert equal(got["state"], other["state"])
         assert got["stats"] == other["stats"] and got["error"] == other["error"]
         assert got["levels"] == other["levels"]
 
@@ -134,7 +131,7 @@ def test_a_plan_is_made_again_when_a_level_changes_and_only_then(
         return build(engine, layout, key)
 
     monkeypatch.setattr(segments, "_build", counting)
-    got = _run(SPECS[0], "device")
+    got = run(SPECS[0], "device")
     assert got["segment_calls"] > 0
     # A new plan exactly when the levels differ from those of the plan before (a return to
     # earlier levels makes one again: one plan is kept per bucket).
@@ -146,17 +143,17 @@ def test_a_nan_and_no_error_feedback_as_on_the_ordinary_call(
     spec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for kwargs in ({"nan_at": 7}, {"error_feedback": False}):
-        got = _run(spec, "device", **kwargs)  # type: ignore[arg-type]
-        want = _ordinary(spec, monkeypatch, **kwargs)  # type: ignore[arg-type]
+        got = run(spec, "device", **kwargs)  # type: ignore[arg-type]
+        want = ordinary(spec, monkeypatch, **kwargs)  # type: ignore[arg-type]
         assert got["segment_calls"] > 0, kwargs
-        assert _equal(got["averages"], want["averages"]), kwargs
-        assert _equal(got["state"], want["state"]), kwargs
+        assert equal(got["averages"], want["averages"]), kwargs
+        assert equal(got["state"], want["state"]), kwargs
         assert got["stats"] == want["stats"] and got["error"] == want["error"], kwargs
-    nan = _run(spec, "device", nan_at=7)
+    nan = run(spec, "device", nan_at=7)
     assert nan["stats"]["skipped_steps"] == 1
 
 
 def test_levels_of_other_kinds_take_the_ordinary_call() -> None:
     for spec in ("accordion(steady=topk:ratio=0.1,critical=topk:ratio=0.5,interval=2)",
                  "accordion(steady=powersgd:rank=1,critical=none,interval=2)"):
-        assert _run(spec, "device", steps=4)["segment_calls"] == 0, spec
+        assert run(spec, "device", steps=4)["segment_calls"] == 0, spec

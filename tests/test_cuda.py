@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+import test_accordion_segments as accordion_rows
 import test_segments_single as single_bucket
 from gradzip import Engine
 from gradzip.comm.simulated import SimulatedGroup, SingleWorker
@@ -236,6 +237,18 @@ def test_the_segment_path_on_cuda_never_syncs_and_equals_the_host_path(spec: str
     want = single_bucket.run(spec, "host", device="cuda")
     assert got["segments"] >= 4 and not want["segments"]
     assert single_bucket.same(got, want)
+
+
+@pytest.mark.parametrize("spec", accordion_rows.SPECS[:2])
+def test_accordion_rows_on_cuda_equal_the_ordinary_call_across_decisions(
+    spec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    got = accordion_rows.run(spec, "device", device="cuda")
+    want = accordion_rows.ordinary(spec, monkeypatch, device="cuda")
+    assert got["segment_calls"] > 0 and want["segment_calls"] == 0
+    assert accordion_rows.equal(got["averages"], want["averages"])
+    assert accordion_rows.equal(got["state"], want["state"])
+    assert got["stats"] == want["stats"] and got["error"] == want["error"]
 
 
 def test_where_many_brings_old_values_from_both_devices() -> None:

@@ -24,9 +24,13 @@ in a real process group of one worker per process, no tensor of the bucket goes 
 compressor, error feedback is on for all its compressed tensors or none, and the compressor's
 :meth:`~gradzip.compressors.base.Compressor.segment_plan` has a form for them (Top-k, Rand-k,
 QSGD, Sign and the hard threshold with ``lam`` and a ``capacity``, where no tensor takes the
-sharded exchange; and PowerSGD, whose groups of same-shape matrices lead the row, read from it
-in place where they lie at aligned places, its own dense tensors after them). Tensors the
-engine sends dense (``dense_1d``, ``min_numel``) follow the compressed ones in the row and travel first, by one exact all-reduce, as on the ordinary path.
+sharded exchange; PowerSGD, whose groups of same-shape matrices lead the row, read from it
+in place where they lie at aligned places, its own dense tensors after them; and Accordion with
+PowerSGD at both levels, its groups those of both levels, by the tensors' levels). A plan that
+depends on the compressor's state (Accordion's levels) is made again when
+:meth:`~gradzip.compressors.base.Compressor.segment_key` changes. Tensors the engine sends
+dense (``dense_1d``, ``min_numel``) follow the compressed ones in the row and travel first, by
+one exact all-reduce, as on the ordinary path.
 Everything else takes the ordinary call. The results, state, counters and compression-error
 sums are the ordinary device path's, bit for bit (tested against it and against the host
 path).
