@@ -62,8 +62,10 @@ def test_a_single_pair_takes_the_plain_op_and_lengths_must_match() -> None:
     ops = _op_names(lambda: copy_many([a], [b]))
     assert torch.equal(a, b) and ops["aten::copy_"] == 1 and not ops["aten::_foreach_copy_"]
     copy_many([], [])  # nothing to do
-    with pytest.raises(ValueError, match="same length"):
+    with pytest.raises(ValueError, match="`srcs` must have the same length, got 1 and 0"):
         copy_many([a], [])
+    with pytest.raises(ValueError, match="`others` must have the same length"):
+        sub_many_([a, a], [b])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

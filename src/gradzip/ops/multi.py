@@ -29,11 +29,12 @@ def _one_launch(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.is_contiguous())
 
 
-def _split(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
+def _split(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], other: str
            ) -> tuple[list[int], list[int]]:
+    """The indices of the pairs that go in one multi-tensor op, and of the others."""
     if len(dsts) != len(srcs):
-        raise ValueError(f"`dsts` and `srcs` must have the same length, got {len(dsts)} and "
-                         f"{len(srcs)}")
+        raise ValueError(f"`dsts` and `{other}` must have the same length, got {len(dsts)} "
+                         f"and {len(srcs)}")
     together: list[int] = []
     apart: list[int] = []
     for i, (d, s) in enumerate(zip(dsts, srcs, strict=True)):
@@ -46,7 +47,7 @@ def _split(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
 def copy_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """``dsts[i].copy_(srcs[i])`` for every ``i``: the pairs CUDA's multi-tensor kernel takes
     in one ``torch._foreach_copy_``, the others one copy each."""
-    together, apart = _split(dsts, srcs)
+    together, apart = _split(dsts, srcs, "srcs")
     if together:
         torch._foreach_copy_([dsts[i] for i in together], [srcs[i] for i in together])
     for i in apart:
@@ -56,7 +57,7 @@ def copy_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> Non
 def sub_many_(dsts: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> None:
     """``dsts[i].sub_(others[i])`` for every ``i``: the pairs CUDA's multi-tensor kernel takes
     in one ``torch._foreach_sub_``, the others one subtraction each."""
-    together, apart = _split(dsts, others)
+    together, apart = _split(dsts, others, "others")
     if together:
         torch._foreach_sub_([dsts[i] for i in together], [others[i] for i in together])
     for i in apart:
