@@ -97,6 +97,8 @@ SPECS = [
     "signal=sent)",
     "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.3,interval=2,"
     "per_layer=false)",
+    # The gentle level dense: its tensors ride in PowerSGD's first message.
+    "accordion(steady=powersgd:rank=4,critical=none,eta=0.5,interval=2)",
 ]
 
 
@@ -155,5 +157,6 @@ def test_a_nan_and_no_error_feedback_as_on_the_ordinary_call(
 
 def test_levels_of_other_kinds_take_the_ordinary_call() -> None:
     for spec in ("accordion(steady=topk:ratio=0.1,critical=topk:ratio=0.5,interval=2)",
-                 "accordion(steady=powersgd:rank=1,critical=none,interval=2)"):
+                 "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,power_iterations=2,"
+                 "interval=2)"):
         assert run(spec, "device", steps=4)["segment_calls"] == 0, spec

@@ -39,7 +39,8 @@ WORLD = 3
 ACCORDION = "accordion(steady=powersgd:rank=1,critical=powersgd:rank=2,eta=0.5,interval=2)"
 SPECS = ("topk:ratio=0.2", "topk:ratio=0.5", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
          "qsgd:exchange=allgather+feedback", "threshold:lam=0.05,capacity=0.2",
-         "topk:ratio=0.2+dense_1d", "powersgd:rank=2", ACCORDION)
+         "topk:ratio=0.2+dense_1d", "powersgd:rank=2", ACCORDION,
+         "accordion(steady=powersgd:rank=2,critical=none,eta=0.5,interval=2)")
 #: One of each segment form, for the non-finite scenarios.
 NAN_SPECS = ("topk:ratio=0.2", "sign", "randk:ratio=0.2", "qsgd:exchange=allgather",
              "threshold:lam=0.05,capacity=0.2", "topk:ratio=0.2+dense_1d", "powersgd:rank=2",

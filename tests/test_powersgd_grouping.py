@@ -207,6 +207,55 @@ def test_two_ranks_in_one_exchange_equal_each_rank_alone(workers: int) -> None:
         assert comm_joint.meter.calls * 2 == comm_apart.meter.calls
 
 
+@pytest.mark.parametrize("workers", [1, 3])
+def test_powersgd_and_none_in_one_exchange_equal_each_alone(workers: int) -> None:
+    # PowerSGD with ``none`` (a two-level controller whose gentle level is dense): the dense
+    # level's tensors ride in PowerSGD's first message, two all-reduces instead of three,
+    # every average and residual as each level's own reduce gives it.
+    from gradzip.compressors.none import NoCompression
+    from gradzip.compressors.powersgd import reduce_together
+
+    low, high = PowerSGD(matrix_rank=2), NoCompression()
+    assert low.shares_exchange(high)
+    names = {"low": NAMES[::2], "high": NAMES[1::2]}
+    shapes = {n: torch.Size(SHAPES[n]) for n in NAMES}
+    g = torch.Generator().manual_seed(7 + workers)
+    grads = {n: torch.randn(workers, *shapes[n], generator=g) for n in NAMES}
+    states = {run: [c.init_group_state({n: shapes[n] for n in names[key]}, workers, workers)
+                    for c, key in ((low, "low"), (high, "high"))] for run in ("apart", "joint")}
+    for step in range(3):
+        ctx = StepContext(step=step, ranks=tuple(range(workers)), world_size=workers)
+        apart = {key: [Job(n, grads[n] * (step + 1)) for n in names[key]] for key in names}
+        joint = {key: [Job(n, grads[n] * (step + 1)) for n in names[key]] for key in names}
+        comm_apart, comm_joint = SimulatedGroup(workers), SimulatedGroup(workers)
+        low.reduce(apart["low"], states["apart"][0], comm_apart, ctx)
+        high.reduce(apart["high"], states["apart"][1], comm_apart, ctx)
+        reduce_together([(low, joint["low"], states["joint"][0]),
+                         (high, joint["high"], states["joint"][1])], comm_joint, ctx)
+        for key in names:
+            for a, b in zip(apart[key], joint[key], strict=True):
+                assert torch.equal(a.averaged, b.averaged), (step, a.name)
+                assert torch.equal(a.leftover(), b.leftover()), (step, a.name)
+        assert all(torch.equal(states["apart"][0]["q"][n], states["joint"][0]["q"][n])
+                   for n in states["apart"][0]["q"])
+        assert comm_joint.meter.payload == comm_apart.meter.payload
+        assert (comm_joint.meter.calls, comm_apart.meter.calls) == (2, 3)
+
+
+def test_powersgd_without_a_matrix_makes_one_all_reduce() -> None:
+    # Every tensor below the compression threshold: the dense tensors' message is the whole
+    # exchange (no second, empty all-reduce).
+    comp = PowerSGD(matrix_rank=4)
+    shapes = {"b1": torch.Size((8,)), "b2": torch.Size((3, 2))}
+    state = comp.init_group_state(shapes, 2, 2)
+    comm = SimulatedGroup(2)
+    jobs = [Job(n, torch.randn(2, *s)) for n, s in shapes.items()]
+    comp.reduce(jobs, state, comm, StepContext(step=0, ranks=(0, 1), world_size=2))
+    assert comm.meter.calls == 1
+    for job in jobs:
+        assert torch.equal(job.averaged, job.tensor.mean(0))
+
+
 def test_accordion_with_powersgd_levels_takes_one_exchange_per_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -20,9 +20,11 @@ def test_a_small_run_compares_both_ways_and_restores_the_classes(tmp_path) -> No
     joint, apart = result["joint"], result["apart"]
     assert result["same_bits"] and joint["calls"] == apart["calls"] == 30
     assert joint["payload_bytes_per_step"] == apart["payload_bytes_per_step"]
-    # Every call holding both levels saves two all-reduces.
-    saved = apart["collective_calls_per_step"] - joint["collective_calls_per_step"]
-    assert saved * 30 == pytest.approx(2 * joint["calls_with_both_levels"])
+    # Every call holding both levels saves two all-reduces, or one where a level's tensors
+    # all travel dense (that level alone makes one all-reduce, not two).
+    saved = round((apart["collective_calls_per_step"] - joint["collective_calls_per_step"]) * 30)
+    both = joint["calls_with_both_levels"]
+    assert both <= saved <= 2 * both
     assert joint["calls_with_both_levels"] > 0
     assert "| together |" in (tmp_path / "level_calls.md").read_text()
 

@@ -20,6 +20,7 @@ from gradzip.compressors.base import (
     give_averages,
     job_rows,
 )
+from gradzip.compressors.none import NoCompression
 from gradzip.ops.finite import finite_rows
 from gradzip.ops.flat import flatten_workers, split_flat, to_device
 from gradzip.ops.lowrank import (
@@ -256,9 +257,13 @@ class PowerSGD(Compressor):
         reduce_together([(self, jobs, state)], comm, ctx)
 
     def shares_exchange(self, other: Compressor) -> bool:
-        """Whether ``other`` is a PowerSGD that may reduce its jobs in one exchange with this
-        one (:func:`reduce_together`): the same but for ``matrix_rank`` and
-        ``min_compression_rate``, which only decide each tensor's group."""
+        """Whether ``other`` may reduce its jobs in one exchange with this one
+        (:func:`reduce_together`): a PowerSGD the same but for ``matrix_rank`` and
+        ``min_compression_rate``, which only decide each tensor's group, or ``none``, whose
+        tensors ride in the first message as PowerSGD's own dense tensors do (the exact
+        average and a zero residual either way)."""
+        if isinstance(other, NoCompression):
+            return True
         return isinstance(other, PowerSGD) and dataclasses.replace(
             other, matrix_rank=self.matrix_rank,
             min_compression_rate=self.min_compression_rate) == self
@@ -360,6 +365,10 @@ class PowerSGD(Compressor):
                 ps = dict(zip(keys, orthonormal_many(
                     [piece.reshape(len(names[k]), k[2], k[0])
                      for k, piece in zip(keys, scaled.split(sizes), strict=True)]), strict=True))
+            if not keys:
+                # No matrix: the dense tensors' message was the exchange (a second, empty
+                # all-reduce would cost a round trip and carry nothing).
+                break
             # Round 2: Q = M^T P, summed.
             qt_local = dict(zip(keys, _products([(ps[k].transpose(-1, -2), mats[k])
                                                   for k in keys]), strict=True))
@@ -404,22 +413,28 @@ class PowerSGD(Compressor):
 
 
 def reduce_together(
-    parts: Sequence[tuple[PowerSGD, Sequence[Job], dict[str, Any]]], comm: Collective,
+    parts: Sequence[tuple[Compressor, Sequence[Job], dict[str, Any]]], comm: Collective,
     ctx: StepContext,
 ) -> None:
     """:meth:`PowerSGD.reduce` of every part's jobs, each part with its own configuration and
     state, in one exchange: two all-reduces for all of them (a two-level controller's levels,
-    PowerSGD at two ranks, take two instead of four). Every part must
-    :meth:`~PowerSGD.shares_exchange` with the first, whose power iterations, warm start and
+    PowerSGD at two ranks, take two instead of four; PowerSGD and ``none``, two instead of
+    three). The first part is a PowerSGD, and every other must
+    :meth:`~PowerSGD.shares_exchange` with it; the first's power iterations, warm start and
     seed serve all. Each group of matrices is one part's (its key carries the part), so
     every matrix's products, warm start and residual are what its part's own ``reduce``
-    gives; the messages hold every part's factors, the parts' dense tensors first."""
+    gives; the messages hold every part's factors, the parts' dense tensors first (all of a
+    ``none`` part's)."""
     lead = parts[0][0]
+    assert isinstance(lead, PowerSGD), lead
     dense: list[Job] = []
     groups: dict[tuple[int, ...], list[Job]] = {}
     states: dict[tuple[int, ...], dict[str, Any]] = {}
     for at, (compressor, jobs, state) in enumerate(parts):
         assert at == 0 or lead.shares_exchange(compressor), compressor
+        if not isinstance(compressor, PowerSGD):  # none: every tensor travels dense
+            dense += jobs
+            continue
         some_dense, keys, some = compressor._groups(jobs)
         dense += some_dense
         for k in keys:
@@ -458,7 +473,7 @@ def reduce_together(
 
 
 def row_plan(
-    parts: Sequence[PowerSGD], part_of: Sequence[int], names: Sequence[str],
+    parts: Sequence[Compressor], part_of: Sequence[int], names: Sequence[str],
     sizes: Sequence[int], shapes: Sequence[torch.Size],
 ) -> SegmentPlan:
     """The segment plan of a call whose tensor ``i`` is reduced by ``parts[part_of[i]]``,
@@ -473,7 +488,8 @@ def row_plan(
     dense: list[int] = []
     groups: dict[tuple[int, int, int, int], list[int]] = {}
     for i, shape in enumerate(shapes):
-        r = parts[part_of[i]].matrix_rank_for(torch.Size(shape))
+        part = parts[part_of[i]]
+        r = part.matrix_rank_for(torch.Size(shape)) if isinstance(part, PowerSGD) else 0
         if r:
             groups.setdefault((*_matrix_shape(torch.Size(shape)), r, part_of[i]), []).append(i)
         else:

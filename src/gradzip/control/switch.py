@@ -192,7 +192,8 @@ class TwoLevel(Compressor):
         high = [j for j in jobs if level[j.name] != STEADY]
         if low and high and isinstance(steady, PowerSGD) and steady.shares_exchange(critical):
             # PowerSGD at two ranks: both levels' factors in the same two all-reduces (each
-            # matrix computed as its level's own reduce computes it), not two of each.
+            # matrix computed as its level's own reduce computes it), not two of each; with
+            # ``none`` as the gentle level, its tensors ride in the first (two, not three).
             reduce_together([(steady, low, state[STEADY]), (critical, high, state[CRITICAL])],
                             comm, ctx)
         else:
@@ -206,8 +207,9 @@ class TwoLevel(Compressor):
 
     # -- a call as one row (the engine's segment path) ------------------------------------
     def _levels_share_row(self) -> bool:
-        """Whether the levels are PowerSGD at two ranks that exchange together (the only
-        pair with a one-row form: :func:`~gradzip.compressors.powersgd.row_plan`)."""
+        """Whether the levels exchange together: PowerSGD at two ranks, or PowerSGD and
+        ``none`` (the only pairs with a one-row form:
+        :func:`~gradzip.compressors.powersgd.row_plan`)."""
         steady, critical = self.level_compressors
         return isinstance(steady, PowerSGD) and steady.shares_exchange(critical)
 
@@ -234,8 +236,7 @@ class TwoLevel(Compressor):
             return None
         steady, critical = self.level_compressors
         part_of = [0 if level[n] == STEADY else 1 for n in names]
-        plan = row_plan([cast(PowerSGD, steady), cast(PowerSGD, critical)], part_of, names,
-                        sizes, shapes)
+        plan = row_plan([steady, critical], part_of, names, sizes, shapes)
         dense = sum(level[n] == DENSE for n in names)
         low = part_of.count(0)
         return SegmentPlan(plan.order, _LevelsRow(
