@@ -29,6 +29,21 @@ def test_a_small_run_compares_both_ways_and_restores_the_classes(tmp_path) -> No
     assert "| together |" in (tmp_path / "level_calls.md").read_text()
 
 
+def test_the_dense_gentle_level_saves_one_all_reduce_per_mixed_call(tmp_path) -> None:
+    spec = "accordion(steady=powersgd:rank=4,critical=none,eta=0.5,interval=10)"
+    assert level_calls.main(["--out", str(tmp_path), "--workers", "2", "--width", "4",
+                             "--steps", "30", "--spec", spec, "--name", "dense"]) == 0
+    result = json.loads((tmp_path / "dense.json").read_text())
+    joint, apart = result["joint"], result["apart"]
+    assert result["spec"] == spec and result["same_bits"]
+    saved = round((apart["collective_calls_per_step"] - joint["collective_calls_per_step"]) * 30)
+    assert saved == joint["calls_with_both_levels"] > 0
+
+
 def test_arguments_are_checked() -> None:
     with pytest.raises(SystemExit):
         level_calls.main(["--steps", "0"])
+    with pytest.raises(SystemExit):
+        level_calls.main(["--spec", "powersgd:rank=4"])
+    with pytest.raises(SystemExit):
+        level_calls.main(["--spec", "accordion(steady=nope)"])
