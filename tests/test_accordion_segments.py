@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import gradzip.engine.core
+import test_segments_single as single_bucket
 from gradzip import Engine
 from gradzip.comm.simulated import SingleWorker
 
@@ -23,18 +24,6 @@ from gradzip.comm.simulated import SingleWorker
 #: of another, a matrix PowerSGD sends dense at rank 4 but not at rank 1, and biases.
 SHAPES = {"a.weight": (16, 32), "b.weight": (16, 32), "c.weight": (24, 8, 3, 3),
           "d.weight": (6, 5), "a.bias": (16,), "c.bias": (24,)}
-
-
-def _bucket(device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A flat buffer and its views, in reverse of the engine's order (as DDP lays out a
-    bucket in the order gradients become ready)."""
-    sizes = {n: math.prod(s) for n, s in SHAPES.items()}
-    buffer = torch.zeros(sum(sizes.values()), device=device)
-    views, start = {}, 0
-    for name in reversed(list(SHAPES)):
-        views[name] = buffer[start : start + sizes[name]].view(SHAPES[name])
-        start += sizes[name]
-    return buffer, views
 
 
 def _scale(name: str, step: int) -> float:
@@ -52,7 +41,7 @@ def run(spec: str, decide_on: str, *, nan_at: int | None = None, steps: int = 16
     engine = Engine({n: torch.Size(s) for n, s in SHAPES.items()}, spec,
                     collective=SingleWorker(), decide_on=decide_on,
                     error_feedback=error_feedback)
-    buffer, views = _bucket(device)
+    buffer, views = single_bucket.bucket(device, SHAPES)
     layout = engine.bucket_layout(views, buffer)
     averages = []
     for step in range(steps):

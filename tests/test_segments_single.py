@@ -27,13 +27,17 @@ SPECS = ["topk:ratio=0.05", "randk:ratio=0.1", "qsgd", "sign", "threshold:lam=0.
          "topk:ratio=0.05+dense_1d", "powersgd:rank=2", "powersgd:rank=1+dense_1d"]
 
 
-def bucket(device: str = "cpu") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """A flat buffer and its views, the tensors in reverse of the engine's order."""
-    sizes = {n: math.prod(s) for n, s in SHAPES.items()}
+def bucket(device: str = "cpu", shapes: dict[str, tuple[int, ...]] | None = None
+           ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A flat buffer and its views (``shapes``, default :data:`SHAPES`), the tensors in
+    reverse of the engine's order (as DDP lays a bucket out in the order gradients become
+    ready)."""
+    shapes = SHAPES if shapes is None else shapes
+    sizes = {n: math.prod(s) for n, s in shapes.items()}
     buffer = torch.zeros(sum(sizes.values()), device=device)
     views, start = {}, 0
-    for name in reversed(list(SHAPES)):
-        views[name] = buffer[start : start + sizes[name]].view(SHAPES[name])
+    for name in reversed(list(shapes)):
+        views[name] = buffer[start : start + sizes[name]].view(shapes[name])
         start += sizes[name]
     return buffer, views
 

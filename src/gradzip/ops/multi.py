@@ -15,7 +15,7 @@ bit for bit (an elementwise copy or difference rounds the same however it is lau
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,21 +44,25 @@ def _split(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], other: st
     return together, apart
 
 
+def _pairwise(dsts: Sequence[torch.Tensor], others: Sequence[torch.Tensor], name: str,
+              many: Callable[[list[torch.Tensor], list[torch.Tensor]], object],
+              one: Callable[[torch.Tensor, torch.Tensor], object]) -> None:
+    """``one(dsts[i], others[i])`` for every ``i``, the pairs CUDA's multi-tensor kernel takes
+    by one ``many`` call instead (``name``: the caller's parameter, for the message)."""
+    together, apart = _split(dsts, others, name)
+    if together:
+        many([dsts[i] for i in together], [others[i] for i in together])
+    for i in apart:
+        one(dsts[i], others[i])
+
+
 def copy_many(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """``dsts[i].copy_(srcs[i])`` for every ``i``: the pairs CUDA's multi-tensor kernel takes
     in one ``torch._foreach_copy_``, the others one copy each."""
-    together, apart = _split(dsts, srcs, "srcs")
-    if together:
-        torch._foreach_copy_([dsts[i] for i in together], [srcs[i] for i in together])
-    for i in apart:
-        dsts[i].copy_(srcs[i])
+    _pairwise(dsts, srcs, "srcs", torch._foreach_copy_, torch.Tensor.copy_)
 
 
 def sub_many_(dsts: Sequence[torch.Tensor], others: Sequence[torch.Tensor]) -> None:
     """``dsts[i].sub_(others[i])`` for every ``i``: the pairs CUDA's multi-tensor kernel takes
     in one ``torch._foreach_sub_``, the others one subtraction each."""
-    together, apart = _split(dsts, others, "others")
-    if together:
-        torch._foreach_sub_([dsts[i] for i in together], [others[i] for i in together])
-    for i in apart:
-        dsts[i].sub_(others[i])
+    _pairwise(dsts, others, "others", torch._foreach_sub_, torch.Tensor.sub_)
