@@ -213,3 +213,22 @@ def test_ops_of_a_call_grow_with_shapes_not_with_tensors() -> None:
     """The same bytes over 4x the tensors of one shape: the same number of ops (the old code
     ran several per matrix: a GEMM per worker, a copy and a rescale per warm start)."""
     assert _ops_of_one_call(16, 64, 64) == _ops_of_one_call(4, 64, 64)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_call_without_matrices_is_one_all_reduce_in_both_forms(workers: int) -> None:
+    """Every tensor below the compression threshold: the batched form and the reference both
+    send the dense tensors' message alone (no second, empty all-reduce), with the same bits."""
+    comp = PowerSGD(matrix_rank=4)
+    shapes = {"b": (16,), "s": (3, 2), "t": (2, 2, 2)}
+    calls = []
+    for reduce in (_batched(comp), _reference(comp)):
+        gen = torch.Generator().manual_seed(3)
+        state = comp.init_state({n: torch.Size(s) for n, s in shapes.items()})
+        comm = SimulatedGroup(workers)
+        jobs = _jobs(workers, gen, shapes=shapes)
+        reduce(jobs, state, comm, StepContext(0, tuple(range(workers)), workers))
+        calls.append((comm.meter.calls, [j.averaged for j in jobs]))
+    (got_calls, got), (want_calls, want) = calls
+    assert got_calls == want_calls == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

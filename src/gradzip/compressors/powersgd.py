@@ -308,7 +308,8 @@ class PowerSGD(Compressor):
         (stored in each group's state).
 
         Args:
-            keys: the groups ``(rows, cols, rank)``, in the order every worker uses.
+            keys: the groups ``(rows, cols, rank, ...)`` (a part's index may follow), in the
+                order every worker uses.
             names: each group's tensors, in call order.
             mats: each group's matrices, ``[L, B, rows, cols]``, each at an aligned place.
             riders: the tensors sent dense (``[L, ...]`` each), riding in the first message.
@@ -665,6 +666,8 @@ def _reduce_per_matrix(
             job.decoded = job.tensor
         for (k, job), piece in zip(ordered, pieces[len(riders):], strict=True):
             p[job.name] = orthogonalize(piece.reshape(k[2], k[0]).t())  # [rows, r]
+        if not ordered:
+            break  # no matrix: the dense tensors' message was the exchange
         qt_local = {j.name: [product(p[j.name].t(), m) for m in mats[j.name]]
                     for _, j in ordered}  # [r, cols] per worker
         if iteration == comp.power_iterations - 1:
