@@ -61,7 +61,8 @@ __all__ = ["Segments", "reduce_segments_on_device", "segments_apply"]
 
 @dataclass(eq=False)
 class Segments:
-    """A bucket layout's segment form, built once per layout, compressor and world size.
+    """A bucket layout's segment form, built once per layout, compressor and world size (and
+    again when what the plan depends on in the compressor's state changes).
 
     Attributes:
         key: what it was built for: ``(compressor, world size, what the plan depends on
