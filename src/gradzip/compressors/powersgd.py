@@ -228,12 +228,18 @@ class PowerSGD(Compressor):
         dense = []
         groups: dict[tuple[int, int, int], list[Job]] = {}
         for job in jobs:
-            r = self.matrix_rank_for(job.shape)
-            if r:
-                groups.setdefault((*_matrix_shape(job.shape), r), []).append(job)
-            else:
+            key = self._group_key(job.shape)
+            if key is None:
                 dense.append(job)
+            else:
+                groups.setdefault(key, []).append(job)
         return dense, sorted(groups), groups  # sorted: identical order on every worker
+
+    def _group_key(self, shape: torch.Size) -> tuple[int, int, int] | None:
+        """The group ``(rows, cols, rank)`` of a tensor of ``shape``, or ``None`` where it is
+        sent dense."""
+        r = self.matrix_rank_for(shape)
+        return (*_matrix_shape(shape), r) if r else None
 
     def _warm_starts(self, names: Sequence[str], key: tuple[int, ...],
                      state: dict[str, Any], ctx: StepContext, device: torch.device) -> torch.Tensor:
@@ -490,11 +496,11 @@ def row_plan(
     groups: dict[tuple[int, int, int, int], list[int]] = {}
     for i, shape in enumerate(shapes):
         part = parts[part_of[i]]
-        r = part.matrix_rank_for(torch.Size(shape)) if isinstance(part, PowerSGD) else 0
-        if r:
-            groups.setdefault((*_matrix_shape(torch.Size(shape)), r, part_of[i]), []).append(i)
-        else:
+        key = part._group_key(torch.Size(shape)) if isinstance(part, PowerSGD) else None
+        if key is None:
             dense.append(i)
+        else:
+            groups.setdefault((*key, part_of[i]), []).append(i)
     dense.sort(key=lambda i: part_of[i])  # stable: each part's in the engine's order
     keys = tuple(sorted(groups))
     quantum = ALIGN_BYTES // 4  # fp32 entries

@@ -285,15 +285,22 @@ class Accordion(TwoLevel):
     def reduce(
         self, jobs: Sequence[Job], state: dict[str, Any], comm: Collective, ctx: StepContext
     ) -> None:
+        device = jobs[0].tensor.device if jobs else torch.device("cpu")
+        inside = self._begin_call(state, ctx, device)
+        self._run_levels(jobs, state, comm, ctx)
+        if inside:
+            self._accumulate(state["controller"], jobs, device)
+
+    def _begin_call(self, state: dict[str, Any], ctx: StepContext, device: torch.device) -> bool:
+        """What every call does first (both forms): note a call that changes plain values,
+        bring the step counter to the call's device; returns whether the call's counted step
+        may lie in the window before a decision (its tensors then go into the window sums)."""
         ctrl = state["controller"]
         if self.host_call(state, ctx, finish_step=False):
             ctrl["host_step"] = ctx.step  # the same in every path: the state's bits agree
-        device = jobs[0].tensor.device if jobs else torch.device("cpu")
         if ctrl["step"].device != device:
             ctrl["step"] = ctrl["step"].to(device)
-        self._run_levels(jobs, state, comm, ctx)
-        if ctx.step - ctrl["offset"] >= ctrl["next"] - self.window:
-            self._accumulate(ctrl, jobs, device)
+        return ctx.step - ctrl["offset"] >= ctrl["next"] - self.window
 
     # -- a call as one row (the engine's segment path; PowerSGD at both levels) -----------
     def segment_key(self, state: Mapping[str, Any]) -> Any:
@@ -319,12 +326,8 @@ class Accordion(TwoLevel):
         exchange writes the row: without error feedback ``raw`` is the row) or of the
         average."""
         ctrl = state["controller"]
-        if self.host_call(state, ctx, finish_step=False):
-            ctrl["host_step"] = ctx.step  # as in reduce (the engine keeps such calls off rows)
-        if ctrl["step"].device != flat.device:
-            ctrl["step"] = ctrl["step"].to(flat.device)
+        inside = self._begin_call(state, ctx, flat.device)
         data = plan.data
-        inside = ctx.step - ctrl["offset"] >= ctrl["next"] - self.window
         if inside and self.signal == "raw":
             # [1, *shape] views, as a job's raw gradient carries its worker axis.
             source = raw if raw is not None else flat

@@ -201,9 +201,8 @@ class TwoLevel(Compressor):
                 steady.reduce(low, state[STEADY], comm, ctx)
             if high:
                 critical.reduce(high, state[CRITICAL], comm, ctx)
-        dense = sum(level[j.name] == DENSE for j in jobs)
-        self._count_levels(ctrl, {"steady_steps": len(low), "critical_steps": len(high) - dense,
-                                  "dense_steps": dense}, jobs[0].tensor.device if jobs else None)
+        self._count_levels(ctrl, _level_steps(level, [j.name for j in jobs]),
+                           jobs[0].tensor.device if jobs else None)
 
     # -- a call as one row (the engine's segment path) ------------------------------------
     def _levels_share_row(self) -> bool:
@@ -237,13 +236,9 @@ class TwoLevel(Compressor):
         steady, critical = self.level_compressors
         part_of = [0 if level[n] == STEADY else 1 for n in names]
         plan = row_plan([steady, critical], part_of, names, sizes, shapes)
-        dense = sum(level[n] == DENSE for n in names)
-        low = part_of.count(0)
         return SegmentPlan(plan.order, _LevelsRow(
             plan.data, tuple(names[i] for i in plan.order),
-            tuple(torch.Size(shapes[i]) for i in plan.order),
-            {"steady_steps": low, "critical_steps": len(names) - low - dense,
-             "dense_steps": dense}))
+            tuple(torch.Size(shapes[i]) for i in plan.order), _level_steps(level, names)))
 
     def _reduce_levels_row(self, flat: torch.Tensor, plan: SegmentPlan, state: dict[str, Any],
                            comm: Collective, ctx: StepContext) -> torch.Tensor:
@@ -360,6 +355,14 @@ class TwoLevel(Compressor):
         # host read each, here only.
         tally = {k: int(v) for k, v in ctrl.get("tally", {}).items()}
         return {**counts, **tally, "reasons": dict(counts["reasons"])}
+
+
+def _level_steps(level: Mapping[str, str], names: Sequence[str]) -> dict[str, int]:
+    """The tensor-steps a call of ``names`` adds at each level (``level``: every tensor's)."""
+    dense = sum(level[n] == DENSE for n in names)
+    steady = sum(level[n] == STEADY for n in names)
+    return {"steady_steps": steady, "critical_steps": len(names) - steady - dense,
+            "dense_steps": dense}
 
 
 @dataclass(frozen=True)
