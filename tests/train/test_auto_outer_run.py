@@ -215,8 +215,9 @@ class _Task:
 def test_timing_compute_before_step_0_changes_nothing_the_run_keeps(tmp_path: Path) -> None:
     """The pass that times compute for a decision before step 0 leaves the gradients, the
     running statistics and the random number generator as they were, and reports the
-    fastest of its passes read from Auto's clock (here a scripted one: 0.5 s, then 0.25 s)."""
-    ticks = iter([0.0, 0.5, 1.0, 1.25])
+    fastest of its passes read from Auto's clock (here a scripted one: 0.5 s, then 0.25 s);
+    on the CPU it takes one pass unless told otherwise (the next tick read is 1.5 s later)."""
+    ticks = iter([0.0, 0.5, 1.0, 1.25, 2.0, 3.5])
     auto = Auto(levels="none", warmup=0, clock=lambda: next(ticks))
     cfg = resolve_config(RunConfig(**{**FORCED, "auto_outer_early": True,  # type: ignore[arg-type]
                                       "out": str(tmp_path / "x")}))
@@ -227,7 +228,8 @@ def test_timing_compute_before_step_0_changes_nothing_the_run_keeps(tmp_path: Pa
     buffers = [b.clone() for b in model.buffers()]
     micro = [(torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))] * 2
     rng = torch.get_rng_state()
-    assert stepper.time_compute(micro, 0) == 0.25
+    assert stepper.time_compute(micro, 0, repeats=2) == 0.25
+    assert stepper.time_compute(micro, 0) == 1.5
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers, strict=True))
     assert torch.equal(torch.get_rng_state(), rng)

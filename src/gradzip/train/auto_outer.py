@@ -253,18 +253,26 @@ class SwitchingStepper:
                                             link=link)
         self._keep(self._verdict(measured))
 
-    def time_compute(self, micro: list[Any], carry: Any, repeats: int = 2) -> float:
+    def time_compute(self, micro: list[Any], carry: Any, repeats: int | None = None) -> float:
         """Seconds of one worker's compute for a step: forward and backward over its
         micro-batches ``micro`` (from carried state ``carry``), the fastest of ``repeats``
-        passes (the first also pays one-off costs: allocation, lazy initialisation), read
-        with Auto's clock. Nothing the run keeps changes: the gradients are taken with
+        passes, read with Auto's clock.
+
+        ``repeats`` defaults to 2 on a GPU, where the first pass also pays one-off costs
+        (kernels loaded, library handles made, allocator pools grown) that can take longer
+        than the pass itself, and to 1 elsewhere: on the CPU the first pass of the race's
+        model took 0.221 s against 0.207-0.216 s for the next ones (within 7%), and the
+        second pass was half of what the decision before step 0 cost once the compression
+        times and the traffic are cached (0.38 of about 0.39 s in one simulated process). Nothing the run keeps changes: the gradients are taken with
         ``torch.autograd.grad`` (no ``.grad`` written, no DDP hook fired: DDP's reducer hooks
         the accumulation into ``.grad``), BatchNorm's running statistics are restored and
         the random number generators forked (dropout draws here are not the step's draws),
         so the run's step 0 trains exactly as it would without this measurement."""
+        cuda = self.device.type == "cuda"
+        if repeats is None:
+            repeats = 2 if cuda else 1
         params = [p for p in self.model.parameters() if p.requires_grad]
         buffers = [b.detach().clone() for b in self.model.buffers()]
-        cuda = self.device.type == "cuda"
         best = float("inf")
         with torch.random.fork_rng(devices=[self.device] if cuda else []):
             for _ in range(repeats):
