@@ -383,7 +383,9 @@ def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: 
                         lambda *a: before_step.append(len(probes)) or per_step(*a))
     batch = (torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))
     stepper.step([[batch], [batch]], [0, 0])
-    assert (before_step, len(benchmarked)) == ([1], 1)  # then Auto's own in step 0 probes
+    # One probe (then Auto's own in step 0 probes); the compression read for each verdict:
+    # the one-pass verdict stayed, so compute was timed again and the decision taken again.
+    assert (before_step, len(benchmarked)) == ([1], 2)
     for _ in range(4):
         stepper.step([[batch], [batch]], [0, 0])
     first, later = stepper.take_records()  # the decision before step 0, then step 3's
@@ -393,6 +395,45 @@ def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: 
     assert (first["step"], first["reason"], first["compute_ms"]) == (0, "no gain", 50_000.0)
     assert 0 < first["gain"] < 0.05
     assert (later["step"], later["reason"]) == (3, "no gain")
+
+
+class _ScriptedTask(_Task):
+    """Each loss moves the clock by the next of ``seconds`` (the last one from then on)."""
+
+    def __init__(self, clock: _Ticks, seconds: list[float]) -> None:
+        self.clock, self.seconds, self.losses = clock, seconds, 0
+
+    def loss(self, model: nn.Module, batch: Any, carry: Any) -> tuple[torch.Tensor, Any]:
+        self.clock.now += self.seconds[min(self.losses, len(self.seconds) - 1)]
+        self.losses += 1
+        return super().loss(model, batch, carry)
+
+
+@pytest.mark.parametrize(("seconds", "passes"), [([50.0, 1.0], 2), ([1.0], 1)])
+def test_a_one_pass_verdict_to_stay_is_timed_again(tmp_path: Path, seconds: list[float],
+                                                   passes: int) -> None:
+    """On the CPU compute is timed in one pass before step 0. A cold first pass of 50 s
+    against a dense exchange of one second makes outer steps gain 1%, so that verdict stays
+    per-step; compute is then timed once more (1 s: outer steps gain far more than the
+    margin) and the decision taken again with the faster pass: it switches. A first pass
+    that already says switch is not timed again."""
+    clock = _Ticks(0.0)
+    torch.manual_seed(0)
+    model = _Net()
+    dense = 4 * sum(p.numel() for p in model.parameters())
+    cfg = resolve_config(RunConfig(**{  # type: ignore[arg-type]
+        **FORCED, "auto_outer_early": True, "out": str(tmp_path / "x"),
+        "auto_outer_bandwidth_mbit": dense * 8 / 1e6}))
+    auto = Auto(levels="none", warmup=0, every=3, eta=100, clock=clock)
+    task = _ScriptedTask(clock, seconds)
+    stepper = SwitchingStepper(model, task, auto, cfg,
+                               torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    batch = (torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))
+    stepper.step([[batch], [batch]], [0, 0])
+    (verdict,) = stepper.take_records()
+    assert (verdict["switch"], verdict["compute_ms"]) == (True, 1000.0)
+    # The timed passes, then step 0's own losses (one per worker, outer steps from step 0).
+    assert task.losses == passes + 2
 
 
 def test_a_critical_phase_keeps_per_step_communication(tmp_path: Path, capsys) -> None:

@@ -232,26 +232,52 @@ class SwitchingStepper:
         Otherwise each allowed level's compression is measured and the decision is taken
         again on the link already probed (``priced``: ``"measured"``).
 
+        Where compute was timed in one pass (:meth:`time_compute` on the CPU) and the
+        verdict is to stay per-step, compute is timed once more and the decision taken again
+        on the link already probed, with the faster of the two passes. Why: a first pass
+        also pays one-off costs (10% more on the race's model, each worker in a process of
+        its own), and a higher compute lowers what outer steps are predicted to gain where
+        the per-step exchange is not hidden by the backward pass; a verdict to switch read
+        from one pass is kept (the race's slow links), a verdict to stay, near the margin on
+        a fast link, is read as two passes read it.
+
         Every branch reads the records' maxima over the ranks, so all ranks take the same."""
-        ranks, device = self.local_ranks, self.device
         # Every level's and candidate's exchange, read from the cache on disk where a run on
         # this machine simulated it before (the decision below then finds them on Auto).
         self._known_traffic()
         self.candidate_overheads(comm)
         compute = self.time_compute(micro, carry)
+        verdict, link = self._first_verdict(comm, compute)
+        if not verdict["switch"] and self._passes() == 1:
+            # Every rank reads the same verdict (maxima over the ranks), so every rank times
+            # the second pass and makes the same collectives.
+            compute = min(compute, self.time_compute(micro, carry, repeats=1))
+            verdict, _ = self._first_verdict(comm, compute, link)
+        self._keep(verdict)
+
+    def _first_verdict(self, comm: Collective, compute: float,
+                       link: tuple[float, float] | None = None,
+                       ) -> tuple[dict[str, Any], tuple[float, float]]:
+        """The verdict of a first decision with ``compute`` seconds per step: on the bound
+        where it says switch, else with the levels' compression measured; and the link it
+        read (probed where ``link`` is ``None``). See :meth:`_decide_before_start`."""
+        ranks, device = self.local_ranks, self.device
         record = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
-                                          compute_s=compute)
+                                          compute_s=compute, link=link)
+        link = (float(record["bandwidth_mbit"]), float(record["rtt_ms"]))
         allowed = self.auto.allowed(bool(record["critical"]))
         bound = outer_switch_bound(record, {lb: self._spec(lb) for lb in allowed},
                                    **self._switch_options())
         if bound["switch"]:
-            self._keep({"kind": "outer_switch", **bound, "priced": "bound"})
-            return
-        link = (float(record["bandwidth_mbit"]), float(record["rtt_ms"]))
+            return {"kind": "outer_switch", **bound, "priced": "bound"}, link
         measured = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
                                             compute_s=compute, overhead_s=self.level_overheads(),
                                             link=link)
-        self._keep(self._verdict(measured))
+        return self._verdict(measured), link
+
+    def _passes(self) -> int:
+        """The passes :meth:`time_compute` takes by default: 2 on a GPU, 1 elsewhere."""
+        return 2 if self.device.type == "cuda" else 1
 
     def time_compute(self, micro: list[Any], carry: Any, repeats: int | None = None) -> float:
         """Seconds of one worker's compute for a step: forward and backward over its
@@ -263,14 +289,16 @@ class SwitchingStepper:
         than the pass itself, and to 1 elsewhere: on the CPU the first pass of the race's
         model took 0.221 s against 0.207-0.216 s for the next ones (within 7%), and the
         second pass was half of what the decision before step 0 cost once the compression
-        times and the traffic are cached (0.38 of about 0.39 s in one simulated process). Nothing the run keeps changes: the gradients are taken with
+        times and the traffic are cached (0.38 of about 0.39 s in one simulated process).
+
+        Nothing the run keeps changes: the gradients are taken with
         ``torch.autograd.grad`` (no ``.grad`` written, no DDP hook fired: DDP's reducer hooks
         the accumulation into ``.grad``), BatchNorm's running statistics are restored and
         the random number generators forked (dropout draws here are not the step's draws),
         so the run's step 0 trains exactly as it would without this measurement."""
         cuda = self.device.type == "cuda"
         if repeats is None:
-            repeats = 2 if cuda else 1
+            repeats = self._passes()
         params = [p for p in self.model.parameters() if p.requires_grad]
         buffers = [b.detach().clone() for b in self.model.buffers()]
         best = float("inf")
