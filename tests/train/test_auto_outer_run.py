@@ -355,6 +355,20 @@ def test_a_first_decision_its_bound_settles_measures_no_compression(tmp_path: Pa
     assert "(gain at least " in switch_line({"switched": True, "switch": stepper.switch})
 
 
+def _one_second_link(tmp_path: Path, task: _Task, clock: _Ticks) -> SwitchingStepper:
+    """A stepper deciding before step 0 (Auto's only level ``none``, read with ``clock``)
+    over a link given as one second a dense exchange of :class:`_Net`'s parameters."""
+    torch.manual_seed(0)
+    model = _Net()
+    dense = 4 * sum(p.numel() for p in model.parameters())
+    cfg = resolve_config(RunConfig(**{  # type: ignore[arg-type]
+        **FORCED, "auto_outer_early": True, "out": str(tmp_path / "x"),
+        "auto_outer_bandwidth_mbit": dense * 8 / 1e6}))
+    auto = Auto(levels="none", warmup=0, every=3, eta=100, clock=clock)
+    return SwitchingStepper(model, task, auto, cfg,
+                            torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+
+
 def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: Path,
                                                                       monkeypatch) -> None:
     """Compute of 50 s a step (a scripted clock) against a link priced at one second a dense
@@ -367,15 +381,7 @@ def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: 
     monkeypatch.setattr(auto_module, "probe_link",
                         lambda *a, **k: probes.append(a) or probe_link(*a, **k))
     clock = _Ticks(50.0)
-    torch.manual_seed(0)
-    model = _Net()
-    dense = 4 * sum(p.numel() for p in model.parameters())
-    cfg = resolve_config(RunConfig(**{  # type: ignore[arg-type]
-        **FORCED, "auto_outer_early": True, "out": str(tmp_path / "x"),
-        "auto_outer_bandwidth_mbit": dense * 8 / 1e6}))
-    auto = Auto(levels="none", warmup=0, every=3, eta=100, clock=clock)
-    stepper = SwitchingStepper(model, _TimedTask(clock), auto, cfg,
-                               torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    stepper = _one_second_link(tmp_path, _TimedTask(clock), clock)
     benchmarked, before_step = [], []
     measure, per_step = stepper.level_overheads, stepper.per_step.step
     monkeypatch.setattr(stepper, "level_overheads", lambda: benchmarked.append(1) or measure())
@@ -418,16 +424,8 @@ def test_a_one_pass_verdict_to_stay_is_timed_again(tmp_path: Path, seconds: list
     margin) and the decision taken again with the faster pass: it switches. A first pass
     that already says switch is not timed again."""
     clock = _Ticks(0.0)
-    torch.manual_seed(0)
-    model = _Net()
-    dense = 4 * sum(p.numel() for p in model.parameters())
-    cfg = resolve_config(RunConfig(**{  # type: ignore[arg-type]
-        **FORCED, "auto_outer_early": True, "out": str(tmp_path / "x"),
-        "auto_outer_bandwidth_mbit": dense * 8 / 1e6}))
-    auto = Auto(levels="none", warmup=0, every=3, eta=100, clock=clock)
     task = _ScriptedTask(clock, seconds)
-    stepper = SwitchingStepper(model, task, auto, cfg,
-                               torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    stepper = _one_second_link(tmp_path, task, clock)
     batch = (torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))
     stepper.step([[batch], [batch]], [0, 0])
     (verdict,) = stepper.take_records()
