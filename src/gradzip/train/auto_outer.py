@@ -46,7 +46,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -247,20 +249,24 @@ class SwitchingStepper:
         self._known_traffic()
         self.candidate_overheads(comm)
         compute = self.time_compute(micro, carry)
-        verdict, link = self._first_verdict(comm, compute)
+        # The levels' compression times, read (or measured) once for both verdicts.
+        overheads = functools.cache(self.level_overheads)
+        verdict, link = self._first_verdict(comm, compute, overheads)
         if not verdict["switch"] and self._passes() == 1:
             # Every rank reads the same verdict (maxima over the ranks), so every rank times
             # the second pass and makes the same collectives.
             compute = min(compute, self.time_compute(micro, carry, repeats=1))
-            verdict, _ = self._first_verdict(comm, compute, link)
+            verdict, _ = self._first_verdict(comm, compute, overheads, link)
         self._keep(verdict)
 
     def _first_verdict(self, comm: Collective, compute: float,
+                       overheads: Callable[[], dict[str, float] | None],
                        link: tuple[float, float] | None = None,
                        ) -> tuple[dict[str, Any], tuple[float, float]]:
         """The verdict of a first decision with ``compute`` seconds per step: on the bound
-        where it says switch, else with the levels' compression measured; and the link it
-        read (probed where ``link`` is ``None``). See :meth:`_decide_before_start`."""
+        where it says switch, else with the levels' compression (``overheads()``, as
+        :meth:`level_overheads` gives it); and the link it read (probed where ``link`` is
+        ``None``). See :meth:`_decide_before_start`."""
         ranks, device = self.local_ranks, self.device
         record = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
                                           compute_s=compute, link=link)
@@ -271,7 +277,7 @@ class SwitchingStepper:
         if bound["switch"]:
             return {"kind": "outer_switch", **bound, "priced": "bound"}, link
         measured = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
-                                            compute_s=compute, overhead_s=self.level_overheads(),
+                                            compute_s=compute, overhead_s=overheads(),
                                             link=link)
         return self._verdict(measured), link
 
