@@ -11,7 +11,8 @@ has run. With ``auto(warmup=0)`` and ``--auto-outer-early`` the stepper takes th
 decision itself before step 0 (:meth:`~gradzip.Auto.first_decision`), priced with compute it
 times (:meth:`SwitchingStepper.time_compute`) and, where a bound that prices compression
 free does not settle it, each level's measured compression time
-(:meth:`SwitchingStepper.level_overheads`); a switch there is carried out before step 0.
+(:meth:`SwitchingStepper.level_overheads`), and any predicted gain switches (no margin: see
+:meth:`SwitchingStepper._decide_before_start`); a switch there is carried out before step 0.
 The switch:
 
 1. the replicas' parameters are checked equal by a 24-byte digest per worker, all-gathered
@@ -46,9 +47,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -234,14 +233,16 @@ class SwitchingStepper:
         Otherwise each allowed level's compression is measured and the decision is taken
         again on the link already probed (``priced``: ``"measured"``).
 
-        Where compute was timed in one pass (:meth:`time_compute` on the CPU) and the
-        verdict is to stay per-step, compute is timed once more and the decision taken again
-        on the link already probed, with the faster of the two passes. Why: a first pass
-        also pays one-off costs (10% more on the race's model, each worker in a process of
-        its own), and a higher compute lowers what outer steps are predicted to gain where
-        the per-step exchange is not hidden by the backward pass; a verdict to switch read
-        from one pass is kept (the race's slow links), a verdict to stay, near the margin on
-        a fast link, is read as two passes read it.
+        Unlike every later decision, this one switches on any predicted gain (margin 0).
+        Auto's margin is hysteresis: a later switch must pay for itself (the parameters
+        checked and exchanged, the residuals dropped) and must not follow noise between
+        near-equal prices. Before step 0 there is nothing to pay and no earlier choice to
+        hold. And this decision prices per-step training low: its compute is one forward and
+        backward pass, while a synchronised step also waits for the slowest worker, and its
+        compression is CPU time on one thread. Where it stayed on a gain short of the
+        margin, the next decision, priced from timed steps, switched 11 or 21 steps later
+        with a predicted gain of 5-18%, in each of the 8 such runs of BENCHMARKS section 7's
+        2- and 4-worker races.
 
         Every branch reads the records' maxima over the ranks, so all ranks take the same."""
         # Every level's and candidate's exchange, read from the cache on disk where a run on
@@ -249,41 +250,20 @@ class SwitchingStepper:
         self._known_traffic()
         self.candidate_overheads(comm)
         compute = self.time_compute(micro, carry)
-        # The levels' compression times, read (or measured) once for both verdicts.
-        overheads = functools.cache(self.level_overheads)
-        verdict, link = self._first_verdict(comm, compute, overheads)
-        if not verdict["switch"] and self._passes() == 1:
-            # Every rank reads the same verdict (maxima over the ranks), so every rank times
-            # the second pass and makes the same collectives.
-            compute = min(compute, self.time_compute(micro, carry, repeats=1))
-            verdict, _ = self._first_verdict(comm, compute, overheads, link)
-        self._keep(verdict)
-
-    def _first_verdict(self, comm: Collective, compute: float,
-                       overheads: Callable[[], dict[str, float] | None],
-                       link: tuple[float, float] | None = None,
-                       ) -> tuple[dict[str, Any], tuple[float, float]]:
-        """The verdict of a first decision with ``compute`` seconds per step: on the bound
-        where it says switch, else with the levels' compression (``overheads()``, as
-        :meth:`level_overheads` gives it); and the link it read (probed where ``link`` is
-        ``None``). See :meth:`_decide_before_start`."""
         ranks, device = self.local_ranks, self.device
+        options = {**self._switch_options(), "margin": 0.0}  # see above
         record = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
-                                          compute_s=compute, link=link)
+                                          compute_s=compute)
         link = (float(record["bandwidth_mbit"]), float(record["rtt_ms"]))
         allowed = self.auto.allowed(bool(record["critical"]))
-        bound = outer_switch_bound(record, {lb: self._spec(lb) for lb in allowed},
-                                   **self._switch_options())
+        bound = outer_switch_bound(record, {lb: self._spec(lb) for lb in allowed}, **options)
         if bound["switch"]:
-            return {"kind": "outer_switch", **bound, "priced": "bound"}, link
+            self._keep({"kind": "outer_switch", **bound, "priced": "bound"})
+            return
         measured = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
-                                            compute_s=compute, overhead_s=overheads(),
+                                            compute_s=compute, overhead_s=self.level_overheads(),
                                             link=link)
-        return self._verdict(measured), link
-
-    def _passes(self) -> int:
-        """The passes :meth:`time_compute` takes by default: 2 on a GPU, 1 elsewhere."""
-        return 2 if self.device.type == "cuda" else 1
+        self._keep(self._verdict(measured, options))
 
     def time_compute(self, micro: list[Any], carry: Any, repeats: int | None = None) -> float:
         """Seconds of one worker's compute for a step: forward and backward over its
@@ -304,7 +284,7 @@ class SwitchingStepper:
         so the run's step 0 trains exactly as it would without this measurement."""
         cuda = self.device.type == "cuda"
         if repeats is None:
-            repeats = self._passes()
+            repeats = 2 if cuda else 1
         params = [p for p in self.model.parameters() if p.requires_grad]
         buffers = [b.detach().clone() for b in self.model.buffers()]
         best = float("inf")
@@ -424,10 +404,12 @@ class SwitchingStepper:
             self.exchange_costs = costs
         return self.exchange_costs
 
-    def _verdict(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The switch evaluation of one Auto decision record (nothing kept)."""
+    def _verdict(self, record: dict[str, Any],
+                 options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The switch evaluation of one Auto decision record (nothing kept), with
+        :meth:`_switch_options` unless ``options`` are given."""
         verdict = outer_switch(record, self._spec(str(record["level"])),
-                               **self._switch_options())
+                               **(options if options is not None else self._switch_options()))
         return {"kind": "outer_switch", **verdict, "priced": "measured"}
 
     def _spec(self, label: str) -> str:
