@@ -24,6 +24,10 @@ Sources (benchmarks/results/):
   (and 40 Mbit/s with a 100 ms round trip), per seed; compute calibrated from the DiLoCo
   H=30 row (not scored); ``none``, PowerSGD rank 4, and ``auto`` as the mix of the levels it
   ran.
+* ``auto_netem_one_pass_fixed.json`` (2 workers, 1000/150/40 Mbit/s) and
+  ``auto_netem_w4_grid.json`` (4 workers, 1000/150/40/10 Mbit/s): the same, for DiLoCo with
+  the 8-bit exchange at H=10 and 30 (their ``auto`` runs switched to outer steps: not
+  scored).
 
 Writes ``benchmarks/results/plan_validation.{json,md}``: per row the prediction, the
 measurement and the error; the target is every row within 25%.
@@ -218,17 +222,28 @@ def outer_netem(cache: TimingCache) -> list[dict[str, Any]]:
 AUTO_LEVELS = {c.name: c.spec for c in default_candidates() if not c.outer_steps}
 
 
+#: The static configurations of an ``auto_netem.py`` run that are scored: method -> (spec, H).
+AUTO_STATIC = {"none": ("none", 0), "powersgd4": ("powersgd:rank=4", 0),
+               "diloco10-8bit-default": ("scatterq:bits=8", 10),
+               "diloco30-8bit-default": ("scatterq:bits=8", 30)}
+
+
 def auto_netem(name: str, cache: TimingCache) -> list[dict[str, Any]]:
     """The fixed links of an ``auto_netem.py`` run: each (seed, link)'s compute calibrated from
-    its DiLoCo row, then per-step ``none`` and PowerSGD rank 4 predicted, and ``auto`` as the
-    mix of the levels it ran, by its steps at each."""
+    its DiLoCo fp32 H=30 row, then the other static configurations predicted
+    (:data:`AUTO_STATIC`: per-step ``none`` and PowerSGD rank 4, DiLoCo with the 8-bit exchange
+    at H=10 and 30), and per-step ``auto`` as the mix of the levels it ran, by its steps at
+    each."""
     d = json.loads((RESULTS / name).read_text())
     meta, w = d["meta"], d["meta"]["args"]["workers"]
     rtt_added = float(meta["args"].get("rtt_ms") or 0.0)
     rows = [r for r in d["rows"] if "error" not in r and "@" not in r["link"]]
     runs = {(r["seed"], r["link"], r["method"]): r for r in d["runs"]}
-    none = next(r for r in rows if r["method"] == "none")
-    model = Model(_outer_shapes(none["bytes_per_worker_per_sync"], w), cache, _share(meta, w))
+    # The model's shapes from an fp32 exchange's bytes: per-step ``none``'s, else DiLoCo fp32's
+    # (the same dense exchange, every 30 steps), in a run without ``none``.
+    dense = (next((r for r in rows if r["method"] == "none"), None)
+             or next(r for r in rows if r["method"] == "diloco30-default"))
+    model = Model(_outer_shapes(dense["bytes_per_worker_per_sync"], w), cache, _share(meta, w))
     out = []
     for seed, link in dict.fromkeys((r["seed"], r["link"]) for r in rows):
         here = {r["method"]: r for r in rows if (r["seed"], r["link"]) == (seed, link)}
@@ -242,9 +257,9 @@ def auto_netem(name: str, cache: TimingCache) -> list[dict[str, Any]]:
         overhead = model.predict_ms("none", probe, outer_steps=30)[0] - 1.0
         compute = 1e3 * here["diloco30-default"]["seconds_per_step"] - overhead
         setting = Setting(w, bw, rtt, compute)
-        for method, spec in (("none", "none"), ("powersgd4", "powersgd:rank=4")):
+        for method, (spec, h) in AUTO_STATIC.items():
             if method in here:
-                pred, wire = model.predict_ms(spec, setting)
+                pred, wire = model.predict_ms(spec, setting, outer_steps=h)
                 out.append(_row(name, f"{method} (seed {seed})", float(link), pred,
                                 1e3 * here[method]["seconds_per_step"], compute_ms=compute,
                                 rtt_ms=rtt, compute_from="diloco30-default row",
@@ -311,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     rows = (netem_steps("netem_steps.json", cache) + netem_steps("netem_steps_auto_now.json", cache)
             + netem("netem.json", cache) + netem("netem_tta.json", cache) + outer_netem(cache)
-            + [row for name in ("auto_netem.json", "auto_netem_rtt.json")
+            + [row for name in ("auto_netem.json", "auto_netem_rtt.json",
+                                "auto_netem_one_pass_fixed.json", "auto_netem_w4_grid.json")
                if (RESULTS / name).exists() for row in auto_netem(name, cache)])
     meta = {**machine_info(), "loadavg": list(os.getloadavg()), "loadavg_start": list(load),
             "target": TARGET, "timings": os.path.relpath(args.timings, HERE.parent)}
