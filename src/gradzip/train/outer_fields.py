@@ -121,7 +121,9 @@ class OuterFields:
         metavar="SPEC")
     auto_outer_early: bool = option(False, "with --auto-outer: the first decision may switch "
                                     "too (outer steps from the start, as DiLoCo runs; a "
-                                    "learning-rate drop or a norm change still forbids it)",
+                                    "learning-rate drop or a norm change still forbids it); "
+                                    "with auto(warmup=0) it comes before step 0 and switches "
+                                    "on any predicted gain",
                                     group=OUTER, check=check_bool)
     auto_outer_follow: bool = option(False, "with --auto-outer: once outer steps run, weigh "
                                      "the candidates again at each synchronisation from the "
