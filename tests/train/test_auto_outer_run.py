@@ -323,15 +323,13 @@ class _Ticks:
 
 
 class _TimedTask(_Task):
-    """Each loss moves ``clock`` by the next of ``first`` while any is left, then by the
-    clock's ``per_loss``; ``losses`` counts them."""
+    """Each loss moves ``clock`` by its ``per_loss``; ``losses`` counts them."""
 
-    def __init__(self, clock: _Ticks, first: tuple[float, ...] = ()) -> None:
-        self.clock, self.first, self.losses = clock, first, 0
+    def __init__(self, clock: _Ticks) -> None:
+        self.clock, self.losses = clock, 0
 
     def loss(self, model: nn.Module, batch: Any, carry: Any) -> tuple[torch.Tensor, Any]:
-        at = self.losses
-        self.clock.now += self.first[at] if at < len(self.first) else self.clock.per_loss
+        self.clock.now += self.clock.per_loss
         self.losses += 1
         return super().loss(model, batch, carry)
 
@@ -417,9 +415,9 @@ def test_a_timed_first_decision_that_stays_is_not_overruled_in_step_0(tmp_path: 
                                                                       monkeypatch) -> None:
     """Per-step Top-k 10% (a gentle level, allowed in the first decision) sends about 0.3 s
     of this link a step, outer steps at H = 2 half a dense exchange, 0.5 s: the decision
-    before step 0 keeps per-step communication (its bound did not settle it: compression was measured, the link probed
-    once). Auto's own decision in step 0, which timed no step, is not weighed; the one at
-    step 3, with compute measured, stays too."""
+    before step 0 keeps per-step communication (its bound did not settle it: compression
+    was measured, the link probed once). Auto's own decision in step 0, which timed no step,
+    is not weighed; the one at step 3, with compute measured, stays too."""
     probes = []
     monkeypatch.setattr(auto_module, "probe_link",
                         lambda *a, **k: probes.append(a) or probe_link(*a, **k))

@@ -251,19 +251,19 @@ class SwitchingStepper:
         self.candidate_overheads(comm)
         compute = self.time_compute(micro, carry)
         ranks, device = self.local_ranks, self.device
-        options = {**self._switch_options(), "margin": 0.0}  # see above
         record = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
                                           compute_s=compute)
-        link = (float(record["bandwidth_mbit"]), float(record["rtt_ms"]))
         allowed = self.auto.allowed(bool(record["critical"]))
-        bound = outer_switch_bound(record, {lb: self._spec(lb) for lb in allowed}, **options)
+        bound = outer_switch_bound(record, {lb: self._spec(lb) for lb in allowed},
+                                   **self._switch_options(margin=0.0))
         if bound["switch"]:
             self._keep({"kind": "outer_switch", **bound, "priced": "bound"})
             return
+        link = (float(record["bandwidth_mbit"]), float(record["rtt_ms"]))
         measured = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
                                             compute_s=compute, overhead_s=self.level_overheads(),
                                             link=link)
-        self._keep(self._verdict(measured, options))
+        self._keep(self._verdict(measured, margin=0.0))
 
     def time_compute(self, micro: list[Any], carry: Any, repeats: int | None = None) -> float:
         """Seconds of one worker's compute for a step: forward and backward over its
@@ -404,24 +404,25 @@ class SwitchingStepper:
             self.exchange_costs = costs
         return self.exchange_costs
 
-    def _verdict(self, record: dict[str, Any],
-                 options: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The switch evaluation of one Auto decision record (nothing kept), with
-        :meth:`_switch_options` unless ``options`` are given."""
+    def _verdict(self, record: dict[str, Any], margin: float | None = None) -> dict[str, Any]:
+        """The switch evaluation of one Auto decision record (nothing kept); ``margin``:
+        Auto's unless given."""
         verdict = outer_switch(record, self._spec(str(record["level"])),
-                               **(options if options is not None else self._switch_options()))
+                               **self._switch_options(margin))
         return {"kind": "outer_switch", **verdict, "priced": "measured"}
 
     def _spec(self, label: str) -> str:
         return self.auto.levels[self.auto.labels.index(label)].spec()  # type: ignore[union-attr]
 
-    def _switch_options(self) -> dict[str, Any]:
-        """What :func:`outer_switch` reads besides the record and the level."""
+    def _switch_options(self, margin: float | None = None) -> dict[str, Any]:
+        """What :func:`outer_switch` reads besides the record and the level; ``margin``:
+        Auto's unless given (0 before step 0: :meth:`_decide_before_start`)."""
         # The record's inputs are maxima over the ranks (Auto aggregates them before it
         # decides) and everything else here is configuration or shapes, so every rank
         # reaches the same verdict and carries the switch out at the same step: the
         # collectives that follow (the parameter exchange, the outer loop's) match.
-        return {"shapes": self.shapes, "workers": self.world, "margin": self.auto.margin,
+        return {"shapes": self.shapes, "workers": self.world,
+                "margin": self.auto.margin if margin is None else margin,
                 "candidates": self.candidates,
                 "bandwidth_mbit": self.cfg.auto_outer_bandwidth_mbit,
                 "traffic": self._known_traffic(), "early": self.cfg.auto_outer_early,
