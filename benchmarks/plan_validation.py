@@ -17,6 +17,8 @@ Sources (benchmarks/results/):
   share of the run's measured traffic that its critical level accounts for (the share of
   critical tensors understates it when the critical tensors are the large ones; that
   prediction is kept beside it).
+* ``netem_quiet.json``: the grid of ``netem.json`` again, later code, on an otherwise idle
+  machine (``netem.json`` ran at load 3-9).
 * ``outer_netem.json``: 4 workers, the transformer LM, 40/150 Mbit/s, per-step and DiLoCo
   H=30; it recorded no compute time, so each link's compute is calibrated from its SparseLoCo
   row (whose exchange is ~0.1 MB per 30 steps); that row is not scored.
@@ -325,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = TimingCache(args.timings)
     load = os.getloadavg()
     rows = (netem_steps("netem_steps.json", cache) + netem_steps("netem_steps_auto_now.json", cache)
-            + netem("netem.json", cache) + netem("netem_tta.json", cache) + outer_netem(cache)
+            + netem("netem.json", cache) + netem("netem_tta.json", cache)
+            + (netem("netem_quiet.json", cache) if (RESULTS / "netem_quiet.json").exists() else [])
+            + outer_netem(cache)
             + [row for name in ("auto_netem.json", "auto_netem_rtt.json",
                                 "auto_netem_one_pass_fixed.json", "auto_netem_w4_grid.json")
                if (RESULTS / name).exists() for row in auto_netem(name, cache)])
