@@ -373,6 +373,28 @@ def test_the_probe_grows_past_a_burst_and_reads_the_rate(mbit: float, burst: int
         fit_link(small, large, 2, start=large)
 
 
+def test_a_probe_after_the_callers_own_collective_leaves_out_its_lining_up_call() -> None:
+    """``lined_up``: the caller's last collective lined the ranks up, so the probe's untimed
+    first call is left out (one call fewer: a round trip per hop on a long link), and the
+    calls it times are the same."""
+    def probe(lined_up: bool) -> tuple[list[tuple[int, float]], int]:
+        group = SimulatedGroup(2)
+        clock = BucketClock(group, 10, 32_768, 50e-6)
+        calls = probe_link(group, 1 << 16, clock, torch.device("cpu"), limit_bytes=1 << 22,
+                           lined_up=lined_up)
+        return calls, group.meter.calls
+
+    (kept, n_kept), (spared, n_spared) = probe(False), probe(True)
+    assert [w for w, _ in kept] == [w for w, _ in spared] == [4, 1 << 16, 1 << 18]
+    assert fit_probe(kept, 2) == pytest.approx(fit_probe(spared, 2))
+    assert n_spared == n_kept - 1
+    with pytest.raises(TypeError, match="`lined_up` must be a bool, got int"):
+        probe_link(SimulatedGroup(2), 1 << 16, lambda: 0.0, torch.device("cpu"), lined_up=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`lined_up` must be a bool, got str"):
+        Auto().first_decision(SHAPES, SimulatedGroup(WORLD), ranks=range(WORLD),
+                              lined_up="yes")  # type: ignore[arg-type]
+
+
 def test_a_level_keeps_its_state_while_another_runs() -> None:
     # Slow link: PowerSGD rank 4 from step 5, Top-k 1% from step 55 (see above).
     clock = LinkClock(10, 1e-3)

@@ -21,6 +21,7 @@ from test_resume import TINY, records
 from torch import nn
 
 from gradzip.cli import main
+from gradzip.comm import SimulatedGroup
 from gradzip.comm.base import allgather_wire_bytes, allreduce_wire_bytes
 from gradzip.plan import Auto
 from gradzip.plan import auto as auto_module
@@ -359,16 +360,18 @@ def test_a_first_decision_its_bound_settles_measures_no_compression(tmp_path: Pa
 
 
 def _one_second_link(tmp_path: Path, task: _Task, clock: _Ticks, *, levels: str = "none",
-                     early: bool = True) -> SwitchingStepper:
+                     early: bool = True, exchanges: tuple[str, ...] = ("none",)
+                     ) -> SwitchingStepper:
     """A stepper whose Auto (``levels``, read with ``clock``) decides at steps 0 and 3, over a
     link given as one second a dense exchange of :class:`_Net`'s parameters; with ``early``,
-    its first decision is taken before step 0 and may switch."""
+    its first decision is taken before step 0 and may switch (to outer steps with one of
+    ``exchanges``)."""
     torch.manual_seed(0)
     model = _Net()
     dense = 4 * sum(p.numel() for p in model.parameters())
     cfg = resolve_config(RunConfig(**{  # type: ignore[arg-type]
         **FORCED, "auto_outer_early": early, "out": str(tmp_path / "x"),
-        "auto_outer_bandwidth_mbit": dense * 8 / 1e6}))
+        "auto_outer_bandwidth_mbit": dense * 8 / 1e6, "auto_outer_exchanges": exchanges}))
     auto = Auto(levels=levels, warmup=0, every=3, eta=100, clock=clock)
     return SwitchingStepper(model, task, auto, cfg,
                             torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
@@ -391,6 +394,43 @@ def test_a_first_decision_before_step_0_switches_on_any_gain(tmp_path: Path) -> 
     assert stepper.switch is not None and stepper.switch["switched_at"] == 0
     # The timed pass, then step 0's own losses (one per worker, outer steps from step 0).
     assert task.losses == 1 + 2
+
+
+@pytest.mark.parametrize("exchanges", [("none",), AUTO_OUTER_EXCHANGES])
+def test_a_switch_before_step_0_spares_the_calls_it_can(tmp_path: Path, monkeypatch,
+                                                         exchanges: tuple[str, ...]) -> None:
+    """On a long link every collective before step 0 costs at least a round trip per hop.
+    Where a compressed exchange is among the candidates, the all-reduce of their compression
+    costs comes right before the link probe and lines the ranks up in place of the probe's
+    own untimed call: the decision's group sees the same number of calls as with the dense
+    exchange alone, one fewer than with the untimed call kept. And a switch before step 0
+    sums no residual over the ranks (none exists yet)."""
+    seen: list[bool] = []
+    monkeypatch.setattr(auto_module, "probe_link", lambda *a, **k: seen.append(k.get("lined_up", False))
+                        or probe_link(*a, **k))
+
+    def calls_before_step_0(keep_untimed: bool) -> int:
+        clock = _Ticks(50.0)
+        stepper = _one_second_link(tmp_path / str(keep_untimed), _TimedTask(clock), clock,
+                                   exchanges=exchanges)
+        groups: list[SimulatedGroup] = []
+        monkeypatch.setattr(stepper, "_collective",
+                            lambda: groups.append(SimulatedGroup(stepper.world)) or groups[-1])
+        if keep_untimed:
+            monkeypatch.setattr(stepper, "_overheads_exchanged_now", lambda: False)
+        monkeypatch.setattr(stepper.per_step, "all_sum", lambda *a: pytest.fail("summed"))
+        batch = (torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))
+        stepper.step([[batch], [batch]], [0, 0])
+        assert stepper.switch is not None and stepper.switch["switched_at"] == 0
+        assert stepper.switch["dropped_residual_norm"] == 0.0
+        return groups[0].meter.calls
+
+    spared = calls_before_step_0(keep_untimed=False)
+    compressed = exchanges != ("none",)
+    assert seen == [compressed]
+    if compressed:
+        assert calls_before_step_0(keep_untimed=True) == spared + 1
+        assert seen == [True, False]
 
 
 def test_a_decision_after_step_0_needs_the_margin(tmp_path: Path) -> None:

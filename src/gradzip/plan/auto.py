@@ -286,7 +286,8 @@ class Auto(Compressor):
                        ranks: Sequence[int], device: torch.device | None = None,
                        compute_s: float | None = None,
                        overhead_s: Mapping[str, float] | None = None,
-                       link: tuple[float, float] | None = None) -> dict[str, Any]:
+                       link: tuple[float, float] | None = None,
+                       lined_up: bool = False) -> dict[str, Any]:
         """The decision record a first decision before step 0 makes (``warmup=0``: the link
         probed, no step timed), taken on a scratch controller: no state changes.
 
@@ -314,13 +315,17 @@ class Auto(Compressor):
             link: ``(bandwidth_mbit, rtt_ms)`` already measured on this group, for example
                 an earlier record's (maxima over the ranks: the same on every rank), to
                 decide on without probing again; ``None``: the link is probed.
+            lined_up: the caller's last collective on ``comm`` returned just before this
+                call on every rank (no work in between), so the probe needs no untimed
+                call of its own to line the ranks up (see
+                :func:`~gradzip.plan.measure.probe_link`). Must be the same on every rank.
 
         Returns:
             The record, as :meth:`decisions` returns them (numbered 0, ``step`` 0).
 
         Raises:
-            TypeError: ``comm`` is not a Collective, or ``compute_s`` or an overhead not a
-                real number.
+            TypeError: ``comm`` is not a Collective, ``compute_s`` or an overhead not a
+                real number, or ``lined_up`` not a bool.
             ValueError: ``shapes`` empty or not a mapping of shapes, ``ranks`` not one
                 rank per local worker of ``comm``, ``compute_s`` or an overhead negative or
                 not finite, ``overhead_s`` not keyed by exactly the levels' labels, or
@@ -328,6 +333,8 @@ class Auto(Compressor):
         """
         if not isinstance(comm, Collective):
             raise TypeError(f"`comm` must be a Collective, got {type(comm).__name__}")
+        if not isinstance(lined_up, bool):
+            raise TypeError(f"`lined_up` must be a bool, got {type(lined_up).__name__}")
         if (not isinstance(shapes, Mapping) or not shapes
                 or any(not isinstance(s, Sequence) for s in shapes.values())):
             raise ValueError(f"`shapes` must map tensor names to shapes, at least one, got "
@@ -361,17 +368,19 @@ class Auto(Compressor):
             ctrl.update(overhead=dict(zip(self.labels, most, strict=True)))
         ctx = StepContext(step=0, ranks=tuple(ranks), world_size=comm.world_size)
         # Not logged: nothing is applied here, and the caller says what it did with it.
-        self._decide(ctrl, comm, ctx, device, announce=False, link=link)
+        self._decide(ctrl, comm, ctx, device, announce=False, link=link, lined_up=lined_up)
         return dict(ctrl["log"][-1])
 
     def _decide(self, ctrl: dict[str, Any], comm: Collective, ctx: StepContext,
                 device: torch.device, announce: bool = True,
-                link: tuple[float, float] | None = None) -> None:
+                link: tuple[float, float] | None = None, lined_up: bool = False) -> None:
         """Probe (unless ``link`` is known), aggregate over ranks, predict every level,
-        choose; applies from this step (``announce``: log the decision's line)."""
+        choose; applies from this step (``announce``: log the decision's line;
+        ``lined_up``: see :meth:`first_decision`)."""
         if link is None:
             dense = 4 * sum(math.prod(s) for s in ctrl["shapes"].values())
-            probes = probe_link(comm, self.probe_bytes, self.clock, device, limit_bytes=dense)
+            probes = probe_link(comm, self.probe_bytes, self.clock, device, limit_bytes=dense,
+                                lined_up=lined_up)
         else:
             probes = []
         fitted = probes[:1] + probes[-2:] if len(probes) > 2 else probes  # what fit_probe reads

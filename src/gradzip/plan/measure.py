@@ -86,12 +86,16 @@ def fit_probe(calls: Sequence[tuple[int, float]], hops: int) -> tuple[float, flo
 
 
 def probe_link(comm: Collective, probe_bytes: int, clock: Callable[[], float],
-               device: torch.device, limit_bytes: int = 0) -> list[tuple[int, float]]:
+               device: torch.device, limit_bytes: int = 0, *,
+               lined_up: bool = False) -> list[tuple[int, float]]:
     """Time an all-reduce of one float, then all-reduces of ``probe_bytes`` and larger, after
     an untimed one.
 
     The untimed first call lines the ranks up: a rank that arrives early waits inside it,
-    not inside the timed ones (the waiting would read as latency).
+    not inside the timed ones (the waiting would read as latency). Any collective does that,
+    so a caller whose last collective returned just before this call (no work of its own in
+    between) passes ``lined_up`` and the untimed call is left out: on a long link every call
+    costs at least a round trip per hop.
 
     A message of ``probe_bytes`` (64 KiB by default) can cost no more than the small one on a
     fast link: it hides under the fixed costs of a call, or inside a token bucket's burst
@@ -110,12 +114,19 @@ def probe_link(comm: Collective, probe_bytes: int, clock: Callable[[], float],
         clock: seconds as a float.
         device: where the messages live.
         limit_bytes: the largest message (``probe_bytes`` where smaller).
+        lined_up: the ranks were just lined up by the caller's own collective (the same on
+            every rank).
 
     Returns:
         ``[(wire, seconds), ...]`` of the small call and of each large size, in order, as
         this rank's clock saw them (the second-largest's the faster of its two calls); the
         wire bytes as the collective meters them.
+
+    Raises:
+        TypeError: ``lined_up`` is not a bool.
     """
+    if not isinstance(lined_up, bool):
+        raise TypeError(f"`lined_up` must be a bool, got {type(lined_up).__name__}")
     workers = comm.local_workers
 
     def timed(numel: int) -> tuple[int, float]:
@@ -124,7 +135,8 @@ def probe_link(comm: Collective, probe_bytes: int, clock: Callable[[], float],
         comm.all_reduce(x)
         return allreduce_wire_bytes(numel * 4, comm.world_size), clock() - start
 
-    timed(1)
+    if not lined_up:
+        timed(1)
     calls = [timed(1)]
     numel = max(2, probe_bytes // 4)
     cap = max(numel, limit_bytes // 4)

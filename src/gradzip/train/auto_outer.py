@@ -248,11 +248,17 @@ class SwitchingStepper:
         # Every level's and candidate's exchange, read from the cache on disk where a run on
         # this machine simulated it before (the decision below then finds them on Auto).
         self._known_traffic()
-        self.candidate_overheads(comm)
         compute = self.time_compute(micro, carry)
+        # The compression costs' maxima over the ranks (where they are exchanged now) are the
+        # last collective before the link probe, with no work in between: the ranks leave it
+        # together, so the probe needs no lining-up call of its own. Every call before step
+        # 0 costs at least a round trip per hop on a long link (100 ms with 2 workers over a
+        # 100 ms round trip, 2 (W - 1) times that on a ring of W).
+        lined_up = self._overheads_exchanged_now()
+        self.candidate_overheads(comm)
         ranks, device = self.local_ranks, self.device
         record = self.auto.first_decision(self.shapes, comm, ranks=ranks, device=device,
-                                          compute_s=compute)
+                                          compute_s=compute, lined_up=lined_up)
         allowed = self.auto.allowed(bool(record["critical"]))
         bound = outer_switch_bound(record, {lb: self._spec(lb) for lb in allowed},
                                    **self._switch_options(margin=0.0))
@@ -395,7 +401,7 @@ class SwitchingStepper:
         micro-benchmark does not measure the device's time (no collective is issued then,
         nor where no candidate compresses)."""
         if self.exchange_costs is None:
-            specs = sorted({c.spec for c in self.candidates if c.spec != "none"})
+            specs = self._compressed_specs()
             costs: dict[str, float] = {}
             if specs and self.device.type == "cpu":
                 mine = [self.compress_seconds(spec) for spec in specs]
@@ -403,6 +409,15 @@ class SwitchingStepper:
                 costs = dict(zip(specs, most, strict=True))
             self.exchange_costs = costs
         return self.exchange_costs
+
+    def _compressed_specs(self) -> list[str]:
+        return sorted({c.spec for c in self.candidates if c.spec != "none"})
+
+    def _overheads_exchanged_now(self) -> bool:
+        """Whether :meth:`candidate_overheads` issues its all-reduce when called now (the
+        same on every rank: configuration and restored state only)."""
+        return (self.exchange_costs is None and bool(self._compressed_specs())
+                and self.device.type == "cpu")
 
     def _verdict(self, record: dict[str, Any], margin: float | None = None) -> dict[str, Any]:
         """The switch evaluation of one Auto decision record (nothing kept); ``margin``:
@@ -485,6 +500,12 @@ class SwitchingStepper:
         """Drop the per-step engine's error-feedback residuals; their norm over every worker."""
         engine = self.per_step.engine
         residuals = dict(engine.residuals) if engine is not None else {}
+        if self.steps == 0:
+            # A switch before step 0: no step has made a residual on any worker, and every
+            # rank knows it from the step count alone, so no all-reduce is needed to say so
+            # (on a long link it would cost a round trip per hop before the first step).
+            assert not residuals, "residuals before the first step"
+            return 0.0
         squares = torch.zeros(self.world, dtype=torch.float64)
         for name in sorted(residuals):
             rows = residuals[name].detach().reshape(len(self.local_ranks), -1)
