@@ -375,7 +375,7 @@ def test_the_probe_grows_past_a_burst_and_reads_the_rate(mbit: float, burst: int
 
 def test_a_probe_after_the_callers_own_collective_leaves_out_its_lining_up_call() -> None:
     """``lined_up``: the caller's last collective lined the ranks up, so the probe's untimed
-    first call is left out (one call fewer: a round trip per hop on a long link), and the
+    first call is left out (one call fewer: every hop's latency on a long link), and the
     calls it times are the same."""
     def probe(lined_up: bool) -> tuple[list[tuple[int, float]], int]:
         group = SimulatedGroup(2)

@@ -399,7 +399,7 @@ def test_a_first_decision_before_step_0_switches_on_any_gain(tmp_path: Path) -> 
 @pytest.mark.parametrize("exchanges", [("none",), AUTO_OUTER_EXCHANGES])
 def test_a_switch_before_step_0_spares_the_calls_it_can(tmp_path: Path, monkeypatch,
                                                          exchanges: tuple[str, ...]) -> None:
-    """On a long link every collective before step 0 costs at least a round trip per hop.
+    """On a long link every collective before step 0 costs at least each hop's latency.
     Where a compressed exchange is among the candidates, the all-reduce of their compression
     costs comes right before the link probe and lines the ranks up in place of the probe's
     own untimed call: the decision's group sees the same number of calls as with the dense

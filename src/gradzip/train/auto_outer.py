@@ -252,8 +252,8 @@ class SwitchingStepper:
         # The compression costs' maxima over the ranks (where they are exchanged now) are the
         # last collective before the link probe, with no work in between: the ranks leave it
         # together, so the probe needs no lining-up call of its own. Every call before step
-        # 0 costs at least a round trip per hop on a long link (100 ms with 2 workers over a
-        # 100 ms round trip, 2 (W - 1) times that on a ring of W).
+        # 0 costs at least the link's latency on each of its hops (101 ms for one float with
+        # 2 workers over a 100 ms round trip; a ring of W workers makes 2 (W - 1) hops).
         lined_up = self._overheads_exchanged_now()
         self.candidate_overheads(comm)
         ranks, device = self.local_ranks, self.device
@@ -503,7 +503,7 @@ class SwitchingStepper:
         if self.steps == 0:
             # A switch before step 0: no step has made a residual on any worker, and every
             # rank knows it from the step count alone, so no all-reduce is needed to say so
-            # (on a long link it would cost a round trip per hop before the first step).
+            # (on a long link it would cost every hop's latency before the first step).
             assert not residuals, "residuals before the first step"
             return 0.0
         squares = torch.zeros(self.world, dtype=torch.float64)
