@@ -328,8 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     rows = (netem_steps("netem_steps.json", cache) + netem_steps("netem_steps_auto_now.json", cache)
             + netem("netem.json", cache) + netem("netem_tta.json", cache)
-            + (netem("netem_quiet.json", cache) if (RESULTS / "netem_quiet.json").exists() else [])
-            + outer_netem(cache)
+            + netem("netem_quiet.json", cache) + outer_netem(cache)
             + [row for name in ("auto_netem.json", "auto_netem_rtt.json",
                                 "auto_netem_one_pass_fixed.json", "auto_netem_w4_grid.json")
                if (RESULTS / name).exists() for row in auto_netem(name, cache)])

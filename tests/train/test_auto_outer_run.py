@@ -406,18 +406,24 @@ def test_a_switch_before_step_0_spares_the_calls_it_can(tmp_path: Path, monkeypa
     exchange alone, one fewer than with the untimed call kept. And a switch before step 0
     sums no residual over the ranks (none exists yet)."""
     seen: list[bool] = []
-    monkeypatch.setattr(auto_module, "probe_link", lambda *a, **k: seen.append(k.get("lined_up", False))
-                        or probe_link(*a, **k))
+    untimed: list[bool] = [False]  # whether the probe is made to keep its untimed call
+
+    def probe(*a: Any, **k: Any) -> Any:
+        if untimed[0]:
+            k["lined_up"] = False
+        seen.append(k.get("lined_up", False))
+        return probe_link(*a, **k)
+
+    monkeypatch.setattr(auto_module, "probe_link", probe)
 
     def calls_before_step_0(keep_untimed: bool) -> int:
+        untimed[0] = keep_untimed
         clock = _Ticks(50.0)
         stepper = _one_second_link(tmp_path / str(keep_untimed), _TimedTask(clock), clock,
                                    exchanges=exchanges)
         groups: list[SimulatedGroup] = []
         monkeypatch.setattr(stepper, "_collective",
                             lambda: groups.append(SimulatedGroup(stepper.world)) or groups[-1])
-        if keep_untimed:
-            monkeypatch.setattr(stepper, "_overheads_exchanged_now", lambda: False)
         monkeypatch.setattr(stepper.per_step, "all_sum", lambda *a: pytest.fail("summed"))
         batch = (torch.randn(5, 4), torch.tensor([0, 1, 0, 1, 1]))
         stepper.step([[batch], [batch]], [0, 0])

@@ -401,9 +401,9 @@ class SwitchingStepper:
         micro-benchmark does not measure the device's time (no collective is issued then,
         nor where no candidate compresses)."""
         if self.exchange_costs is None:
-            specs = self._compressed_specs()
             costs: dict[str, float] = {}
-            if specs and self.device.type == "cpu":
+            if self._overheads_exchanged_now():
+                specs = self._compressed_specs()
                 mine = [self.compress_seconds(spec) for spec in specs]
                 most = max_over_ranks(comm, mine, self.device)
                 costs = dict(zip(specs, most, strict=True))
@@ -414,8 +414,9 @@ class SwitchingStepper:
         return sorted({c.spec for c in self.candidates if c.spec != "none"})
 
     def _overheads_exchanged_now(self) -> bool:
-        """Whether :meth:`candidate_overheads` issues its all-reduce when called now (the
-        same on every rank: configuration and restored state only)."""
+        """Whether :meth:`candidate_overheads` issues its all-reduce when called now (its
+        one test of that, so a caller that relies on the call sees the same answer; the same
+        on every rank: configuration and restored state only)."""
         return (self.exchange_costs is None and bool(self._compressed_specs())
                 and self.device.type == "cpu")
 
